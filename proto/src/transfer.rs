@@ -1,0 +1,247 @@
+//! Transfer Engine wire types: the peer-to-peer handshake and the fixed-size data headers.
+//!
+//! Handshake: the connecting engine sends [`Hello`] as a frame; the accepting engine answers
+//! with [`Welcome`]. Both carry the engine's name and host identity so each side can pick the
+//! best transport (shm when the host matches). No metadata service is involved.
+//!
+//! Data: after the handshake the connection carries [`DataHeader`] records from the initiator,
+//! each optionally followed by `len` payload bytes (writes, notifications), and [`DataReply`]
+//! records from the acceptor, each optionally followed by `len` payload bytes (successful
+//! reads). Replies come back in request order on each connection.
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the Transfer Engine protocol; peers with a different version are refused.
+pub const TE_PROTOCOL_VERSION: u32 = 1;
+
+/// Largest handshake frame accepted.
+pub const HANDSHAKE_FRAME_MAX: usize = 1 << 20;
+
+/// First frame on every engine-to-engine TCP connection, sent by the connecting side.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    pub version: u32,
+    /// Segment name of the connecting engine.
+    pub name: String,
+    /// Identity of the connecting engine's host (see `kvfs_transfer::host_id`).
+    pub host_id: String,
+}
+
+/// Answer to [`Hello`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    pub version: u32,
+    /// Segment name of the accepting engine.
+    pub name: String,
+    pub host_id: String,
+    /// Random number drawn when the engine started: a peer that restarted at the same address
+    /// is a different segment, and transfers opened against the old one must fail.
+    pub instance: u64,
+    /// Abstract Unix socket name (without the leading NUL) where the engine shares its
+    /// memfd-backed buffers with engines on the same host; `None` when it does not.
+    pub shm_socket: Option<String>,
+    /// Set when the engine refuses the connection (version mismatch, overload).
+    pub refused: Option<String>,
+}
+
+/// Request on the shm side channel (a Unix socket between engines of one host).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ShmRequest {
+    /// Ask for the shareable buffers from index `start` on; the answer ([`ShmBuffers`]) carries
+    /// one fd per buffer (SCM_RIGHTS), at most [`SHM_FDS_PER_MESSAGE_MAX`] of them.
+    Buffers { start: u32 },
+}
+
+/// One shareable buffer, in the order of the file descriptors that travel with the message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmBufferDesc {
+    /// Address of the buffer in the owner's address space (what remote requests name).
+    pub addr: u64,
+    pub len: u64,
+}
+
+/// Answer to [`ShmRequest::Buffers`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmBuffers {
+    pub buffers: Vec<ShmBufferDesc>,
+    /// More buffers exist past this chunk: ask again with `start` advanced.
+    pub more: bool,
+}
+
+/// Most file descriptors passed in one message (the kernel's SCM_MAX_FD is 253).
+pub const SHM_FDS_PER_MESSAGE_MAX: usize = 200;
+
+/// Operation of a data request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum DataOp {
+    /// Payload of `len` bytes follows; store it at `addr` in the acceptor's memory.
+    Write = 1,
+    /// Send back `len` bytes from `addr` in the acceptor's memory.
+    Read = 2,
+    /// Payload of `len` bytes follows; deliver it as a notification.
+    Notify = 3,
+    /// No payload; answered at once (liveness probe).
+    Ping = 4,
+}
+
+impl DataOp {
+    fn from_u8(v: u8) -> Option<DataOp> {
+        Some(match v {
+            1 => DataOp::Write,
+            2 => DataOp::Read,
+            3 => DataOp::Notify,
+            4 => DataOp::Ping,
+            _ => return None,
+        })
+    }
+}
+
+const DATA_MAGIC: u32 = 0x4b56_5445; // "KVTE"
+const REPLY_MAGIC: u32 = 0x4b56_5452; // "KVTR"
+
+/// Fixed 40-byte request header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataHeader {
+    pub op: DataOp,
+    pub id: u64,
+    pub addr: u64,
+    pub len: u64,
+}
+
+impl DataHeader {
+    pub const SIZE: usize = 40;
+
+    pub fn encode(&self) -> [u8; Self::SIZE] {
+        let mut b = [0u8; Self::SIZE];
+        b[0..4].copy_from_slice(&DATA_MAGIC.to_le_bytes());
+        b[4] = self.op as u8;
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b[16..24].copy_from_slice(&self.addr.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; Self::SIZE]) -> Result<DataHeader, WireError> {
+        let magic = u32::from_le_bytes(take4(b, 0));
+        if magic != DATA_MAGIC {
+            return Err(WireError::BadMagic(magic));
+        }
+        let op = DataOp::from_u8(b[4]).ok_or(WireError::BadOp(b[4]))?;
+        Ok(DataHeader {
+            op,
+            id: u64::from_le_bytes(take8(b, 8)),
+            addr: u64::from_le_bytes(take8(b, 16)),
+            len: u64::from_le_bytes(take8(b, 24)),
+        })
+    }
+}
+
+/// Outcome code of a data request, as the acceptor reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum DataStatus {
+    Ok = 0,
+    /// The range is not inside one buffer the acceptor registered as remotely accessible.
+    OutOfRange = 1,
+    InvalidArgument = 2,
+    /// The acceptor's bounded notification queue is full.
+    Busy = 3,
+    TooLarge = 4,
+}
+
+impl DataStatus {
+    fn from_u16(v: u16) -> Option<DataStatus> {
+        Some(match v {
+            0 => DataStatus::Ok,
+            1 => DataStatus::OutOfRange,
+            2 => DataStatus::InvalidArgument,
+            3 => DataStatus::Busy,
+            4 => DataStatus::TooLarge,
+            _ => return None,
+        })
+    }
+}
+
+/// Fixed 24-byte reply header; a successful read is followed by `len` payload bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataReply {
+    pub status: DataStatus,
+    pub id: u64,
+    pub len: u64,
+}
+
+impl DataReply {
+    pub const SIZE: usize = 24;
+
+    pub fn encode(&self) -> [u8; Self::SIZE] {
+        let mut b = [0u8; Self::SIZE];
+        b[0..4].copy_from_slice(&REPLY_MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&(self.status as u16).to_le_bytes());
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b[16..24].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; Self::SIZE]) -> Result<DataReply, WireError> {
+        let magic = u32::from_le_bytes(take4(b, 0));
+        if magic != REPLY_MAGIC {
+            return Err(WireError::BadMagic(magic));
+        }
+        let code = u16::from_le_bytes([b[4], b[5]]);
+        let status = DataStatus::from_u16(code).ok_or(WireError::BadStatus(code))?;
+        Ok(DataReply {
+            status,
+            id: u64::from_le_bytes(take8(b, 8)),
+            len: u64::from_le_bytes(take8(b, 16)),
+        })
+    }
+}
+
+/// A data header that cannot be decoded: the stream is out of sync and must be closed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("bad magic number {0:#x}")]
+    BadMagic(u32),
+    #[error("unknown data operation {0}")]
+    BadOp(u8),
+    #[error("unknown status code {0}")]
+    BadStatus(u16),
+}
+
+fn take4(b: &[u8], at: usize) -> [u8; 4] {
+    let mut out = [0u8; 4];
+    out.copy_from_slice(&b[at..at + 4]);
+    out
+}
+
+fn take8(b: &[u8], at: usize) -> [u8; 8] {
+    let mut out = [0u8; 8];
+    out.copy_from_slice(&b[at..at + 8]);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip() {
+        let h = DataHeader { op: DataOp::Read, id: 42, addr: 0xdead_beef_0000, len: 1 << 26 };
+        assert_eq!(DataHeader::decode(&h.encode()).unwrap(), h);
+        let r = DataReply { status: DataStatus::OutOfRange, id: 9, len: 0 };
+        assert_eq!(DataReply::decode(&r.encode()).unwrap(), r);
+    }
+
+    #[test]
+    fn corrupt_headers_are_rejected() {
+        let mut b = DataHeader { op: DataOp::Write, id: 1, addr: 2, len: 3 }.encode();
+        b[4] = 99;
+        assert_eq!(DataHeader::decode(&b), Err(WireError::BadOp(99)));
+        b[0] = 0;
+        assert!(matches!(DataHeader::decode(&b), Err(WireError::BadMagic(_))));
+        let mut r = DataReply { status: DataStatus::Ok, id: 1, len: 3 }.encode();
+        r[4] = 77;
+        assert_eq!(DataReply::decode(&r), Err(WireError::BadStatus(77)));
+    }
+}

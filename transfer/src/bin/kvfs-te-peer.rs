@@ -1,0 +1,106 @@
+//! `kvfs-te-peer`: a bare Transfer Engine in its own process, driven over stdin and stdout.
+//!
+//! It allocates one shareable buffer, prints `READY <segment> <buffer addr> <buffer len>` and
+//! then answers one command per line:
+//! - `fill SEED` fills the buffer with the deterministic test pattern of SEED, answers `OK`;
+//! - `hash OFFSET LEN` answers the blake3 hex digest of that range of the buffer;
+//! - `notes` answers `NOTES n msg1,msg2,...` with the notifications received so far (utf-8);
+//! - `quit` (or end of input) exits.
+//!
+//! The two-process tests of kvfs-transfer use it as the peer; it is also a quick way to check
+//! that two machines' engines can talk (`kvfs-te-peer --listen 0.0.0.0:7000`).
+
+use std::net::SocketAddr;
+
+use kvfs_transfer::{BufferOptions, Engine, EngineConfig, Transports};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+const USAGE: &str =
+    "usage: kvfs-te-peer [--listen ADDR] [--buffer-bytes N] [--tcp-only] [--timeout-ms N]";
+
+fn parse() -> Result<(EngineConfig, usize), String> {
+    let mut cfg = EngineConfig::default();
+    let mut buffer_bytes = 64 << 20;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = |name: &str| args.next().ok_or(format!("{name} needs a value\n{USAGE}"));
+        match a.as_str() {
+            "--listen" => {
+                cfg.listen = val("--listen")?.parse::<SocketAddr>().map_err(|e| e.to_string())?
+            }
+            "--buffer-bytes" => {
+                buffer_bytes = val("--buffer-bytes")?.parse().map_err(|e| format!("{e}"))?
+            }
+            "--timeout-ms" => {
+                cfg.op_timeout_ms = val("--timeout-ms")?.parse().map_err(|e| format!("{e}"))?
+            }
+            "--tcp-only" => cfg.transports = Transports::tcp_only(),
+            "-h" | "--help" => return Err(USAGE.to_string()),
+            other => return Err(format!("unknown argument {other}\n{USAGE}")),
+        }
+    }
+    Ok((cfg, buffer_bytes))
+}
+
+#[tokio::main]
+async fn main() {
+    let (cfg, buffer_bytes) = match parse() {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let engine = match Engine::start(cfg).await {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("kvfs-te-peer: {e}");
+            std::process::exit(1);
+        }
+    };
+    let opts = BufferOptions { populate: true, ..BufferOptions::default() };
+    let buf = match engine.alloc_buffer(buffer_bytes, &opts) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("kvfs-te-peer: {e}");
+            std::process::exit(1);
+        }
+    };
+    let mut out = tokio::io::stdout();
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    let mut notes: Vec<String> = Vec::new();
+    let ready = format!("READY {} {} {}\n", engine.name(), buf.addr(), buf.len());
+    let _ = out.write_all(ready.as_bytes()).await;
+    let _ = out.flush().await;
+    while let Ok(Some(line)) = lines.next_line().await {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let reply = match words.as_slice() {
+            ["fill", seed] => match seed.parse::<u64>() {
+                // SAFETY: no transfer touches the buffer while the test asks for a fill.
+                Ok(seed) => {
+                    kvfs_transfer::testing::fill_pattern(unsafe { buf.as_mut_slice() }, seed, 0);
+                    "OK".to_string()
+                }
+                Err(e) => format!("ERR {e}"),
+            },
+            ["hash", off, len] => match (off.parse::<usize>(), len.parse::<usize>()) {
+                (Ok(off), Ok(len)) if off.checked_add(len).is_some_and(|e| e <= buf.len()) => {
+                    let mut v = vec![0u8; len];
+                    let _ = buf.read_at(off, &mut v);
+                    blake3::hash(&v).to_hex().to_string()
+                }
+                _ => "ERR bad range".to_string(),
+            },
+            ["notes"] => {
+                while let Some(n) = engine.try_recv_notification() {
+                    notes.push(String::from_utf8_lossy(&n.msg).into_owned());
+                }
+                format!("NOTES {} {}", notes.len(), notes.join(","))
+            }
+            ["quit"] => break,
+            _ => format!("ERR unknown command: {line}"),
+        };
+        let _ = out.write_all(format!("{reply}\n").as_bytes()).await;
+        let _ = out.flush().await;
+    }
+}

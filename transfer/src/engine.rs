@@ -1,0 +1,615 @@
+//! The engine: one per process (or per embedded client), owning its segment, its registered
+//! memory, its listeners and its connections to peers.
+//!
+//! A segment is addressed by name (`host:port` of the peer's listener by default). Opening one
+//! performs the peer-to-peer handshake and picks transports: the engine's own segment is a
+//! local memcpy, a peer on the same host is reached over shm when its buffers are shareable,
+//! anything else over tcp (rdma joins here when the feature and a device exist). A batch is
+//! a list of reads and writes between registered local memory and remote addresses; it runs
+//! asynchronously, every item reports its own status, and every item finishes — successfully
+//! or with a typed error — within `op_timeout_ms` of its submission.
+//!
+//! Invariants: the local range of every item lies inside one registered region, and the remote
+//! range inside one region the peer registered as remotely accessible (checked by the peer
+//! before any byte moves); a failed item never leaves the connection it used out of step.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kvfs_proto::transfer::DataOp;
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, mpsc};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
+
+use crate::config::EngineConfig;
+use crate::memory::{Buffer, BufferOptions, Region, Registry};
+use crate::shm::{self, ShmPeer};
+use crate::tcp::{self, Hold, TcpPeer};
+use crate::{Error, ErrorKind, Result};
+
+/// Read remote memory into local memory, or write local memory to remote memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransferOp {
+    Read,
+    Write,
+}
+
+/// One item of a batch.
+#[derive(Clone)]
+pub struct TransferRequest {
+    pub op: TransferOp,
+    pub segment: SegmentHandle,
+    /// Address in this process, inside a registered region.
+    pub local_addr: u64,
+    /// Address in the peer's segment, inside a region it registered as remotely accessible.
+    pub remote_addr: u64,
+    pub len: u64,
+}
+
+/// A small message received from a peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// Segment name of the sender.
+    pub from: String,
+    pub msg: Vec<u8>,
+}
+
+/// The transport an item would take (for status output and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportKind {
+    Local,
+    Shm,
+    Tcp,
+    Rdma,
+}
+
+/// State shared by the engine's tasks.
+pub(crate) struct Shared {
+    pub cfg: EngineConfig,
+    pub name: String,
+    pub host_id: String,
+    pub instance: u64,
+    pub shm_socket: Option<String>,
+    pub registry: Registry,
+    notify_tx: mpsc::Sender<Notification>,
+}
+
+impl Shared {
+    pub fn deliver_notification(&self, from: &str, msg: Vec<u8>) -> Result<()> {
+        self.notify_tx.try_send(Notification { from: from.to_string(), msg }).map_err(|_| {
+            Error::new(ErrorKind::Busy, "notify", "the receiver's notification queue is full")
+        })
+    }
+}
+
+#[allow(clippy::large_enum_variant)] // one per peer, never moved around in bulk
+enum PeerKind {
+    Local,
+    Remote { tcp: Option<TcpPeer>, shm: Option<ShmPeer> },
+}
+
+struct Peer {
+    name: String,
+    kind: PeerKind,
+}
+
+/// An opened segment: cheap to clone, usable in any number of batches.
+#[derive(Clone)]
+pub struct SegmentHandle(Arc<Peer>);
+
+impl SegmentHandle {
+    /// The segment's name, as the peer itself reports it.
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    /// Whether the peer is known to be gone (its shm liveness watch closed).
+    pub fn is_dead(&self) -> bool {
+        matches!(&self.0.kind, PeerKind::Remote { shm: Some(s), .. } if s.is_dead())
+    }
+
+    pub fn status(&self) -> SegmentStatus {
+        let (tcp, shm) = match &self.0.kind {
+            PeerKind::Local => (None, None),
+            PeerKind::Remote { tcp, shm } => (
+                tcp.as_ref().map(TcpPeer::live_connections),
+                shm.as_ref().map(ShmPeer::mapped_buffers),
+            ),
+        };
+        SegmentStatus {
+            name: self.0.name.clone(),
+            local: matches!(self.0.kind, PeerKind::Local),
+            tcp_connections: tcp,
+            shm_buffers: shm,
+            dead: self.is_dead(),
+        }
+    }
+
+    /// The transport a request for `[remote_addr, remote_addr+len)` would use right now.
+    pub fn transport_for(&self, remote_addr: u64, len: u64) -> Option<TransportKind> {
+        match &self.0.kind {
+            PeerKind::Local => Some(TransportKind::Local),
+            PeerKind::Remote { tcp, shm } => {
+                if shm.as_ref().is_some_and(|s| s.translate(remote_addr, len).is_some()) {
+                    Some(TransportKind::Shm)
+                } else {
+                    tcp.as_ref().map(|_| TransportKind::Tcp)
+                }
+            }
+        }
+    }
+}
+
+/// What an opened segment currently uses, for status pages and tests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentStatus {
+    pub name: String,
+    pub local: bool,
+    /// Live tcp connections (0..=tcp_conns_per_peer; connections are made on demand).
+    pub tcp_connections: Option<usize>,
+    /// Peer buffers mapped over shm, when shm is in use.
+    pub shm_buffers: Option<usize>,
+    pub dead: bool,
+}
+
+/// Status of one item of a submitted batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ItemStatus {
+    Pending,
+    Done,
+    Failed(Error),
+}
+
+struct BatchState {
+    results: Mutex<Vec<Option<Result<()>>>>,
+    remaining: AtomicUsize,
+    done: Notify,
+}
+
+/// A submitted batch: poll item statuses or wait for all of them.
+pub struct Batch {
+    state: Arc<BatchState>,
+    len: usize,
+}
+
+impl Batch {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.state.remaining.load(Ordering::Acquire) == 0
+    }
+
+    pub fn status(&self, item: usize) -> ItemStatus {
+        let results = self.state.results.lock().unwrap_or_else(|e| e.into_inner());
+        match results.get(item) {
+            Some(Some(Ok(()))) => ItemStatus::Done,
+            Some(Some(Err(e))) => ItemStatus::Failed(e.clone()),
+            Some(None) => ItemStatus::Pending,
+            None => ItemStatus::Failed(Error::new(
+                ErrorKind::InvalidArgument,
+                "batch status",
+                "no such item",
+            )),
+        }
+    }
+
+    /// Waits for every item and returns their results in submission order.
+    pub async fn wait(self) -> Vec<Result<()>> {
+        loop {
+            let notified = self.state.done.notified();
+            if self.is_done() {
+                break;
+            }
+            notified.await;
+        }
+        let mut results = self.state.results.lock().unwrap_or_else(|e| e.into_inner());
+        results
+            .drain(..)
+            .map(|r| r.unwrap_or_else(|| Err(Error::new(ErrorKind::Io, "batch", "item lost"))))
+            .collect()
+    }
+}
+
+struct Inner {
+    shared: Arc<Shared>,
+    local_addr: SocketAddr,
+    peers: tokio::sync::Mutex<HashMap<String, SegmentHandle>>,
+    notify_rx: tokio::sync::Mutex<mpsc::Receiver<Notification>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// The Transfer Engine. Clones share one engine; it stops when the last clone is dropped.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+impl Engine {
+    /// Starts an engine on the current tokio runtime: binds its listeners and starts serving.
+    pub async fn start(cfg: EngineConfig) -> Result<Engine> {
+        cfg.validate()?;
+        let listener =
+            TcpListener::bind(cfg.listen).await.map_err(|e| Error::io("engine bind", e))?;
+        let local_addr = listener.local_addr().map_err(|e| Error::io("engine bind", e))?;
+        let name = cfg.name.clone().unwrap_or_else(|| default_name(local_addr));
+        let instance: u64 = rand::random();
+        let (shm_listener, shm_socket) = if cfg.transports.shm {
+            let (l, n) = shm::bind(instance)?;
+            (Some(l), Some(n))
+        } else {
+            (None, None)
+        };
+        let (notify_tx, notify_rx) = mpsc::channel(cfg.notify_queue_max);
+        let shared = Arc::new(Shared {
+            cfg,
+            name,
+            host_id: crate::host_id().to_string(),
+            instance,
+            shm_socket,
+            registry: Registry::default(),
+            notify_tx,
+        });
+        let mut tasks = vec![tokio::spawn(accept_loop(listener, shared.clone()))];
+        if let Some(l) = shm_listener {
+            tasks.push(tokio::spawn(shm::serve(l, shared.clone())));
+        }
+        tracing::info!(segment = %shared.name, listen = %local_addr, "transfer engine started");
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                shared,
+                local_addr,
+                peers: tokio::sync::Mutex::new(HashMap::new()),
+                notify_rx: tokio::sync::Mutex::new(notify_rx),
+                tasks,
+            }),
+        })
+    }
+
+    /// This engine's segment name (what peers pass to [`Engine::open_segment`]).
+    pub fn name(&self) -> &str {
+        &self.inner.shared.name
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.local_addr
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.shared.cfg
+    }
+
+    /// Allocates a shareable buffer and registers it as remotely accessible.
+    pub fn alloc_buffer(&self, len: usize, opts: &BufferOptions) -> Result<Arc<Buffer>> {
+        let buf = Arc::new(Buffer::new(len, opts)?);
+        self.register_buffer(buf.clone(), true)?;
+        Ok(buf)
+    }
+
+    /// Registers an owned buffer; `remote` makes it readable and writable by peers.
+    pub fn register_buffer(&self, buf: Arc<Buffer>, remote: bool) -> Result<()> {
+        let region = Region { addr: buf.addr(), len: buf.len() as u64, remote, buffer: Some(buf) };
+        self.inner.shared.registry.insert(region)
+    }
+
+    /// Registers raw memory (not shareable over shm; reachable over tcp/rdma when `remote`).
+    ///
+    /// # Safety
+    /// `[addr, addr+len)` must stay valid, readable and writable memory until it is
+    /// unregistered and no transfer that uses it is still running.
+    pub unsafe fn register_memory(&self, addr: u64, len: u64, remote: bool) -> Result<()> {
+        self.inner.shared.registry.insert(Region { addr, len, remote, buffer: None })
+    }
+
+    /// Unregisters the region starting at `addr`.
+    pub fn unregister(&self, addr: u64) -> Result<()> {
+        self.inner.shared.registry.remove(addr).map(|_| ())
+    }
+
+    /// Opens (or returns the already opened) segment `name`, given as `host:port`.
+    pub async fn open_segment(&self, name: &str) -> Result<SegmentHandle> {
+        let mut peers = self.inner.peers.lock().await;
+        if let Some(h) = peers.get(name)
+            && !h.is_dead()
+        {
+            return Ok(h.clone());
+        }
+        let handle = self.connect_segment(name).await?;
+        peers.insert(name.to_string(), handle.clone());
+        Ok(handle)
+    }
+
+    /// Forgets an opened segment; the next open performs a fresh handshake.
+    pub async fn close_segment(&self, name: &str) {
+        self.inner.peers.lock().await.remove(name);
+    }
+
+    async fn connect_segment(&self, name: &str) -> Result<SegmentHandle> {
+        let shared = &self.inner.shared;
+        if name == shared.name {
+            return Ok(SegmentHandle(Arc::new(Peer {
+                name: name.to_string(),
+                kind: PeerKind::Local,
+            })));
+        }
+        let addr = resolve(name).await?;
+        if !shared.cfg.transports.tcp && !shared.cfg.transports.shm {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "open segment",
+                "no usable transport enabled",
+            ));
+        }
+        // The handshake always runs over tcp: it is how peers learn each other's identity.
+        let (tcp, info) = TcpPeer::open(addr, shared.clone()).await.map_err(|e| {
+            if e.kind() == ErrorKind::PeerGone || e.kind() == ErrorKind::Io {
+                Error::new(ErrorKind::UnknownSegment, "open segment", format!("{name}: {e}"))
+            } else {
+                e
+            }
+        })?;
+        let shm = match (&info.shm_socket, shared.cfg.transports.shm) {
+            (Some(sock), true) if info.host_id == shared.host_id => {
+                match ShmPeer::open(sock.clone(), shared.cfg.connect_timeout()).await {
+                    Ok(p) => Some(p),
+                    Err(e) => {
+                        tracing::warn!(segment = %name, error = %e, "shm unavailable, using tcp");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        let tcp = shared.cfg.transports.tcp.then_some(tcp);
+        if tcp.is_none() && shm.is_none() {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "open segment",
+                format!("{name} is on another host and tcp is disabled"),
+            ));
+        }
+        tracing::debug!(segment = %info.name, shm = shm.is_some(), "segment opened");
+        Ok(SegmentHandle(Arc::new(Peer { name: info.name, kind: PeerKind::Remote { tcp, shm } })))
+    }
+
+    /// Submits a batch; items run concurrently and report individually.
+    pub fn submit(&self, reqs: Vec<TransferRequest>) -> Result<Batch> {
+        let cfg = &self.inner.shared.cfg;
+        if reqs.len() > cfg.batch_items_max {
+            return Err(Error::new(
+                ErrorKind::BatchTooLarge,
+                "submit",
+                format!("{} items, the limit is {}", reqs.len(), cfg.batch_items_max),
+            ));
+        }
+        let len = reqs.len();
+        let state = Arc::new(BatchState {
+            results: Mutex::new(vec![None; len]),
+            remaining: AtomicUsize::new(len),
+            done: Notify::new(),
+        });
+        let deadline = Instant::now() + cfg.op_timeout();
+        let shared = self.inner.shared.clone();
+        let st = state.clone();
+        tokio::spawn(async move {
+            let runs = reqs.into_iter().enumerate().map(|(i, req)| {
+                let shared = shared.clone();
+                let st = st.clone();
+                async move {
+                    let r = run_item(&shared, &req, deadline).await;
+                    st.results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+                    if st.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                        st.done.notify_waiters();
+                    }
+                }
+            });
+            futures_util::future::join_all(runs).await;
+        });
+        Ok(Batch { state, len })
+    }
+
+    /// Submits a batch and waits for it.
+    pub async fn transfer(&self, reqs: Vec<TransferRequest>) -> Result<Vec<Result<()>>> {
+        Ok(self.submit(reqs)?.wait().await)
+    }
+
+    /// Runs one request on the calling task (no batch bookkeeping): the lowest-latency path.
+    pub async fn transfer_one(&self, req: &TransferRequest) -> Result<()> {
+        let deadline = Instant::now() + self.inner.shared.cfg.op_timeout();
+        run_item(&self.inner.shared, req, deadline).await
+    }
+
+    /// Sends a small message to a peer's notification queue.
+    pub async fn notify(&self, seg: &SegmentHandle, msg: &[u8]) -> Result<()> {
+        let shared = &self.inner.shared;
+        if msg.len() > shared.cfg.notify_bytes_max {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "notify",
+                format!("{} bytes, the limit is {}", msg.len(), shared.cfg.notify_bytes_max),
+            ));
+        }
+        match &seg.0.kind {
+            PeerKind::Local => shared.deliver_notification(&shared.name, msg.to_vec()),
+            PeerKind::Remote { tcp: Some(tcp), .. } => {
+                let deadline = Instant::now() + shared.cfg.op_timeout();
+                tcp.notify(Arc::new(msg.to_vec()), deadline).await
+            }
+            PeerKind::Remote { tcp: None, .. } => Err(Error::new(
+                ErrorKind::Unsupported,
+                "notify",
+                "notifications need the tcp transport",
+            )),
+        }
+    }
+
+    /// Checks that a peer answers, within the operation timeout.
+    pub async fn ping(&self, seg: &SegmentHandle) -> Result<()> {
+        match &seg.0.kind {
+            PeerKind::Local => Ok(()),
+            PeerKind::Remote { tcp: Some(tcp), .. } => {
+                tcp.ping(Instant::now() + self.inner.shared.cfg.op_timeout()).await
+            }
+            PeerKind::Remote { shm: Some(s), .. } if !s.is_dead() => Ok(()),
+            PeerKind::Remote { .. } => Err(Error::new(ErrorKind::PeerGone, "ping", "peer gone")),
+        }
+    }
+
+    /// Waits for the next notification.
+    pub async fn recv_notification(&self) -> Option<Notification> {
+        self.inner.notify_rx.lock().await.recv().await
+    }
+
+    /// Takes a notification if one is waiting.
+    pub fn try_recv_notification(&self) -> Option<Notification> {
+        self.inner.notify_rx.try_lock().ok()?.try_recv().ok()
+    }
+}
+
+fn default_name(addr: SocketAddr) -> String {
+    if addr.ip().is_unspecified() { format!("127.0.0.1:{}", addr.port()) } else { addr.to_string() }
+}
+
+async fn resolve(name: &str) -> Result<SocketAddr> {
+    let unknown = |detail: String| Error::new(ErrorKind::UnknownSegment, "open segment", detail);
+    let mut addrs = tokio::net::lookup_host(name)
+        .await
+        .map_err(|e| unknown(format!("{name} is not a host:port address: {e}")))?;
+    addrs.next().ok_or_else(|| unknown(format!("{name} resolves to no address")))
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => { conns.spawn(tcp::serve_conn(stream, shared.clone())); }
+                Err(e) => {
+                    // Usually fd exhaustion: back off instead of spinning.
+                    tracing::warn!(error = %e, "tcp accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+}
+
+async fn run_item(shared: &Shared, req: &TransferRequest, deadline: Instant) -> Result<()> {
+    if req.len == 0 {
+        return Err(Error::new(ErrorKind::InvalidArgument, "transfer", "zero length"));
+    }
+    if req.remote_addr.checked_add(req.len).is_none() {
+        return Err(Error::new(ErrorKind::OutOfRange, "transfer", "remote range wraps around"));
+    }
+    let local = shared.registry.find(req.local_addr, req.len).ok_or_else(|| {
+        Error::new(
+            ErrorKind::NotRegistered,
+            "transfer",
+            format!(
+                "local range {:#x}+{} is not inside one registered region",
+                req.local_addr, req.len
+            ),
+        )
+    })?;
+    let hold = local.buffer.map(Hold::Buffer).unwrap_or(Hold::None);
+    match &req.segment.0.kind {
+        PeerKind::Local => local_copy(shared, req),
+        PeerKind::Remote { tcp, shm } => {
+            if let Some(shm) = shm {
+                if shm.is_dead() {
+                    return Err(Error::new(
+                        ErrorKind::PeerGone,
+                        "transfer",
+                        "segment owner exited",
+                    ));
+                }
+                if let Some(done) = shm_copy(shared, shm, req).await {
+                    return done;
+                }
+            }
+            let Some(tcp) = tcp else {
+                return Err(Error::new(
+                    ErrorKind::OutOfRange,
+                    "transfer",
+                    "remote range is not in a shared buffer and tcp is disabled",
+                ));
+            };
+            let op = match req.op {
+                TransferOp::Read => DataOp::Read,
+                TransferOp::Write => DataOp::Write,
+            };
+            tcp.request(op, req.remote_addr, req.local_addr, req.len, hold, deadline).await
+        }
+    }
+}
+
+fn local_copy(shared: &Shared, req: &TransferRequest) -> Result<()> {
+    let remote = shared.registry.find(req.remote_addr, req.len).filter(|r| r.remote);
+    let Some(_remote) = remote else {
+        return Err(Error::new(
+            ErrorKind::OutOfRange,
+            "transfer",
+            "range not in a remotely accessible region",
+        ));
+    };
+    copy(req.op, req.local_addr as *mut u8, req.remote_addr as *mut u8, req.len as usize);
+    Ok(())
+}
+
+/// Copies over shm when the remote range is mapped (refreshing the mapping table once);
+/// `None` means the range is not shareable and another transport must carry it.
+async fn shm_copy(shared: &Shared, shm: &ShmPeer, req: &TransferRequest) -> Option<Result<()>> {
+    let found = match shm.translate(req.remote_addr, req.len) {
+        Some(t) => Some(t),
+        None => {
+            if let Err(e) = shm.refresh().await {
+                return Some(Err(e));
+            }
+            shm.translate(req.remote_addr, req.len)
+        }
+    };
+    let (mapping, offset) = found?;
+    let (op, local, len) = (req.op, req.local_addr as usize, req.len as usize);
+    if req.len <= shared.cfg.shm_inline_bytes_max {
+        // SAFETY: offset+len lies inside the mapping (translate checked it).
+        let remote = unsafe { mapping.as_ptr().add(offset) };
+        copy(op, local as *mut u8, remote, len);
+        return Some(Ok(()));
+    }
+    let r = tokio::task::spawn_blocking(move || {
+        // SAFETY: as above; the Arc keeps the mapping alive during the copy.
+        let remote = unsafe { mapping.as_ptr().add(offset) };
+        copy(op, local as *mut u8, remote, len);
+    })
+    .await;
+    Some(r.map_err(|e| Error::new(ErrorKind::Io, "shm copy", e.to_string())))
+}
+
+fn copy(op: TransferOp, local: *mut u8, remote: *mut u8, len: usize) {
+    // SAFETY: both ranges were checked to lie inside registered (local) and remotely accessible
+    // or mapped (remote) memory of at least `len` bytes. They may overlap only when a caller
+    // transfers between overlapping ranges of its own segment, so use the overlapping copy.
+    unsafe {
+        match op {
+            TransferOp::Read => std::ptr::copy(remote, local, len),
+            TransferOp::Write => std::ptr::copy(local, remote, len),
+        }
+    }
+}

@@ -1,0 +1,38 @@
+//! The kvfs Transfer Engine.
+//!
+//! Everything in kvfs moves bytes through this crate: a store client writing a KV block into a
+//! node's DRAM segment, a node serving a read, the FUSE daemon filling an engine's registered
+//! buffer. The model is the one inference engines already know from RDMA and from Mooncake's
+//! engine:
+//!
+//! - a **segment** is a named, remotely accessible address space: one per [`Engine`];
+//! - **buffers** are registered into it: owned, page-aligned, memfd-backed [`Buffer`]s that
+//!   same-host peers can map, or raw memory the application promises to keep valid;
+//! - a **batch** of reads and writes between local registered memory and remote segment
+//!   addresses is submitted asynchronously, and every item reports its own status;
+//! - **transports** are chosen per peer: a memcpy for the engine's own segment, `shm` for a
+//!   peer on the same host, `tcp` (several connections, striped slices, received straight into
+//!   the destination) otherwise, `rdma` behind the cargo feature of that name;
+//! - **notifications** are small messages on the same connections (prefill/decode handshakes).
+//!
+//! Endpoint metadata is exchanged peer to peer when a segment is opened; no service is needed.
+//! No call hangs: every item completes within `op_timeout_ms`, a dead peer is an error, and a
+//! broken connection is replaced and the slice retried within a bound.
+
+mod config;
+mod engine;
+mod error;
+mod hostid;
+mod memory;
+mod shm;
+mod tcp;
+pub mod testing;
+
+pub use config::{EngineConfig, Transports};
+pub use engine::{
+    Batch, Engine, ItemStatus, Notification, SegmentHandle, SegmentStatus, TransferOp,
+    TransferRequest, TransportKind,
+};
+pub use error::{Error, ErrorKind, Result};
+pub use hostid::host_id;
+pub use memory::{Buffer, BufferOptions, PageKind};

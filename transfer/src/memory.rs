@@ -1,0 +1,378 @@
+//! Memory the engine moves bytes into and out of: owned buffers and the registry of regions.
+//!
+//! Mechanism: a [`Buffer`] is a page-aligned `MAP_SHARED` mapping of a memfd, so another
+//! process on the host can map the same pages (the shm transport) and the kernel can back it
+//! with huge pages: `MFD_HUGETLB` when the system has reserved huge pages, otherwise
+//! transparent huge pages requested with `madvise(MADV_HUGEPAGE)`. The [`Registry`] records
+//! every region registered with an engine: owned buffers (shareable) and raw memory the
+//! application promises to keep valid (not shareable, still reachable over tcp/rdma).
+//!
+//! Invariants: registered regions never overlap; a lookup returns the region only when the
+//! whole requested range lies inside it; an owned buffer stays mapped while any transfer that
+//! found it in the registry still runs (the lookup hands out an `Arc`).
+//!
+//! Not handled: device (HBM) memory, which is registered by the tiers crate through
+//! [`crate::Engine::register_memory`] once it has a host-visible mapping; pinning for NICs,
+//! which the rdma transport does at registration.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::{Arc, RwLock};
+
+use crate::{Error, ErrorKind, Result};
+
+const PAGE: usize = 4096;
+const HUGE_PAGE: usize = 2 << 20;
+
+/// How a [`Buffer`] is allocated.
+#[derive(Debug, Clone)]
+pub struct BufferOptions {
+    /// Ask for huge pages (hugetlbfs when reserved, transparent huge pages otherwise).
+    pub huge_pages: bool,
+    /// Fault every page in at allocation, so the first transfer does not pay for it.
+    pub populate: bool,
+    /// Name shown in /proc/PID/maps for the memfd.
+    pub name: String,
+}
+
+impl Default for BufferOptions {
+    fn default() -> Self {
+        BufferOptions { huge_pages: true, populate: false, name: "kvfs-buffer".to_string() }
+    }
+}
+
+/// Which page size actually backs a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageKind {
+    /// hugetlbfs pages (MFD_HUGETLB).
+    HugeTlb,
+    /// Regular pages with transparent huge pages requested.
+    TransparentHuge,
+    /// Regular pages.
+    Regular,
+}
+
+/// A page-aligned, memfd-backed memory buffer that can be shared with same-host peers.
+///
+/// The contents are plain memory that peers may read and write through the engine at any time
+/// while the buffer is registered; access it through the copy methods, or through the raw
+/// pointer under the same rules as memory registered with an RDMA NIC.
+#[derive(Debug)]
+pub struct Buffer {
+    ptr: NonNull<u8>,
+    len: usize,
+    fd: OwnedFd,
+    pages: PageKind,
+}
+
+// SAFETY: the buffer is a plain shared mapping; concurrent access is the documented contract of
+// registered memory (as with RDMA), and the mapping itself lives until drop.
+unsafe impl Send for Buffer {}
+// SAFETY: as above; all methods take `&self` and copy through raw pointers.
+unsafe impl Sync for Buffer {}
+
+impl Buffer {
+    /// Allocates a buffer of at least `len` bytes (rounded up to the page size).
+    pub fn new(len: usize, opts: &BufferOptions) -> Result<Buffer> {
+        if len == 0 {
+            return Err(Error::new(ErrorKind::InvalidArgument, "alloc buffer", "zero length"));
+        }
+        if opts.huge_pages {
+            let huge_len = len.div_ceil(HUGE_PAGE) * HUGE_PAGE;
+            if let Ok(fd) = memfd(&opts.name, libc::MFD_HUGETLB)
+                && let Ok(buf) = Buffer::map_new(fd, huge_len, PageKind::HugeTlb, opts.populate)
+            {
+                return Ok(buf);
+            }
+        }
+        let fd = memfd(&opts.name, 0)?;
+        let len = len.div_ceil(PAGE) * PAGE;
+        let kind = if opts.huge_pages { PageKind::TransparentHuge } else { PageKind::Regular };
+        Buffer::map_new(fd, len, kind, opts.populate)
+    }
+
+    fn map_new(fd: OwnedFd, len: usize, pages: PageKind, populate: bool) -> Result<Buffer> {
+        // SAFETY: fd is a fresh memfd we own.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(Error::io("alloc buffer", std::io::Error::last_os_error()));
+        }
+        // Seal the size: a peer that maps this memfd can then never be made to fault (SIGBUS) by
+        // the file shrinking under its mapping.
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: fcntl on our own memfd created with MFD_ALLOW_SEALING.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(Error::io("seal buffer", std::io::Error::last_os_error()));
+        }
+        let buf = Buffer::map_fd(fd, len, pages)?;
+        if pages == PageKind::TransparentHuge {
+            // SAFETY: the range is exactly our mapping; advice failures are harmless.
+            unsafe { libc::madvise(buf.ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
+        }
+        if populate {
+            // Write one byte per page: MAP_POPULATE on a shared mapping only reads pages in.
+            for off in (0..len).step_by(PAGE) {
+                // SAFETY: off < len, inside the mapping.
+                unsafe { buf.ptr.as_ptr().add(off).write_volatile(0) };
+            }
+        }
+        Ok(buf)
+    }
+
+    /// Maps `len` bytes of a memfd received from a peer (shm transport), after checking that
+    /// the file is at least that long and sealed against shrinking.
+    pub(crate) fn map_peer_fd(fd: OwnedFd, len: usize) -> Result<Buffer> {
+        // SAFETY: fcntl/fstat on an fd we own, into a local stat struct.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let stat_ok = unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } == 0;
+        if seals < 0
+            || seals & libc::F_SEAL_SHRINK == 0
+            || !stat_ok
+            || (st.st_size as u64) < len as u64
+        {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "map peer buffer",
+                "peer sent a descriptor that is not a sealed memfd of the announced size",
+            ));
+        }
+        Buffer::map_fd(fd, len, PageKind::Regular)
+    }
+
+    fn map_fd(fd: OwnedFd, len: usize, pages: PageKind) -> Result<Buffer> {
+        // SAFETY: a fresh shared mapping of an fd we own; the kernel picks the address.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::io("map buffer", std::io::Error::last_os_error()));
+        }
+        let ptr = NonNull::new(p.cast::<u8>())
+            .ok_or_else(|| Error::new(ErrorKind::Io, "map buffer", "mmap returned null"))?;
+        Ok(Buffer { ptr, len, fd, pages })
+    }
+
+    /// Address of the first byte: what peers name in remote requests.
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn page_kind(&self) -> PageKind {
+        self.pages
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Copies `data` into the buffer at `offset`.
+    pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len(), "buffer write")?;
+        // SAFETY: range checked against the mapping; source is a distinct Rust slice.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
+        };
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes from the buffer at `offset` into `out`.
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check(offset, out.len(), "buffer read")?;
+        // SAFETY: range checked against the mapping; destination is a distinct Rust slice.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Views the whole buffer as a byte slice.
+    ///
+    /// # Safety
+    /// No peer or other thread may write the viewed bytes while the slice lives.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is valid for len bytes; exclusivity is the caller's promise.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Views the whole buffer as a mutable byte slice.
+    ///
+    /// # Safety
+    /// Nothing else may read or write the buffer while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: the mapping is valid for len bytes; exclusivity is the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn check(&self, offset: usize, len: usize, op: &'static str) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::new(
+                ErrorKind::InvalidArgument,
+                op,
+                format!("range {offset}+{len} outside buffer of {} bytes", self.len),
+            )),
+        }
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping created in map_fd; nothing refers to it any more
+        // (every user holds an Arc<Buffer>).
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+fn memfd(name: &str, extra_flags: libc::c_uint) -> Result<OwnedFd> {
+    let cname = CString::new(name.replace('\0', "_"))
+        .map_err(|e| Error::new(ErrorKind::InvalidArgument, "memfd", e.to_string()))?;
+    let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | extra_flags;
+    // SAFETY: valid NUL-terminated name; flags are plain bits.
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(Error::io("memfd_create", std::io::Error::last_os_error()));
+    }
+    // SAFETY: fd was just returned to us and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// One registered region.
+#[derive(Debug, Clone)]
+pub(crate) struct Region {
+    pub addr: u64,
+    pub len: u64,
+    /// Peers may read and write it.
+    pub remote: bool,
+    /// The owned buffer behind the region, when the engine can share it (memfd).
+    pub buffer: Option<Arc<Buffer>>,
+}
+
+impl Region {
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
+    }
+}
+
+/// The regions registered with one engine, indexed by start address.
+#[derive(Debug, Default)]
+pub(crate) struct Registry {
+    regions: RwLock<BTreeMap<u64, Region>>,
+}
+
+impl Registry {
+    pub fn insert(&self, region: Region) -> Result<()> {
+        if region.len == 0 || region.addr.checked_add(region.len).is_none() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "register",
+                "empty or wrapping range",
+            ));
+        }
+        let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
+        let end = region.addr + region.len;
+        let before = map.range(..end).next_back();
+        if let Some((_, r)) = before
+            && r.addr + r.len > region.addr
+        {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "register",
+                format!(
+                    "range {:#x}+{} overlaps registered {:#x}+{}",
+                    region.addr, region.len, r.addr, r.len
+                ),
+            ));
+        }
+        map.insert(region.addr, region);
+        Ok(())
+    }
+
+    pub fn remove(&self, addr: u64) -> Result<Region> {
+        let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
+        map.remove(&addr).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotRegistered,
+                "unregister",
+                format!("no region starts at {addr:#x}"),
+            )
+        })
+    }
+
+    /// The region holding the whole of `[addr, addr+len)`, if any.
+    pub fn find(&self, addr: u64, len: u64) -> Option<Region> {
+        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let (_, r) = map.range(..=addr).next_back()?;
+        r.contains(addr, len).then(|| r.clone())
+    }
+
+    /// Every remotely accessible region backed by a shareable buffer.
+    pub fn shareable(&self) -> Vec<Arc<Buffer>> {
+        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        map.values().filter(|r| r.remote).filter_map(|r| r.buffer.clone()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffer_round_trip_and_bounds() {
+        let b = Buffer::new(10_000, &BufferOptions::default()).unwrap();
+        assert!(b.len() >= 10_000);
+        assert_eq!(b.addr() % PAGE as u64, 0);
+        b.write_at(100, b"kvfs").unwrap();
+        let mut out = [0u8; 4];
+        b.read_at(100, &mut out).unwrap();
+        assert_eq!(&out, b"kvfs");
+        assert_eq!(b.write_at(b.len() - 1, b"xy").unwrap_err().kind(), ErrorKind::InvalidArgument);
+        assert_eq!(b.read_at(usize::MAX, &mut out).unwrap_err().kind(), ErrorKind::InvalidArgument);
+        assert!(Buffer::new(0, &BufferOptions::default()).is_err());
+    }
+
+    #[test]
+    fn registry_refuses_overlap_and_finds_whole_ranges() {
+        let r = Registry::default();
+        let region = |addr, len| Region { addr, len, remote: true, buffer: None };
+        r.insert(region(1000, 100)).unwrap();
+        r.insert(region(1100, 100)).unwrap();
+        assert!(r.insert(region(1050, 10)).is_err());
+        assert!(r.insert(region(900, 101)).is_err());
+        assert!(r.insert(region(u64::MAX - 5, 10)).is_err());
+        assert_eq!(r.find(1000, 100).unwrap().addr, 1000);
+        assert_eq!(r.find(1150, 50).unwrap().addr, 1100);
+        assert!(r.find(1050, 100).is_none(), "a range spanning two regions is not one region");
+        assert!(r.find(999, 1).is_none());
+        assert!(r.find(1199, 2).is_none());
+        r.remove(1000).unwrap();
+        assert!(r.find(1000, 1).is_none());
+        assert_eq!(r.remove(1000).unwrap_err().kind(), ErrorKind::NotRegistered);
+    }
+}

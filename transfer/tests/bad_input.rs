@@ -1,0 +1,133 @@
+//! Bad inputs get typed errors, and a refused request leaves the connection usable.
+
+use kvfs_transfer::{
+    BufferOptions, Engine, EngineConfig, ErrorKind, TransferOp, TransferRequest, Transports,
+};
+
+async fn pair(transports: Transports) -> (Engine, Engine) {
+    let cfg = EngineConfig { transports, batch_items_max: 16, ..EngineConfig::default() };
+    (Engine::start(cfg.clone()).await.unwrap(), Engine::start(cfg).await.unwrap())
+}
+
+async fn bad_inputs(transports: Transports) {
+    let (a, b) = pair(transports).await;
+    let la = a.alloc_buffer(1 << 20, &BufferOptions::default()).unwrap();
+    let rb = b.alloc_buffer(1 << 20, &BufferOptions::default()).unwrap();
+    let seg = a.open_segment(b.name()).await.unwrap();
+    let req = |op, local_addr, remote_addr, len| TransferRequest {
+        op,
+        segment: seg.clone(),
+        local_addr,
+        remote_addr,
+        len,
+    };
+    let kind = |r: kvfs_transfer::Result<()>| r.unwrap_err().kind();
+
+    // Remote range past the end of the peer's buffer, for both directions.
+    let past = rb.addr() + rb.len() as u64 - 10;
+    assert_eq!(
+        kind(a.transfer_one(&req(TransferOp::Write, la.addr(), past, 100)).await),
+        ErrorKind::OutOfRange
+    );
+    assert_eq!(
+        kind(a.transfer_one(&req(TransferOp::Read, la.addr(), past, 100)).await),
+        ErrorKind::OutOfRange
+    );
+    // An address the peer never registered, and one that wraps around.
+    assert_eq!(
+        kind(a.transfer_one(&req(TransferOp::Read, la.addr(), 4096, 100)).await),
+        ErrorKind::OutOfRange
+    );
+    assert_eq!(
+        kind(a.transfer_one(&req(TransferOp::Read, la.addr(), u64::MAX - 5, 100)).await),
+        ErrorKind::OutOfRange
+    );
+    // Zero length.
+    assert_eq!(
+        kind(a.transfer_one(&req(TransferOp::Read, la.addr(), rb.addr(), 0)).await),
+        ErrorKind::InvalidArgument
+    );
+    // Local memory that is not registered.
+    let stray = vec![0u8; 4096];
+    let r = a.transfer_one(&req(TransferOp::Read, stray.as_ptr() as u64, rb.addr(), 4096)).await;
+    assert_eq!(kind(r), ErrorKind::NotRegistered);
+    // A peer buffer registered for local use only is not remotely accessible.
+    let private =
+        std::sync::Arc::new(kvfs_transfer::Buffer::new(4096, &BufferOptions::default()).unwrap());
+    b.register_buffer(private.clone(), false).unwrap();
+    let r = a.transfer_one(&req(TransferOp::Write, la.addr(), private.addr(), 4096)).await;
+    assert_eq!(kind(r), ErrorKind::OutOfRange);
+    // Oversized batch.
+    let many = vec![req(TransferOp::Read, la.addr(), rb.addr(), 1); 17];
+    assert_eq!(a.submit(many).err().map(|e| e.kind()), Some(ErrorKind::BatchTooLarge));
+    // After all that, the same segment still works, and per-item statuses are independent.
+    rb.write_at(0, b"still alive").unwrap();
+    let mixed = vec![
+        req(TransferOp::Read, la.addr(), rb.addr(), 11),
+        req(TransferOp::Read, la.addr() + 100, past, 100),
+    ];
+    let results = a.transfer(mixed).await.unwrap();
+    assert!(results[0].is_ok(), "{:?}", results[0]);
+    assert_eq!(results[1].as_ref().unwrap_err().kind(), ErrorKind::OutOfRange);
+    let mut got = [0u8; 11];
+    la.read_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"still alive");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_give_typed_errors_tcp() {
+    bad_inputs(Transports::tcp_only()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_give_typed_errors_shm() {
+    bad_inputs(Transports::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_segments_give_typed_errors() {
+    let (a, _b) = pair(Transports::default()).await;
+    let free_port =
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let err = a.open_segment(&format!("127.0.0.1:{free_port}")).await.err().unwrap();
+    assert_eq!(err.kind(), ErrorKind::UnknownSegment, "{err}");
+    let err = a.open_segment("not an address").await.err().unwrap();
+    assert_eq!(err.kind(), ErrorKind::UnknownSegment, "{err}");
+    // Something that listens but is not an engine: the handshake fails, not hangs.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            use tokio::io::AsyncWriteExt;
+            let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").await;
+        }
+    });
+    let err = a.open_segment(&addr.to_string()).await.err().unwrap();
+    assert!(matches!(err.kind(), ErrorKind::UnknownSegment | ErrorKind::Timeout), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_segment_and_registration_rules() {
+    let (a, _) = pair(Transports::default()).await;
+    let buf = a.alloc_buffer(8192, &BufferOptions::default()).unwrap();
+    // Overlapping registration is refused.
+    // SAFETY: the region is never used for a transfer (the registration fails).
+    let r = unsafe { a.register_memory(buf.addr() + 4096, 4096, true) };
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidArgument);
+    // Transfers within the engine's own segment are memcpys.
+    let own = a.open_segment(a.name()).await.unwrap();
+    buf.write_at(0, b"abc").unwrap();
+    let req = TransferRequest {
+        op: TransferOp::Write,
+        segment: own,
+        local_addr: buf.addr(),
+        remote_addr: buf.addr() + 4096,
+        len: 3,
+    };
+    a.transfer_one(&req).await.unwrap();
+    let mut got = [0u8; 3];
+    buf.read_at(4096, &mut got).unwrap();
+    assert_eq!(&got, b"abc");
+    a.unregister(buf.addr()).unwrap();
+    assert_eq!(a.transfer_one(&req).await.unwrap_err().kind(), ErrorKind::NotRegistered);
+}
