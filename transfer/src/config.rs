@@ -79,7 +79,7 @@ impl Default for EngineConfig {
             notify_bytes_max: 64 << 10,
             notify_queue_max: 1024,
             write_drain_bytes_max: 64 << 20,
-            shm_inline_bytes_max: 256 << 10,
+            shm_inline_bytes_max: 4 << 20,
             socket_buffer_bytes: 0,
         }
     }

@@ -1,0 +1,181 @@
+//! The machine's own limits, measured in the same run as the figures held against them.
+//!
+//! - memcpy: one thread copying 1 GiB between two pre-faulted buffers (best of three);
+//! - raw loopback TCP: plain blocking sockets between this process and the peer process, with
+//!   4 MiB reads and writes, one stream and several streams in parallel; the limit is the best
+//!   of them, so a transport that stripes over several connections is held against what
+//!   several plain connections reach, not against one.
+//!
+//! The raw TCP server runs in the bench's peer process (`serve_raw_tcp`), so the bytes cross
+//! between two processes exactly as the engine's do.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::Instant;
+
+const CHUNK: usize = 4 << 20;
+const OP_SINK: u8 = 1;
+const OP_SOURCE: u8 = 2;
+
+/// Single-thread memcpy of `bytes` between pre-faulted buffers, in GB/s (best of three).
+pub fn memcpy_gbps(bytes: usize) -> f64 {
+    let src = vec![0x5au8; bytes];
+    let mut dst = vec![0u8; bytes];
+    dst.fill(1);
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        let s = t.elapsed().as_secs_f64();
+        std::hint::black_box(&dst);
+        best = best.max(bytes as f64 / s / 1e9);
+    }
+    best
+}
+
+/// Serves raw TCP sink/source requests until the process exits (runs in the peer process).
+pub fn serve_raw_tcp(listener: TcpListener) {
+    for stream in listener.incoming().flatten() {
+        std::thread::spawn(move || {
+            let _ = serve_one(stream);
+        });
+    }
+}
+
+fn serve_one(mut s: TcpStream) -> std::io::Result<()> {
+    s.set_nodelay(true)?;
+    let mut buf = vec![0x33u8; CHUNK];
+    let mut hdr = [0u8; 9];
+    loop {
+        if s.read_exact(&mut hdr).is_err() {
+            return Ok(());
+        }
+        let len = u64::from_le_bytes(hdr[1..9].try_into().unwrap_or([0; 8])) as usize;
+        let mut left = len;
+        match hdr[0] {
+            OP_SINK => {
+                while left > 0 {
+                    let n = left.min(CHUNK);
+                    s.read_exact(&mut buf[..n])?;
+                    left -= n;
+                }
+                s.write_all(&[1])?;
+            }
+            OP_SOURCE => {
+                while left > 0 {
+                    let n = left.min(CHUNK);
+                    s.write_all(&buf[..n])?;
+                    left -= n;
+                }
+            }
+            _ => return Ok(()),
+        }
+    }
+}
+
+/// Direction of a raw TCP measurement, seen from the bench process.
+#[derive(Debug, Clone, Copy)]
+pub enum Direction {
+    /// We send (like an engine write).
+    Send,
+    /// We receive (like an engine read).
+    Receive,
+}
+
+/// Moves `bytes` in total over `streams` plain connections in parallel; returns GB/s.
+pub fn raw_tcp_gbps(
+    addr: SocketAddr,
+    bytes: usize,
+    streams: usize,
+    dir: Direction,
+) -> std::io::Result<f64> {
+    let per = bytes / streams;
+    let mut conns = Vec::new();
+    for _ in 0..streams {
+        let s = TcpStream::connect(addr)?;
+        s.set_nodelay(true)?;
+        conns.push(s);
+    }
+    // Warm the connections (slow start, buffer auto-tuning) before timing.
+    for s in &mut conns {
+        one_transfer(s, 16 << 20, dir)?;
+    }
+    let start = std::sync::Barrier::new(streams + 1);
+    let t = std::thread::scope(|scope| {
+        let handles: Vec<_> = conns
+            .iter_mut()
+            .map(|s| {
+                let start = &start;
+                scope.spawn(move || {
+                    start.wait();
+                    one_transfer(s, per, dir)
+                })
+            })
+            .collect();
+        start.wait();
+        let t = Instant::now();
+        for h in handles {
+            h.join().map_err(|_| std::io::Error::other("raw tcp thread panicked"))??;
+        }
+        Ok::<_, std::io::Error>(t.elapsed())
+    })?;
+    Ok((per * streams) as f64 / t.as_secs_f64() / 1e9)
+}
+
+fn one_transfer(s: &mut TcpStream, len: usize, dir: Direction) -> std::io::Result<()> {
+    let op = match dir {
+        Direction::Send => OP_SINK,
+        Direction::Receive => OP_SOURCE,
+    };
+    let mut hdr = [0u8; 9];
+    hdr[0] = op;
+    hdr[1..9].copy_from_slice(&(len as u64).to_le_bytes());
+    s.write_all(&hdr)?;
+    let mut buf = vec![0x44u8; CHUNK];
+    let mut left = len;
+    match dir {
+        Direction::Send => {
+            while left > 0 {
+                let n = left.min(CHUNK);
+                s.write_all(&buf[..n])?;
+                left -= n;
+            }
+            s.read_exact(&mut buf[..1])?;
+        }
+        Direction::Receive => {
+            while left > 0 {
+                let n = left.min(CHUNK);
+                s.read_exact(&mut buf[..n])?;
+                left -= n;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Loopback TCP limits measured against the peer's raw server.
+#[derive(Debug, Clone, Copy)]
+pub struct TcpLimits {
+    pub send_1: f64,
+    pub receive_1: f64,
+    pub send_n: f64,
+    pub receive_n: f64,
+    pub streams: usize,
+}
+
+impl TcpLimits {
+    pub fn measure(addr: SocketAddr, bytes: usize, streams: usize) -> std::io::Result<TcpLimits> {
+        Ok(TcpLimits {
+            send_1: raw_tcp_gbps(addr, bytes, 1, Direction::Send)?,
+            receive_1: raw_tcp_gbps(addr, bytes, 1, Direction::Receive)?,
+            send_n: raw_tcp_gbps(addr, bytes, streams, Direction::Send)?,
+            receive_n: raw_tcp_gbps(addr, bytes, streams, Direction::Receive)?,
+            streams,
+        })
+    }
+
+    /// The best plain sockets reached, over one stream or several.
+    pub fn best(&self) -> f64 {
+        self.send_1.max(self.receive_1).max(self.send_n).max(self.receive_n)
+    }
+}

@@ -1,0 +1,6 @@
+//! `kvfs bench ...`: load generators that print figures as ratios of the machine's own limits
+//! measured in the same run.
+
+pub mod limits;
+pub mod report;
+pub mod transfer;
