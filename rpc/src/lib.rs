@@ -1,0 +1,467 @@
+//! Symmetric request/response connections for the kvfs control plane.
+//!
+//! Mechanism. One TCP connection carries frames in both directions; either side may send
+//! requests, and each side answers the requests it receives with its [`Handler`]. A frame is
+//! a length-prefixed record `[kind u8][id u64][postcard body]`, with `kind` one of request,
+//! response, or error (the request could not even be decoded). Calls are multiplexed by id,
+//! so many callers share one connection and replies may come back in any order.
+//!
+//! This is what lets a node keep a single outbound connection to the master: the node calls
+//! the master (register, heartbeat), and the master calls the node on the same connection
+//! (commit, drop) without the node listening anywhere for control traffic.
+//!
+//! Policy. Every call has a timeout; a connection whose reader stops is closed and every call
+//! waiting on it fails with [`RpcError::Closed`] at once. Frames are bounded (`frame_bytes_max`)
+//! before any allocation. A handler future that finishes on its first poll is answered inline
+//! on the reader task (no task hop: the common case for the master's in-memory directory); one
+//! that waits (e.g. for nodes to acknowledge) moves to its own task so it never blocks the
+//! connection.
+//!
+//! Not handled: reconnection (callers own a connection's lifecycle and make a new one), and
+//! authentication (the control plane runs on a private network).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{Notify, oneshot};
+
+const KIND_REQUEST: u8 = 1;
+const KIND_RESPONSE: u8 = 2;
+const KIND_ERROR: u8 = 3;
+const HEADER: usize = 4 + 1 + 8;
+
+/// Why a call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RpcError {
+    #[error("connection to {0} closed")]
+    Closed(String),
+    #[error("no answer from {peer} within {timeout_ms} ms")]
+    Timeout { peer: String, timeout_ms: u64 },
+    #[error("connecting to {peer}: {detail}")]
+    Connect { peer: String, detail: String },
+    #[error("malformed message: {0}")]
+    Decode(String),
+    #[error("the peer could not handle the request: {0}")]
+    Remote(String),
+    #[error("frame of {len} bytes exceeds the limit of {max}")]
+    TooLarge { len: usize, max: usize },
+}
+
+impl RpcError {
+    /// Whether retrying on a new connection may help.
+    pub fn retryable(&self) -> bool {
+        matches!(self, RpcError::Closed(_) | RpcError::Timeout { .. } | RpcError::Connect { .. })
+    }
+}
+
+/// Limits of one connection.
+#[derive(Debug, Clone)]
+pub struct RpcOptions {
+    pub frame_bytes_max: usize,
+    pub connect_timeout: Duration,
+}
+
+impl Default for RpcOptions {
+    fn default() -> Self {
+        RpcOptions { frame_bytes_max: 64 << 20, connect_timeout: Duration::from_secs(3) }
+    }
+}
+
+type BoxFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>, String>> + Send>>;
+
+/// Answers the requests a connection receives. Implement it with [`handler_fn`].
+pub trait Handler: Send + Sync + 'static {
+    /// Decodes, handles and encodes one request.
+    fn handle(&self, conn: RpcConn, body: Vec<u8>) -> BoxFuture;
+}
+
+struct FnHandler<F>(F);
+
+impl<Req, Resp, Fut, F> Handler for FnHandler<(F, std::marker::PhantomData<fn(Req) -> Resp>)>
+where
+    Req: DeserializeOwned + Send + 'static,
+    Resp: Serialize + Send + 'static,
+    Fut: Future<Output = Resp> + Send + 'static,
+    F: Fn(RpcConn, Req) -> Fut + Send + Sync + 'static,
+{
+    fn handle(&self, conn: RpcConn, body: Vec<u8>) -> BoxFuture {
+        match kvfs_proto::decode_body::<Req>(&body) {
+            Ok(req) => {
+                let fut = (self.0.0)(conn, req);
+                Box::pin(async move {
+                    let resp = fut.await;
+                    postcard_encode(&resp)
+                })
+            }
+            Err(e) => Box::pin(std::future::ready(Err(format!("undecodable request: {e}")))),
+        }
+    }
+}
+
+fn postcard_encode<T: Serialize>(v: &T) -> Result<Vec<u8>, String> {
+    let frame = kvfs_proto::encode_frame(v).map_err(|e| e.to_string())?;
+    Ok(frame[4..].to_vec())
+}
+
+/// A [`Handler`] from an async function of the decoded request.
+pub fn handler_fn<Req, Resp, Fut, F>(f: F) -> Arc<dyn Handler>
+where
+    Req: DeserializeOwned + Send + 'static,
+    Resp: Serialize + Send + 'static,
+    Fut: Future<Output = Resp> + Send + 'static,
+    F: Fn(RpcConn, Req) -> Fut + Send + Sync + 'static,
+{
+    Arc::new(FnHandler((f, std::marker::PhantomData)))
+}
+
+/// A handler for connections that serve no requests (pure clients).
+pub fn no_handler() -> Arc<dyn Handler> {
+    struct Refuse;
+    impl Handler for Refuse {
+        fn handle(&self, _: RpcConn, _: Vec<u8>) -> BoxFuture {
+            Box::pin(std::future::ready(Err("this side serves no requests".to_string())))
+        }
+    }
+    Arc::new(Refuse)
+}
+
+type Reply = (u8, Vec<u8>);
+
+struct Inner {
+    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    pending: Mutex<HashMap<u64, oneshot::Sender<Reply>>>,
+    next_id: AtomicU64,
+    closed: AtomicBool,
+    closed_notify: Notify,
+    peer: String,
+    opts: RpcOptions,
+}
+
+impl Inner {
+    fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Dropping the senders wakes every waiting call with Closed.
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.closed_notify.notify_waiters();
+    }
+}
+
+/// One control-plane connection. Cheap to clone; closes when the peer goes away or when
+/// [`RpcConn::close`] is called.
+#[derive(Clone)]
+pub struct RpcConn {
+    inner: Arc<Inner>,
+}
+
+impl RpcConn {
+    /// Connects to `addr` and starts serving requests from the peer with `handler`.
+    pub async fn connect(addr: &str, handler: Arc<dyn Handler>, opts: RpcOptions) -> Result<RpcConn, RpcError> {
+        let err = |detail: String| RpcError::Connect { peer: addr.to_string(), detail };
+        let stream = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| err(format!("no connection within {:?}", opts.connect_timeout)))?
+            .map_err(|e| err(e.to_string()))?;
+        Ok(RpcConn::start(stream, handler, opts))
+    }
+
+    /// Starts a connection on an established stream (the accepting side uses this).
+    pub fn start(stream: TcpStream, handler: Arc<dyn Handler>, opts: RpcOptions) -> RpcConn {
+        tune(&stream);
+        let peer = stream.peer_addr().map(|a: SocketAddr| a.to_string()).unwrap_or_default();
+        let (rd, wr) = stream.into_split();
+        let conn = RpcConn {
+            inner: Arc::new(Inner {
+                writer: tokio::sync::Mutex::new(wr),
+                pending: Mutex::new(HashMap::new()),
+                next_id: AtomicU64::new(1),
+                closed: AtomicBool::new(false),
+                closed_notify: Notify::new(),
+                peer,
+                opts,
+            }),
+        };
+        tokio::spawn(read_loop(rd, conn.clone(), handler));
+        conn
+    }
+
+    pub fn peer(&self) -> &str {
+        &self.inner.peer
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.inner.closed.load(Ordering::Acquire)
+    }
+
+    /// Closes the connection: pending calls fail, the peer sees end of stream.
+    pub fn close(&self) {
+        self.inner.close();
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            let _ = inner.writer.lock().await.shutdown().await;
+        });
+    }
+
+    /// Waits until the connection is closed.
+    pub async fn closed(&self) {
+        loop {
+            let n = self.inner.closed_notify.notified();
+            if self.is_closed() {
+                return;
+            }
+            n.await;
+        }
+    }
+
+    /// Sends `req` and waits for the answer, at most `timeout`.
+    pub async fn call<Req: Serialize, Resp: DeserializeOwned>(
+        &self,
+        req: &Req,
+        timeout: Duration,
+    ) -> Result<Resp, RpcError> {
+        let inner = &self.inner;
+        if self.is_closed() {
+            return Err(RpcError::Closed(inner.peer.clone()));
+        }
+        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = encode(KIND_REQUEST, id, req)?;
+        if frame.len() - 4 > inner.opts.frame_bytes_max {
+            return Err(RpcError::TooLarge { len: frame.len() - 4, max: inner.opts.frame_bytes_max });
+        }
+        let (tx, rx) = oneshot::channel();
+        inner.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
+        let sent = tokio::time::timeout(timeout, self.send(&frame)).await;
+        let outcome = match sent {
+            Ok(Ok(())) => tokio::time::timeout(timeout, rx).await,
+            Ok(Err(e)) => Ok(Err(e)),
+            Err(_) => Err(tokio::time::error::Elapsed::new_for_kvfs()),
+        };
+        match outcome {
+            Ok(Ok((KIND_RESPONSE, body))) => {
+                kvfs_proto::decode_body(&body).map_err(|e| RpcError::Decode(e.to_string()))
+            }
+            Ok(Ok((_, body))) => Err(RpcError::Remote(String::from_utf8_lossy(&body).into_owned())),
+            Ok(Err(_)) => Err(RpcError::Closed(inner.peer.clone())),
+            Err(_) => {
+                inner.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                Err(RpcError::Timeout { peer: inner.peer.clone(), timeout_ms: timeout.as_millis() as u64 })
+            }
+        }
+    }
+
+    async fn send(&self, frame: &[u8]) -> Result<(), oneshot::error::RecvError> {
+        let mut w = self.inner.writer.lock().await;
+        if w.write_all(frame).await.is_err() {
+            drop(w);
+            self.inner.close();
+            // Reported as a closed connection by the caller.
+            return Ok(());
+        }
+        Ok(())
+    }
+}
+
+/// `tokio::time::error::Elapsed` has no public constructor; this stands in for it.
+trait ElapsedExt {
+    fn new_for_kvfs() -> Self;
+}
+
+impl ElapsedExt for tokio::time::error::Elapsed {
+    fn new_for_kvfs() -> Self {
+        // A zero-length timeout on a pending future elapses immediately.
+        let fut = tokio::time::timeout(Duration::ZERO, std::future::pending::<()>());
+        let mut fut = std::pin::pin!(fut);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match fut.as_mut().poll(&mut cx) {
+            Poll::Ready(Err(e)) => e,
+            _ => unreachable!("a zero timeout elapses on its first poll outside a runtime timer"),
+        }
+    }
+}
+
+fn encode<T: Serialize>(kind: u8, id: u64, msg: &T) -> Result<Vec<u8>, RpcError> {
+    let body = kvfs_proto::encode_frame(msg).map_err(|e| RpcError::Decode(e.to_string()))?;
+    Ok(frame_bytes(kind, id, &body[4..]))
+}
+
+fn frame_bytes(kind: u8, id: u64, body: &[u8]) -> Vec<u8> {
+    let len = (1 + 8 + body.len()) as u32;
+    let mut f = Vec::with_capacity(HEADER + body.len());
+    f.extend_from_slice(&len.to_le_bytes());
+    f.push(kind);
+    f.extend_from_slice(&id.to_le_bytes());
+    f.extend_from_slice(body);
+    f
+}
+
+fn tune(stream: &TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let fd = stream.as_raw_fd();
+    for (level, name, value) in [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 10),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 5),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3),
+    ] {
+        let v: libc::c_int = value;
+        // SAFETY: setsockopt with a pointer to a local c_int of the right size.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+    }
+}
+
+async fn read_loop(mut rd: OwnedReadHalf, conn: RpcConn, handler: Arc<dyn Handler>) {
+    let max = conn.inner.opts.frame_bytes_max;
+    loop {
+        let (kind, id, body) = match read_frame(&mut rd, max).await {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::debug!(peer = %conn.inner.peer, error = %e, "rpc connection ended");
+                break;
+            }
+        };
+        match kind {
+            KIND_RESPONSE | KIND_ERROR => {
+                let waiter = conn.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                if let Some(tx) = waiter {
+                    let _ = tx.send((kind, body));
+                }
+            }
+            KIND_REQUEST => serve(&conn, &handler, id, body).await,
+            other => {
+                tracing::warn!(peer = %conn.inner.peer, kind = other, "unknown rpc frame kind; closing");
+                break;
+            }
+        }
+    }
+    conn.inner.close();
+}
+
+async fn read_frame(rd: &mut OwnedReadHalf, max: usize) -> std::io::Result<(u8, u64, Vec<u8>)> {
+    let mut hdr = [0u8; HEADER];
+    rd.read_exact(&mut hdr).await?;
+    let len = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]) as usize;
+    if !(9..=max + 9).contains(&len) {
+        return Err(std::io::Error::other(format!("frame length {len} out of bounds")));
+    }
+    let kind = hdr[4];
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&hdr[5..13]);
+    let mut body = vec![0u8; len - 9];
+    rd.read_exact(&mut body).await?;
+    Ok((kind, u64::from_le_bytes(id), body))
+}
+
+/// Runs the handler; answers inline when it completes at once, else from its own task.
+async fn serve(conn: &RpcConn, handler: &Arc<dyn Handler>, id: u64, body: Vec<u8>) {
+    let mut fut = handler.handle(conn.clone(), body);
+    let first = std::future::poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await;
+    match first {
+        Poll::Ready(result) => respond(conn, id, result).await,
+        Poll::Pending => {
+            let conn = conn.clone();
+            tokio::spawn(async move {
+                let result = fut.await;
+                respond(&conn, id, result).await;
+            });
+        }
+    }
+}
+
+async fn respond(conn: &RpcConn, id: u64, result: Result<Vec<u8>, String>) {
+    let frame = match result {
+        Ok(body) => frame_bytes(KIND_RESPONSE, id, &body),
+        Err(msg) => frame_bytes(KIND_ERROR, id, msg.as_bytes()),
+    };
+    let _ = conn.send(&frame).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn pair(h: Arc<dyn Handler>) -> (RpcConn, RpcConn) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let accept = tokio::spawn(async move { l.accept().await.unwrap().0 });
+        let client = RpcConn::connect(&addr, no_handler(), RpcOptions::default()).await.unwrap();
+        let server = RpcConn::start(accept.await.unwrap(), h, RpcOptions::default());
+        (client, server)
+    }
+
+    #[tokio::test]
+    async fn calls_both_ways_and_out_of_order() {
+        let h = handler_fn(|_conn, (delay_ms, v): (u64, String)| async move {
+            tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+            format!("echo {v}")
+        });
+        let (client, server) = pair(h).await;
+        let t = Duration::from_secs(5);
+        let slow = client.call::<_, String>(&(200u64, "slow".to_string()), t);
+        let fast = client.call::<_, String>(&(0u64, "fast".to_string()), t);
+        let (slow, fast) = tokio::join!(slow, fast);
+        assert_eq!(slow.unwrap(), "echo slow");
+        assert_eq!(fast.unwrap(), "echo fast");
+        // The accepting side calls the connecting side, which serves nothing: a remote error.
+        let r = server.call::<_, String>(&(0u64, "x".to_string()), t).await;
+        assert!(matches!(r, Err(RpcError::Remote(_))), "{r:?}");
+    }
+
+    #[tokio::test]
+    async fn timeouts_closes_and_bad_requests() {
+        let h = handler_fn(|_conn, ms: u64| async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            ms
+        });
+        let (client, server) = pair(h).await;
+        let r = client.call::<_, u64>(&10_000u64, Duration::from_millis(100)).await;
+        assert!(matches!(r, Err(RpcError::Timeout { .. })), "{r:?}");
+        // A request the handler cannot decode is answered with an error, not a hang.
+        let r = client.call::<_, u64>(&"not a number", Duration::from_secs(5)).await;
+        assert!(matches!(r, Err(RpcError::Remote(_))), "{r:?}");
+        // A closed peer fails waiting calls at once.
+        let waiting = tokio::spawn({
+            let c = client.clone();
+            async move { c.call::<_, u64>(&5_000u64, Duration::from_secs(30)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        server.close();
+        let r = tokio::time::timeout(Duration::from_secs(5), waiting).await.unwrap().unwrap();
+        assert!(matches!(r, Err(RpcError::Closed(_))), "{r:?}");
+        client.closed().await;
+        assert!(client.is_closed());
+    }
+
+    #[tokio::test]
+    async fn oversized_frames_are_refused() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let accept = tokio::spawn(async move { l.accept().await.unwrap().0 });
+        let opts = RpcOptions { frame_bytes_max: 1024, ..RpcOptions::default() };
+        let client = RpcConn::connect(&addr, no_handler(), opts.clone()).await.unwrap();
+        let _server = RpcConn::start(accept.await.unwrap(), handler_fn(|_c, v: Vec<u8>| async move { v.len() }), opts);
+        let r = client.call::<_, usize>(&vec![0u8; 4096], Duration::from_secs(5)).await;
+        assert!(matches!(r, Err(RpcError::TooLarge { .. })), "{r:?}");
+        assert_eq!(client.call::<_, usize>(&vec![0u8; 100], Duration::from_secs(5)).await.unwrap(), 100);
+    }
+}
