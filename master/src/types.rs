@@ -189,6 +189,10 @@ impl PutStart {
 pub struct PutGrant {
     pub version: u64,
     pub replicas: Vec<Replica>,
+    /// Objects that make-room eviction removed to fit this put (their `Drop` effects are in
+    /// the call's effects): for the master's "removed" KV events, not for the writer. On
+    /// `NoSpace`, objects evicted by the failed attempt are only visible as `Drop` effects.
+    pub evicted: Vec<Arc<str>>,
 }
 
 /// End of a two-phase put.

@@ -32,9 +32,7 @@ use std::num::NonZeroU32;
 use super::{Directory, LIST_PLAIN, LIST_SOFT};
 use crate::config::Config;
 use crate::slab::NIL;
-use crate::types::{NodeEffect, Tier};
-
-pub use crate::types::Eviction;
+use crate::types::{Eviction, NodeEffect, Tier};
 
 /// What a shedding walk aims for in one segment.
 #[derive(Debug, Clone, Copy)]

@@ -64,6 +64,9 @@ const LIST_PLAIN: usize = 0;
 const LIST_SOFT: usize = 1;
 const LIST_HARD: usize = 2;
 
+/// Keys looked up together by the batch read paths.
+const LOOKUP_GROUP: usize = 32;
+
 fn list_of(pin: Pin) -> usize {
     match pin {
         Pin::None => LIST_PLAIN,
@@ -277,14 +280,15 @@ impl Directory {
             let detail = format!("objects_max {} reached", self.cfg.objects_max);
             return Err(Error::new(ErrorKind::NoSpace, OP).with_key(key).with_detail(detail));
         }
-        let ranges = self.place(req, now_ms, fx);
+        let mut evicted = Vec::new();
+        let ranges = self.place(req, now_ms, fx, &mut evicted);
         if ranges.is_empty() {
             let detail = format!("no {:?} segment has {} free bytes", req.tier, req.size);
             return Err(Error::new(ErrorKind::NoSpace, OP).with_key(key).with_detail(detail));
         }
         let version = self.next_version(now_ms);
         let replicas = ranges.iter().map(|&(seg, offset)| self.replica_view(seg, offset, req.size));
-        let grant = PutGrant { version, replicas: replicas.collect() };
+        let grant = PutGrant { version, replicas: replicas.collect(), evicted };
         let pending = Pending {
             version,
             size: req.size,
@@ -413,16 +417,85 @@ impl Directory {
         Ok(self.lookup(key).map(|id| self.lease(id, now_ms)).is_some())
     }
 
+    /// Batch `get`: same answers as calling `get` per key, looked up in groups.
     pub fn get_batch<K: AsRef<str>>(&mut self, keys: &[K], now_ms: u64) -> Vec<Result<ObjectView>> {
-        keys.iter().map(|k| self.get(k.as_ref(), now_ms)).collect()
+        let mut out = Vec::with_capacity(keys.len());
+        let mut ids = [NIL; LOOKUP_GROUP];
+        for group in keys.chunks(LOOKUP_GROUP) {
+            self.find_group(group, &mut ids);
+            for (key, &id) in group.iter().zip(&ids) {
+                let key = key.as_ref();
+                out.push(match self.check_key(key, "get") {
+                    Err(e) => Err(e),
+                    Ok(()) if id == NIL => {
+                        Err(Error::new(ErrorKind::NotFound, "get").with_key(key))
+                    }
+                    Ok(()) => {
+                        self.lease(id, now_ms);
+                        self.touch(id);
+                        Ok(self.view(id))
+                    }
+                });
+            }
+        }
+        out
     }
 
     pub fn stat_batch<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<ObjectView>> {
         keys.iter().map(|k| self.stat(k.as_ref())).collect()
     }
 
+    /// Batch `exists`: same answers as calling `exists` per key, looked up in groups whose
+    /// memory accesses overlap (see `find_group`).
     pub fn exists_batch<K: AsRef<str>>(&mut self, keys: &[K], now_ms: u64) -> Vec<Result<bool>> {
-        keys.iter().map(|k| self.exists(k.as_ref(), now_ms)).collect()
+        let mut out = Vec::with_capacity(keys.len());
+        let mut ids = [NIL; LOOKUP_GROUP];
+        for group in keys.chunks(LOOKUP_GROUP) {
+            self.find_group(group, &mut ids);
+            for (key, &id) in group.iter().zip(&ids) {
+                let key = key.as_ref();
+                out.push(match self.check_key(key, "exists") {
+                    Err(e) => Err(e),
+                    Ok(()) if id == NIL => Ok(false),
+                    Ok(()) => {
+                        self.lease(id, now_ms);
+                        Ok(true)
+                    }
+                });
+            }
+        }
+        out
+    }
+
+    /// Look up up to `LOOKUP_GROUP` keys (invalid ones give `NIL`) in phases: hash all, probe
+    /// all, load all object slots, compare all keys. Each phase's loads are independent across
+    /// keys, so the CPU overlaps their cache misses instead of paying three dependent misses
+    /// per key in a row: this is what makes a 10 000-key batch fast on a 10^7-key directory.
+    fn find_group<K: AsRef<str>>(&self, keys: &[K], ids: &mut [u32; LOOKUP_GROUP]) {
+        let mut hashes = [0u64; LOOKUP_GROUP];
+        for (h, key) in hashes.iter_mut().zip(keys) {
+            *h = self.hash(key.as_ref());
+        }
+        for (i, key) in keys.iter().enumerate() {
+            ids[i] = if self.key_ok(key.as_ref()) {
+                self.index.iter_hash(hashes[i]).next().copied().unwrap_or(NIL)
+            } else {
+                NIL
+            };
+        }
+        let mut stored: [&str; LOOKUP_GROUP] = [""; LOOKUP_GROUP];
+        for (s, &id) in stored.iter_mut().zip(ids.iter()).take(keys.len()) {
+            if id != NIL {
+                *s = &self.objects[id].key;
+            }
+        }
+        for (i, key) in keys.iter().enumerate() {
+            let key = key.as_ref();
+            if ids[i] != NIL && stored[i] != key {
+                // a 7-bit tag collision: rare, take the full path
+                ids[i] = self.lookup(key).unwrap_or(NIL);
+            }
+        }
     }
 
     // ----- removal -------------------------------------------------------------------------
@@ -607,8 +680,12 @@ impl Directory {
 
     // ----- internals: objects ----------------------------------------------------------------
 
+    fn key_ok(&self, key: &str) -> bool {
+        !key.is_empty() && key.len() <= self.cfg.key_len_max
+    }
+
     fn check_key(&self, key: &str, op: &'static str) -> Result<()> {
-        if key.is_empty() || key.len() > self.cfg.key_len_max {
+        if !self.key_ok(key) {
             let detail = format!("length {} not in 1..={}", key.len(), self.cfg.key_len_max);
             return Err(Error::new(ErrorKind::InvalidKey, op).with_key(key).with_detail(detail));
         }

@@ -18,18 +18,21 @@
 //! Not handled: topology beyond hosts (racks, NUMA, NIC affinity); quotas.
 
 use std::num::NonZeroU32;
+use std::sync::Arc;
 
 use super::Directory;
 use super::evict::{Budget, Goal};
-use crate::types::{NodeEffect, NodeId, PutStart, Strategy};
+use crate::types::{Eviction, NodeEffect, NodeId, PutStart, Strategy};
 
 impl Directory {
     /// Ranges for `req.replicas` replicas (possibly fewer, possibly none).
+    /// Objects removed by make-room eviction are appended to `evicted`.
     pub(super) fn place(
         &mut self,
         req: &PutStart,
         now_ms: u64,
         fx: &mut Vec<NodeEffect>,
+        evicted: &mut Vec<Arc<str>>,
     ) -> Vec<(NonZeroU32, u64)> {
         let want = usize::from(req.replicas);
         let mut chosen = Vec::with_capacity(want);
@@ -39,7 +42,7 @@ impl Directory {
                 break;
             }
             let missing = want.min(self.usable_nodes(req, &chosen)) - chosen.len().min(want);
-            if missing == 0 || !self.make_room(req, missing, &chosen, now_ms, fx) {
+            if missing == 0 || !self.make_room(req, missing, &chosen, now_ms, fx, evicted) {
                 break;
             }
         }
@@ -142,6 +145,7 @@ impl Directory {
         chosen: &[(NonZeroU32, u64)],
         now_ms: u64,
         fx: &mut Vec<NodeEffect>,
+        evicted: &mut Vec<Arc<str>>,
     ) -> bool {
         let taken: Vec<NodeId> = chosen.iter().map(|&(s, _)| self.segment(s).node).collect();
         let mut segs: Vec<NonZeroU32> = self.tier_segs[req.tier.index()]
@@ -151,7 +155,7 @@ impl Directory {
             .collect();
         segs.sort_by_key(|&s| (std::cmp::Reverse(self.segment(s).alloc.free_bytes()), s));
         let mut budget = Budget::new(&self.cfg);
-        let mut out = super::evict::Eviction::default();
+        let mut out = Eviction::default();
         let need = self.segment_footprint(req.size);
         let mut helped = 0;
         let mut nodes_helped: Vec<NodeId> = Vec::new();
@@ -173,6 +177,7 @@ impl Directory {
                 nodes_helped.push(node);
             }
         }
+        evicted.append(&mut out.removed_keys);
         out.replicas > 0
     }
 

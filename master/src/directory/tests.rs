@@ -437,6 +437,9 @@ fn full_put_evicts_to_make_room() {
     let mut want = vec![key(1), key(2)];
     want.sort();
     assert_eq!(drops(&fx), want, "the two least recently used, unleased objects");
+    let mut evicted: Vec<String> = g.evicted.iter().map(|k| k.to_string()).collect();
+    evicted.sort();
+    assert_eq!(evicted, want, "reported for KV removed events");
     assert!(d.stat(&key(0)).is_ok());
 
     // everything leased: NoSpace, nothing evicted
