@@ -81,8 +81,13 @@ impl Config {
         if self.objects_max >= u64::from(u32::MAX) {
             return bad("objects_max must be < 2^32 (object ids are u32)");
         }
-        if self.evict_round_objects_max == 0 || self.list_limit_max == 0 {
-            return bad("evict_round_objects_max and list_limit_max must be > 0");
+        if self.evict_round_objects_max == 0
+            || self.evict_round_scan_max == 0
+            || self.list_limit_max == 0
+        {
+            return bad(
+                "evict_round_objects_max, evict_round_scan_max, list_limit_max must be > 0",
+            );
         }
         Ok(())
     }

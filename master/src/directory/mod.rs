@@ -245,6 +245,8 @@ impl Directory {
     ///   timed out is revoked first and this put proceeds;
     /// - a complete object: `AlreadyExists` (first writer wins), unless `upsert`, which is
     ///   refused with `Leased` while a read lease is live (Mooncake: `OBJECT_REPLICA_BUSY`);
+    ///   an upsert may replace a hard-pinned object (the writer names the key explicitly; the
+    ///   new value carries the pin of its own request);
     /// - fewer usable nodes than `replicas` gives as many replicas as there are nodes; when
     ///   space is short, bounded make-room eviction rounds run first (their `Drop` effects go
     ///   to `fx`); no range at all is `NoSpace`.

@@ -72,6 +72,12 @@ fn nodes_of(view: &ObjectView) -> Vec<NodeId> {
 }
 
 #[test]
+fn directory_can_move_between_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Directory>(); // the RPC layer keeps it behind a lock shared by tasks
+}
+
+#[test]
 fn record_sizes_stay_compact() {
     assert_eq!(Slab::<Obj>::slot_size(), 80);
     assert_eq!(Slab::<Rep>::slot_size(), 32);
