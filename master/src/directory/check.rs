@@ -1,0 +1,148 @@
+//! `verify`: an O(everything) check of the directory's invariants, run after every step of the
+//! simulation test and available to the RPC layer for a debug endpoint. Never on a hot path.
+
+use std::collections::BTreeMap;
+use std::num::NonZeroU32;
+
+use super::{Directory, NIL, list_of};
+use crate::types::{NodeId, Tier};
+
+impl Directory {
+    /// Check every invariant; the first violation found is returned as text.
+    pub fn verify(&self) -> Result<(), String> {
+        self.verify_indexes()?;
+        let extents = self.verify_objects()?;
+        self.verify_segments(extents)
+    }
+
+    fn verify_indexes(&self) -> Result<(), String> {
+        let n = self.objects.len();
+        if self.index.len() != n || self.order.len() != n {
+            return Err(format!(
+                "{n} objects, {} indexed, {} ordered",
+                self.index.len(),
+                self.order.len()
+            ));
+        }
+        for key in &self.order {
+            let id = self.lookup(key).ok_or_else(|| format!("ordered key {key:?} not indexed"))?;
+            if *self.objects[id].key != **key {
+                return Err(format!("index maps {key:?} to another object"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Per object: >= 1 replica, back-pointers, one replica per (node, tier), tier counters.
+    /// Returns every allocated extent per segment: replicas, pending ranges, retired ranges.
+    fn verify_objects(&self) -> Result<BTreeMap<NonZeroU32, Vec<(u64, u64)>>, String> {
+        let mut extents: BTreeMap<NonZeroU32, Vec<(u64, u64)>> = BTreeMap::new();
+        let (mut replicas, mut bytes) = ([0u64; 4], [0u64; 4]);
+        let mut reps_seen = 0;
+        for (id, o) in self.objects.iter() {
+            if self.is_orphan(id) {
+                return Err(format!("object {:?} has no replica", o.key));
+            }
+            let mut placed: Vec<(NodeId, Tier)> = Vec::new();
+            let mut rep = o.first_rep;
+            while rep != NIL {
+                let r =
+                    self.reps.get(rep).ok_or_else(|| format!("{:?}: dangling replica", o.key))?;
+                if r.obj != id {
+                    return Err(format!("{:?}: replica points at object {}", o.key, r.obj));
+                }
+                let s = self.segments.get(r.seg.get() as usize).and_then(Option::as_ref);
+                let s = s.ok_or_else(|| format!("{:?}: replica on a removed segment", o.key))?;
+                if placed.contains(&(s.node, s.tier)) {
+                    return Err(format!(
+                        "{:?}: two replicas on node {} in {:?}",
+                        o.key, s.node.0, s.tier
+                    ));
+                }
+                placed.push((s.node, s.tier));
+                replicas[s.tier.index()] += 1;
+                bytes[s.tier.index()] += o.size;
+                extents.entry(r.seg).or_default().push((r.offset, o.size));
+                reps_seen += 1;
+                rep = r.obj_next;
+            }
+            if o.flags.persisted {
+                replicas[Tier::ObjectStore.index()] += 1;
+                bytes[Tier::ObjectStore.index()] += o.size;
+            }
+        }
+        if reps_seen != self.reps.len() {
+            return Err(format!("{} replica slots, {reps_seen} reachable", self.reps.len()));
+        }
+        if replicas != self.tier_replicas || bytes != self.tier_bytes {
+            return Err(format!(
+                "tier counters {:?}/{:?}, counted {replicas:?}/{bytes:?}",
+                self.tier_replicas, self.tier_bytes
+            ));
+        }
+        for p in self.pending.values() {
+            for &(seg, offset) in &p.ranges {
+                extents.entry(seg).or_default().push((offset, p.size));
+            }
+        }
+        for r in &self.retired {
+            extents.entry(r.seg).or_default().push((r.offset, r.len));
+        }
+        Ok(extents)
+    }
+
+    /// Per segment: lists hold exactly its replicas with the right pin, extents do not overlap,
+    /// and the allocator's used bytes are exactly the extents.
+    fn verify_segments(
+        &self,
+        mut extents: BTreeMap<NonZeroU32, Vec<(u64, u64)>>,
+    ) -> Result<(), String> {
+        for (i, s) in self.segments.iter().enumerate() {
+            let Some(s) = s else { continue };
+            let seg = NonZeroU32::new(i as u32).ok_or("segment in slot 0")?;
+            s.alloc.check().map_err(|e| format!("segment {seg}: {e}"))?;
+            for (list, lru) in s.lru.iter().enumerate() {
+                let (mut at, mut len) = (lru.head, 0);
+                while at != NIL {
+                    let r = &self.reps[at];
+                    if r.seg != seg || list_of(self.objects[r.obj].flags.pin) != list {
+                        return Err(format!("segment {seg}: replica {at} on the wrong list"));
+                    }
+                    len += 1;
+                    at = r.next;
+                }
+                if len != lru.len {
+                    return Err(format!(
+                        "segment {seg} list {list}: len {} but {len} linked",
+                        lru.len
+                    ));
+                }
+            }
+            let mut ext = extents.remove(&seg).unwrap_or_default();
+            ext.sort_unstable();
+            let align = s.alloc.align();
+            let mut used = 0;
+            let mut end = 0;
+            for &(offset, len) in &ext {
+                let start = offset & !(align - 1);
+                if start < end {
+                    return Err(format!(
+                        "segment {seg}: range at {offset} overlaps the previous one"
+                    ));
+                }
+                end = (offset + len).next_multiple_of(align);
+                used += end - start;
+            }
+            if used != s.alloc.used_bytes() {
+                return Err(format!(
+                    "segment {seg}: allocator uses {} but ranges take {used}",
+                    s.alloc.used_bytes()
+                ));
+            }
+        }
+        match extents.keys().next() {
+            Some(seg) => Err(format!("ranges on unknown segment {seg}")),
+            None => Ok(()),
+        }
+    }
+}

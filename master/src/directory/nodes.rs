@@ -1,0 +1,331 @@
+//! Node membership: registration (and re-registration with what a node holds), heartbeats,
+//! expiry and departure.
+//!
+//! Mechanism: a node registers its segments and the objects it holds. Registering a node the
+//! directory already knows (it restarted, or the master did and the node was told
+//! `NodeUnknown`) first detaches everything of its previous incarnation, then adopts the new
+//! report; objects re-reported keep their metadata (lease, LRU position of other replicas),
+//! objects that had replicas only there and were not re-reported are gone (`lost_keys`).
+//!
+//! Policy for held objects (nodes are the source of truth after a master restart):
+//! - adopted as complete, with the reported version, pin and persistence; the range is
+//!   reserved in the segment's allocator; `objects_max` is not applied (the bytes exist);
+//! - a report the directory cannot accept (bad key or size, unknown segment, wrong tier,
+//!   overlapping range, second replica on the same node and tier) is a [`Conflict`], and a
+//!   `Drop` effect tells the node to free it;
+//! - the same key with different contents: the higher `(version, size, checksum)` wins,
+//!   whatever the order nodes register in; every replica of the loser gets a `Drop` effect
+//!   and a `Superseded` conflict. Versions grow with wall-clock time (see `next_version`), so
+//!   the newest write wins.
+//!
+//! Expiry: a node silent for more than `node_ttl_ms` loses its segments; replicas there are
+//! dropped (no effects: the node is gone); objects left without any replica are gone; pending
+//! puts lose their ranges there (and are revoked if none are left).
+//!
+//! Not handled: graceful drain (moving replicas off a leaving node); adopting objects that
+//! only the object store holds (the tier manager re-adds them with `add_replica` on a live
+//! object; a listing-based rebuild is future work).
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+
+use super::{Directory, Flags, NIL, Node, Obj, Segment};
+use crate::alloc::Allocator;
+use crate::error::{Error, ErrorKind, Result};
+use crate::slab::List;
+use crate::types::*;
+
+impl Directory {
+    /// Register a node, or re-register it with what it holds. See the module notes.
+    pub fn register_node(
+        &mut self,
+        reg: &NodeRegistration,
+        now_ms: u64,
+        fx: &mut Vec<NodeEffect>,
+    ) -> Result<Registration> {
+        self.check_registration(reg)?;
+        let mut out = Registration::default();
+        let mut touched = Vec::new();
+        if self.nodes.contains_key(&reg.node) {
+            self.detach_node(reg.node, &mut touched);
+        }
+        let segs = reg.segments.iter().map(|spec| self.add_segment(reg.node, spec)).collect();
+        let node = Node {
+            host: reg.host.clone(),
+            endpoint: reg.endpoint.clone(),
+            segs,
+            last_seen_ms: now_ms,
+        };
+        self.nodes.insert(reg.node, node);
+        for held in &reg.held {
+            self.adopt(reg.node, held, fx, &mut out);
+        }
+        out.lost_keys = self.sweep_orphans(touched);
+        Ok(out)
+    }
+
+    /// Refresh a node's liveness. `NodeUnknown` (retryable) tells it to re-register with what
+    /// it holds: it expired, or the master restarted.
+    pub fn heartbeat(&mut self, node: NodeId, now_ms: u64) -> Result<()> {
+        match self.nodes.get_mut(&node) {
+            Some(n) => {
+                n.last_seen_ms = n.last_seen_ms.max(now_ms);
+                Ok(())
+            }
+            None => Err(Error::new(ErrorKind::NodeUnknown, "heartbeat")
+                .with_detail(format!("node {} must re-register", node.0))),
+        }
+    }
+
+    /// Remove every node silent for more than `node_ttl_ms`, in node id order.
+    pub fn expire(&mut self, now_ms: u64) -> NodeLoss {
+        let ttl = self.cfg.node_ttl_ms;
+        let dead: Vec<NodeId> = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| now_ms.saturating_sub(n.last_seen_ms) > ttl)
+            .map(|(&id, _)| id)
+            .collect();
+        self.remove_nodes(dead)
+    }
+
+    /// A node leaves on purpose; same consequences as expiry.
+    pub fn unregister_node(&mut self, node: NodeId) -> Result<NodeLoss> {
+        if !self.nodes.contains_key(&node) {
+            return Err(Error::new(ErrorKind::NodeUnknown, "unregister_node")
+                .with_detail(format!("node {}", node.0)));
+        }
+        Ok(self.remove_nodes(vec![node]))
+    }
+
+    /// Host and transfer endpoint of a node, for the RPC layer to attach to replica views.
+    pub fn node_endpoint(&self, node: NodeId) -> Option<(&str, &str)> {
+        self.nodes.get(&node).map(|n| (n.host.as_str(), n.endpoint.as_str()))
+    }
+
+    /// Registered nodes, in id order.
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.nodes.keys().copied()
+    }
+
+    fn remove_nodes(&mut self, nodes: Vec<NodeId>) -> NodeLoss {
+        let mut touched = Vec::new();
+        let pending_before = self.pending.len();
+        for &node in &nodes {
+            self.detach_node(node, &mut touched);
+            self.nodes.remove(&node);
+        }
+        let revoked_puts = (pending_before - self.pending.len()) as u64;
+        NodeLoss { lost_keys: self.sweep_orphans(touched), nodes, revoked_puts }
+    }
+
+    fn check_registration(&self, reg: &NodeRegistration) -> Result<()> {
+        const OP: &str = "register_node";
+        let invalid = |d: String| Err(Error::new(ErrorKind::InvalidArgument, OP).with_detail(d));
+        if !self.nodes.contains_key(&reg.node) && self.nodes.len() >= self.cfg.nodes_max {
+            return invalid(format!("nodes_max {} reached", self.cfg.nodes_max));
+        }
+        if reg.segments.len() > self.cfg.segments_per_node_max {
+            return invalid(format!(
+                "segments_per_node_max {} exceeded",
+                self.cfg.segments_per_node_max
+            ));
+        }
+        for (i, s) in reg.segments.iter().enumerate() {
+            if s.tier == Tier::ObjectStore || s.capacity < self.cfg.segment_align_bytes {
+                return invalid(format!(
+                    "segment {}: tier {:?}, capacity {}",
+                    s.index, s.tier, s.capacity
+                ));
+            }
+            if s.base_addr.checked_add(s.capacity).is_none() {
+                return invalid(format!("segment {}: base_addr + capacity overflows", s.index));
+            }
+            if reg.segments[..i].iter().any(|o| o.index == s.index) {
+                return invalid(format!("segment index {} registered twice", s.index));
+            }
+        }
+        Ok(())
+    }
+
+    fn add_segment(&mut self, node: NodeId, spec: &SegmentSpec) -> NonZeroU32 {
+        let seg = Segment {
+            node,
+            index: spec.index,
+            tier: spec.tier,
+            base_addr: spec.base_addr,
+            alloc: Allocator::new(spec.capacity, self.cfg.segment_align_bytes),
+            lru: [List::default(); 3],
+        };
+        let id = match self.free_seg_ids.pop() {
+            Some(id) => {
+                self.segments[id.get() as usize] = Some(seg);
+                id
+            }
+            None => {
+                self.segments.push(Some(seg));
+                NonZeroU32::new((self.segments.len() - 1) as u32).expect("slot 0 is reserved")
+            }
+        };
+        self.tier_segs[spec.tier.index()].push(id);
+        id
+    }
+
+    /// Drop the node's segments and every replica, pending range and retired range on them.
+    /// Objects that lost replicas are pushed to `touched`; the node entry itself stays.
+    fn detach_node(&mut self, node: NodeId, touched: &mut Vec<u32>) {
+        let segs =
+            self.nodes.get_mut(&node).map(|n| std::mem::take(&mut n.segs)).unwrap_or_default();
+        for &seg in &segs {
+            for list in 0..3 {
+                while self.segment(seg).lru[list].head != NIL {
+                    let rep = self.segment(seg).lru[list].head;
+                    touched.push(self.reps[rep].obj);
+                    self.detach_replica(rep);
+                }
+            }
+            let tier = self.segment(seg).tier.index();
+            self.tier_segs[tier].retain(|&s| s != seg);
+            self.segments[seg.get() as usize] = None;
+            self.free_seg_ids.push(seg);
+        }
+        self.pending.retain(|_, p| {
+            p.ranges.retain(|(s, _)| !segs.contains(s));
+            !p.ranges.is_empty()
+        });
+        self.retired.retain(|r| !segs.contains(&r.seg));
+    }
+
+    /// Remove the objects among `ids` left without any replica; returns their keys.
+    fn sweep_orphans(&mut self, mut ids: Vec<u32>) -> Vec<Arc<str>> {
+        ids.sort_unstable();
+        ids.dedup();
+        let mut lost = Vec::new();
+        for id in ids {
+            if self.objects.get(id).is_some() && self.is_orphan(id) {
+                lost.push(self.objects[id].key.clone());
+                self.forget_object(id);
+            }
+        }
+        lost
+    }
+
+    /// Adopt one held object of a registering node, or report why not.
+    fn adopt(
+        &mut self,
+        node: NodeId,
+        h: &HeldObject,
+        fx: &mut Vec<NodeEffect>,
+        out: &mut Registration,
+    ) {
+        if let Err(reason) = self.try_adopt(node, h, fx, out) {
+            let key: Arc<str> = Arc::from(h.key.as_str());
+            fx.push(NodeEffect::Drop {
+                node,
+                key,
+                segment: h.segment,
+                offset: h.offset,
+                len: h.size,
+            });
+            let c =
+                Conflict { key: h.key.clone(), node, segment: h.segment, offset: h.offset, reason };
+            out.conflicts.push(c);
+        }
+    }
+
+    fn try_adopt(
+        &mut self,
+        node: NodeId,
+        h: &HeldObject,
+        fx: &mut Vec<NodeEffect>,
+        out: &mut Registration,
+    ) -> Result<(), ConflictReason> {
+        if h.key.is_empty() || h.key.len() > self.cfg.key_len_max {
+            return Err(ConflictReason::Invalid);
+        }
+        if h.size == 0 || h.size > self.cfg.object_size_max {
+            return Err(ConflictReason::Invalid);
+        }
+        let segs = &self.nodes[&node].segs;
+        let seg = segs
+            .iter()
+            .copied()
+            .find(|&s| self.segment(s).index == h.segment)
+            .ok_or(ConflictReason::UnknownSegment)?;
+        if self.segment(seg).tier != h.tier {
+            return Err(ConflictReason::TierMismatch);
+        }
+        let existing = self.lookup(&h.key);
+        if let Some(id) = existing {
+            let o = &self.objects[id];
+            let theirs = (o.version, o.size, o.checksum());
+            let ours = (h.version, h.size, h.checksum);
+            if ours < theirs {
+                return Err(ConflictReason::Superseded);
+            }
+            if ours == theirs && self.replica_on(id, node, h.tier).is_some() {
+                return Err(ConflictReason::Duplicate);
+            }
+        }
+        self.segment_mut(seg)
+            .alloc
+            .reserve(h.offset, h.size)
+            .map_err(|_| ConflictReason::Overlap)?;
+        let id = match existing {
+            Some(id)
+                if self.objects[id].version == h.version
+                    && self.objects[id].size == h.size
+                    && self.objects[id].checksum() == h.checksum =>
+            {
+                id
+            }
+            Some(id) => {
+                self.supersede(id, fx, out);
+                self.insert_held(h)
+            }
+            None => self.insert_held(h),
+        };
+        if h.persisted {
+            self.set_persisted(id, true);
+        }
+        self.attach_replica(id, seg, h.offset);
+        self.last_version = self.last_version.max(h.version);
+        out.adopted += 1;
+        Ok(())
+    }
+
+    /// Remove an object that lost to a newer report: `Drop` and a conflict for each replica.
+    fn supersede(&mut self, id: u32, fx: &mut Vec<NodeEffect>, out: &mut Registration) {
+        let first = fx.len();
+        self.remove_object(id, Some(fx));
+        for effect in &fx[first..] {
+            if let NodeEffect::Drop { node, key, segment, offset, .. } = effect {
+                out.conflicts.push(Conflict {
+                    key: key.to_string(),
+                    node: *node,
+                    segment: *segment,
+                    offset: *offset,
+                    reason: ConflictReason::Superseded,
+                });
+            }
+        }
+    }
+
+    fn insert_held(&mut self, h: &HeldObject) -> u32 {
+        let flags = Flags {
+            has_checksum: h.checksum.is_some(),
+            persisted: h.persisted,
+            pin: h.pin,
+            persistence: h.persistence,
+        };
+        self.insert_object(Obj {
+            key: Arc::from(h.key.as_str()),
+            size: h.size,
+            version: h.version,
+            lease_end_ms: 0,
+            checksum: h.checksum.unwrap_or_default(),
+            first_rep: NIL,
+            flags,
+        })
+    }
+}
