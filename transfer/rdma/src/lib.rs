@@ -28,9 +28,19 @@
 //! Not handled: SEND/RECV, atomics, rdma_cm, ODP, GPU memory, multi-port striping (the engine
 //! opens one context per NIC and spreads its endpoints).
 
-#[allow(dead_code)] // the endpoint code that uses the rest arrives in the next commit
+mod context;
+mod endpoint;
 mod error;
+mod ffi;
 mod info;
+mod mr;
+mod op;
 
+pub use context::{
+    ContextOptions, DeviceLimits, Opened, RdmaContext, Unavailable, UnavailableCause,
+};
+pub use endpoint::{Endpoint, EndpointOptions, EndpointState};
 pub use error::{Error, ErrorKind, Result, WcStatus};
 pub use info::{ENDPOINT_INFO_LEN, EndpointInfo, LinkLayer, PathMtu};
+pub use mr::{LocalSlice, MemoryRegion, RemoteAddr, RemoteRegion};
+pub use op::{Completion, Op, OpKind, WindowStats};
