@@ -60,7 +60,9 @@ pub struct EndpointOptions {
     pub queued_ops_max: usize,
     /// Local ACK timeout exponent: 4.096 us * 2^n per transport retry. Default 14 (~67 ms).
     pub ack_timeout_exp: u8,
-    /// Transport retries before an op fails with `RetryExceeded`. Default 7 (the maximum).
+    /// Transport retries before an op fails with `RetryExceeded`: 0 ..= 6, default 6. The
+    /// verbs value 7 is refused: Soft-RoCE (rxe) treats it as "retry forever", which would turn
+    /// a dead peer into a hang instead of an error.
     pub retry_count: u8,
     /// How long `poll` spins on the CQ before sleeping on the completion channel. Default 20 us.
     pub busy_poll: Duration,
@@ -75,7 +77,7 @@ impl Default for EndpointOptions {
             slice_bytes_max: 1 << 20,
             queued_ops_max: 4096,
             ack_timeout_exp: 14,
-            retry_count: 7,
+            retry_count: 6,
             busy_poll: Duration::from_micros(20),
         }
     }
@@ -320,7 +322,7 @@ impl Endpoint {
             .setup_sq_psn(self.local.psn)
             .setup_timeout(self.opts.ack_timeout_exp)
             .setup_retry_cnt(self.opts.retry_count)
-            .setup_rnr_retry(7)
+            .setup_rnr_retry(6)
             .setup_max_read_atomic(reads_max);
         self.qp.modify(&attr).map_err(|e| {
             Error::os("connect", format!("QP {} to RTS", self.local.qpn), io_error(&e))
@@ -512,8 +514,8 @@ fn clamp_options(ctx: &RdmaContext, opts: &EndpointOptions) -> Result<EndpointOp
     if opts.max_outstanding_reads == 0 || opts.responder_resources == 0 {
         return bad(format!("zero READ depth in {opts:?}"));
     }
-    if opts.ack_timeout_exp > 31 || opts.retry_count > 7 {
-        return bad(format!("ack_timeout_exp <= 31 and retry_count <= 7 in {opts:?}"));
+    if opts.ack_timeout_exp > 31 || opts.retry_count > 6 {
+        return bad(format!("need ack_timeout_exp <= 31 and retry_count <= 6 in {opts:?}"));
     }
     let mut o = opts.clone();
     o.send_queue_depth = o.send_queue_depth.min(lim.max_qp_wr.max(1)).min(lim.max_cqe.max(1));
