@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use kvfs_rdma::{
     Completion, ContextOptions, Endpoint, EndpointInfo, EndpointOptions, EndpointState, ErrorKind,
-    MemoryRegion, Op, OpKind, Opened, RdmaContext, RemoteAddr, RemoteRegion,
+    MemoryRegion, Op, OpKind, Opened, PathMtu, RdmaContext, RemoteAddr, RemoteRegion,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -86,9 +86,17 @@ fn endpoint_options() -> EndpointOptions {
 
 /// Creates and connects a pair of endpoints the way two engines would: through the bytes.
 fn connect_pair(a: &Engine, b: &Engine) -> Result<(Endpoint, Endpoint)> {
-    let opts = endpoint_options();
-    let mut ea = Endpoint::new(&a.ctx, &opts).context("endpoint A")?;
-    let mut eb = Endpoint::new(&b.ctx, &opts).context("endpoint B")?;
+    connect_pair_with(a, b, &endpoint_options(), &endpoint_options())
+}
+
+fn connect_pair_with(
+    a: &Engine,
+    b: &Engine,
+    opts_a: &EndpointOptions,
+    opts_b: &EndpointOptions,
+) -> Result<(Endpoint, Endpoint)> {
+    let mut ea = Endpoint::new(&a.ctx, opts_a).context("endpoint A")?;
+    let mut eb = Endpoint::new(&b.ctx, opts_b).context("endpoint B")?;
     let (wire_a, wire_b) = (ea.local_info().to_bytes(), eb.local_info().to_bytes());
     let info_a = EndpointInfo::from_bytes(&wire_a).context("decode A's info")?;
     let info_b = EndpointInfo::from_bytes(&wire_b).context("decode B's info")?;
@@ -220,6 +228,14 @@ fn expect_failure(ep: &mut Endpoint, ops: &[Op], want: ErrorKind, bound: Duratio
     ensure!(ep.state() == EndpointState::Broken, "endpoint state {:?}", ep.state());
     let again = ep.submit(&ops[..1]).expect_err("submit on a broken endpoint");
     ensure!(again.kind() == ErrorKind::Broken && again.retryable(), "{again}");
+    let t = Instant::now();
+    let polled = ep.poll(Duration::from_secs(10)).expect_err("poll on a drained broken endpoint");
+    ensure!(polled.kind() == ErrorKind::Broken, "{polled}");
+    ensure!(
+        t.elapsed() < Duration::from_secs(1),
+        "poll on a broken endpoint waited {:?}",
+        t.elapsed()
+    );
     println!(
         "  {want:?} as expected in {:?}: {}",
         start.elapsed(),
@@ -328,10 +344,15 @@ fn main() -> Result<()> {
     expect_failure(&mut ea, &ops, ErrorKind::RetryExceeded, POLL_TIMEOUT)?;
     b.verify()?;
 
-    println!("[6] a fresh endpoint pair after the failures");
-    let (mut ea, _eb) = connect_pair(&a, &b)?;
+    println!("[6] a fresh endpoint pair after the failures; A advertises MTU 1024, B 4096");
+    let capped = EndpointOptions { path_mtu_max: Some(PathMtu::Mtu1024), ..endpoint_options() };
+    let (mut ea, eb) = connect_pair_with(&a, &b, &capped, &endpoint_options())?;
+    ensure!(eb.local_info().mtu == a.ctx.active_mtu(), "B advertises its active MTU");
+    for (name, ep) in [("A", &ea), ("B", &eb)] {
+        ensure!(ep.path_mtu() == Some(PathMtu::Mtu1024), "{name}: path MTU {:?}", ep.path_mtu());
+    }
     let again = random_batch(&mut ea, &mut a, &mut b, 12, &mut rng)?;
-    println!("  {} ops, {} bytes verified", again.ops, again.bytes);
+    println!("  path MTU 1024 on both sides; {} ops, {} bytes verified", again.ops, again.bytes);
 
     let ops = ab.ops + ba.ops + again.ops;
     let bytes = ab.bytes + ba.bytes + again.bytes;

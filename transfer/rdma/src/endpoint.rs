@@ -66,6 +66,9 @@ pub struct EndpointOptions {
     pub retry_count: u8,
     /// How long `poll` spins on the CQ before sleeping on the completion channel. Default 20 us.
     pub busy_poll: Duration,
+    /// Largest path MTU to advertise (`None`: the port's active MTU). The connection uses the
+    /// smaller of both sides' advertised MTU.
+    pub path_mtu_max: Option<PathMtu>,
 }
 
 impl Default for EndpointOptions {
@@ -79,6 +82,7 @@ impl Default for EndpointOptions {
             ack_timeout_exp: 14,
             retry_count: 6,
             busy_poll: Duration::from_micros(20),
+            path_mtu_max: None,
         }
     }
 }
@@ -182,7 +186,7 @@ impl Endpoint {
             psn: random_psn(qp.qp_number()),
             gid: inner.gid,
             lid: inner.lid,
-            mtu: inner.active_mtu,
+            mtu: opts.path_mtu_max.map_or(inner.active_mtu, |cap| cap.min(inner.active_mtu)),
             link_layer: inner.link_layer,
             responder_resources: opts.responder_resources,
         };
@@ -339,7 +343,9 @@ impl Endpoint {
     }
 
     /// Waits up to `timeout` for ops to finish and returns those that did (at least one).
-    /// `Timeout` if none finished in time; outstanding ops then stay outstanding.
+    /// `Timeout` if none finished in time (outstanding ops then stay outstanding; with nothing
+    /// outstanding it sleeps out the timeout); `Broken` at once if the endpoint failed and all
+    /// its ops have been reported.
     pub fn poll(&mut self, timeout: Duration) -> Result<Vec<Completion>> {
         let mut out = Vec::new();
         self.poll_into(&mut out, timeout)?;
@@ -363,6 +369,13 @@ impl Endpoint {
                 return Ok(out.len() - before);
             }
             let now = Instant::now();
+            if self.outstanding() == 0 && self.state() == EndpointState::Broken {
+                return Err(Error::new(
+                    ErrorKind::Broken,
+                    "poll",
+                    format!("qpn {} failed earlier; nothing left to report", self.local.qpn),
+                ));
+            }
             if self.outstanding() == 0 {
                 std::thread::sleep(deadline.saturating_duration_since(now));
                 return Err(self.timeout_error(timeout, "nothing outstanding"));
@@ -534,4 +547,20 @@ fn random_psn(qpn: u32) -> u32 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
     (RandomState::new().hash_one((qpn, nanos)) & 0x00ff_ffff) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The engine moves endpoints into a polling thread and shares contexts and regions.
+    #[test]
+    fn handles_can_cross_threads() {
+        fn send<T: Send>() {}
+        fn send_sync<T: Send + Sync>() {}
+        send::<Endpoint>();
+        send_sync::<RdmaContext>();
+        send_sync::<crate::MemoryRegion>();
+        send::<Completion>();
+    }
 }
