@@ -13,7 +13,9 @@
 //!    behind it with `Flushed`), the endpoint reports itself broken, the peer's bytes are intact;
 //! 4. a bad rkey fails with `RemoteAccess`, a local range outside its lkey with `LocalAccess`;
 //! 5. a WRITE to a peer whose endpoint is gone fails with `RetryExceeded` within a bound;
-//! 6. a fresh endpoint pair after all that moves and verifies bytes again (recovery path).
+//! 6. a fresh endpoint pair after all that moves and verifies bytes again (recovery path), with
+//!    one side advertising a smaller MTU (the pair must agree on the minimum);
+//! 7. `abort` with work in flight reports every op once, failed ops as `Flushed`.
 //!
 //! Environment: `RXE_DEVICE` (set by the guest runner) or `KVFS_RDMA_DEVICE` names the device,
 //! `KVFS_RDMA_GID_INDEX` overrides the GID, `KVFS_RDMA_SEED` changes the batch, and
@@ -353,6 +355,42 @@ fn main() -> Result<()> {
     }
     let again = random_batch(&mut ea, &mut a, &mut b, 12, &mut rng)?;
     println!("  path MTU 1024 on both sides; {} ops, {} bytes verified", again.ops, again.bytes);
+
+    println!("[7] abort with work in flight");
+    let (mut ea, _eb) = connect_pair(&a, &b)?;
+    let ops: Vec<Op> = (0..8u64)
+        .map(|i| {
+            let len = OP_BYTES_MAX;
+            let (lo, ro) = (i * len, (7 - i) * len);
+            Ok(Op {
+                id: 1 + i,
+                kind: if i % 2 == 0 { OpKind::Write } else { OpKind::Read },
+                local: a.mr.slice(lo as usize, len as usize)?,
+                remote: remote.at(ro, len)?,
+            })
+        })
+        .collect::<Result<_>>()?;
+    ea.submit(&ops)?;
+    let t = Instant::now();
+    ea.abort();
+    let done = collect(&mut ea, ops.len(), POLL_TIMEOUT)?;
+    let flushed = done
+        .iter()
+        .filter(|c| c.result.as_ref().is_err_and(|e| e.kind() == ErrorKind::Flushed))
+        .count();
+    let ok = done.iter().filter(|c| c.result.is_ok()).count();
+    ensure!(
+        flushed + ok == ops.len(),
+        "after abort: {:?}",
+        done.iter().map(|c| &c.result).collect::<Vec<_>>()
+    );
+    ensure!(flushed > 0, "abort right after submit flushed nothing");
+    ensure!(ea.state() == EndpointState::Broken);
+    println!(
+        "  {} ops reported in {:?}: {ok} done before the abort, {flushed} Flushed",
+        done.len(),
+        t.elapsed()
+    );
 
     let ops = ab.ops + ba.ops + again.ops;
     let bytes = ab.bytes + ba.bytes + again.bytes;

@@ -3,7 +3,8 @@
 //! Mechanism:
 //! - `new` creates a completion channel, a CQ sized to the send queue, and an RC QP in the
 //!   context's PD, and moves the QP to INIT. `local_info` describes it for the peer.
-//! - `connect(remote)` moves it INIT -> RTR -> RTS. Path MTU = min(both sides' active MTU);
+//! - `connect(remote)` moves it INIT -> RTR -> RTS. Path MTU = min(both sides' advertised MTU:
+//!   the port's active MTU, capped by `path_mtu_max`);
 //!   outstanding READs = min(our `max_outstanding_reads`, the peer's responder resources), both
 //!   clamped to the device limits. RoCE always uses a GRH to the peer's GID.
 //! - `submit(ops)` queues one-sided READs/WRITEs (see `op.rs` for slicing and windows) and posts
@@ -18,8 +19,9 @@
 //!   timeout and returns `Timeout`.
 //! - The first failed completion breaks the endpoint for good: the QP is in the error state, all
 //!   posted work comes back flushed, queued work is failed without posting, and `submit` returns
-//!   `Broken`. A caller recovers by connecting a new endpoint (new handshake). At a `poll`
-//!   deadline the QP state is queried; a QP found in the error state is reported, not waited on.
+//!   `Broken`. A caller recovers by connecting a new endpoint (new handshake). When a `poll`
+//!   deadline passes with no completion for `STALL_CHECK` (and at most that often), the QP state
+//!   is queried; a QP found in the error state is reported, not waited on.
 //! - Memory regions used by ops must outlive them (see `mr.rs`). Dropping an endpoint destroys
 //!   its QP, after which the device touches none of the op buffers.
 //!
@@ -89,6 +91,8 @@ impl Default for EndpointOptions {
 
 /// Longest single sleep on the completion channel, so that a lost event costs at most this.
 const CHANNEL_WAIT_MAX: Duration = Duration::from_millis(50);
+/// No completion for this long at a `poll` deadline: query the QP state (at most this often).
+const STALL_CHECK: Duration = Duration::from_millis(500);
 const WC_BATCH: usize = 64;
 const HOP_LIMIT: u8 = 64;
 const MIN_RNR_TIMER: u8 = 12;
@@ -122,6 +126,8 @@ pub struct Endpoint {
     conn: Option<Connected>,
     failed: bool,
     armed: bool,
+    last_progress: Instant,
+    last_qp_check: Instant,
     wcs: Vec<rdma_mummy_sys::ibv_wc>,
     slices: Vec<SliceWr>,
 }
@@ -201,6 +207,8 @@ impl Endpoint {
             conn: None,
             failed: false,
             armed: false,
+            last_progress: Instant::now(),
+            last_qp_check: Instant::now(),
             wcs: vec![ffi::empty_wc(); WC_BATCH],
             slices: Vec::new(),
         })
@@ -338,8 +346,24 @@ impl Endpoint {
     pub fn submit(&mut self, ops: &[Op]) -> Result<()> {
         let conn = self.conn.as_mut().ok_or_else(|| not_connected(self.local.qpn))?;
         conn.sched.submit(ops)?;
+        if conn.sched.outstanding() == ops.len() {
+            // Work after an idle gap: stall time counts from now.
+            self.last_progress = Instant::now();
+        }
         self.pump();
         Ok(())
+    }
+
+    /// Fails the endpoint now, e.g. when the engine's control connection to the peer died: the
+    /// QP goes to the error state, posted work comes back flushed, queued work fails without
+    /// being posted, and `poll` reports every outstanding op (then `Broken`).
+    pub fn abort(&mut self) {
+        self.failed = true;
+        if let Some(conn) = self.conn.as_mut() {
+            conn.sched.break_with(ErrorKind::Broken);
+        }
+        self.move_to_error();
+        tracing::debug!(qpn = self.local.qpn, "RDMA endpoint aborted");
     }
 
     /// Waits up to `timeout` for ops to finish and returns those that did (at least one).
@@ -381,7 +405,9 @@ impl Endpoint {
                 return Err(self.timeout_error(timeout, "nothing outstanding"));
             }
             if now >= deadline {
-                if self.qp_in_error()? {
+                let stalled = now.duration_since(self.last_progress) >= STALL_CHECK
+                    && now.duration_since(self.last_qp_check) >= STALL_CHECK;
+                if stalled && self.qp_in_error()? {
                     self.abandon("QP in the error state and its work did not come back");
                     continue;
                 }
@@ -415,6 +441,7 @@ impl Endpoint {
             if n == 0 {
                 return Ok(());
             }
+            self.last_progress = Instant::now();
             let Some(conn) = self.conn.as_mut() else { return Ok(()) };
             let mut failed = false;
             for wc in &self.wcs[..n] {
@@ -466,6 +493,7 @@ impl Endpoint {
     }
 
     fn qp_in_error(&mut self) -> Result<bool> {
+        self.last_qp_check = Instant::now();
         let (attr, _) = self.qp.query(QueuePairAttributeMask::State).map_err(|e| {
             Error::os("poll", format!("query state of qpn {}", self.local.qpn), io_error(&e))
         })?;

@@ -62,7 +62,9 @@ pub struct Completion {
     pub kind: OpKind,
     /// The op's length in bytes.
     pub len: u64,
-    /// `Ok` when every byte arrived; else the first failure among the op's slices.
+    /// `Ok` when every byte arrived; else the first failure among the op's slices. After a
+    /// failure the destination range holds an undefined mix of old and new bytes (some slices
+    /// may have landed): re-issue the whole op.
     pub result: Result<()>,
 }
 
