@@ -79,9 +79,14 @@ pub fn encode_frame<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
     Ok(frame)
 }
 
-/// Decodes a frame body (without its length prefix) as `T`.
+/// Decodes a frame body (without its length prefix) as `T`; trailing bytes are an error (a
+/// body that decodes as a prefix of something else is not the message we expect).
 pub fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
-    Ok(postcard::from_bytes(body)?)
+    let (msg, rest) = postcard::take_from_bytes(body)?;
+    if !rest.is_empty() {
+        return Err(FrameError::Decode(postcard::Error::DeserializeBadEncoding));
+    }
+    Ok(msg)
 }
 
 /// Reads one frame and decodes it as `T`; `Ok(None)` on a clean end of stream.
@@ -91,7 +96,7 @@ pub async fn read_msg<R: AsyncRead + Unpin, T: DeserializeOwned>(
 ) -> Result<Option<T>, FrameError> {
     match read_frame(r, max_len).await? {
         None => Ok(None),
-        Some(body) => Ok(Some(postcard::from_bytes(&body)?)),
+        Some(body) => Ok(Some(decode_body(&body)?)),
     }
 }
 

@@ -169,7 +169,11 @@ pub struct RpcConn {
 
 impl RpcConn {
     /// Connects to `addr` and starts serving requests from the peer with `handler`.
-    pub async fn connect(addr: &str, handler: Arc<dyn Handler>, opts: RpcOptions) -> Result<RpcConn, RpcError> {
+    pub async fn connect(
+        addr: &str,
+        handler: Arc<dyn Handler>,
+        opts: RpcOptions,
+    ) -> Result<RpcConn, RpcError> {
         let err = |detail: String| RpcError::Connect { peer: addr.to_string(), detail };
         let stream = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(addr))
             .await
@@ -239,16 +243,18 @@ impl RpcConn {
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = encode(KIND_REQUEST, id, req)?;
         if frame.len() - 4 > inner.opts.frame_bytes_max {
-            return Err(RpcError::TooLarge { len: frame.len() - 4, max: inner.opts.frame_bytes_max });
+            return Err(RpcError::TooLarge {
+                len: frame.len() - 4,
+                max: inner.opts.frame_bytes_max,
+            });
         }
         let (tx, rx) = oneshot::channel();
         inner.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
-        let sent = tokio::time::timeout(timeout, self.send(&frame)).await;
-        let outcome = match sent {
-            Ok(Ok(())) => tokio::time::timeout(timeout, rx).await,
-            Ok(Err(e)) => Ok(Err(e)),
-            Err(_) => Err(tokio::time::error::Elapsed::new_for_kvfs()),
-        };
+        let outcome = tokio::time::timeout(timeout, async {
+            self.send(&frame).await;
+            rx.await
+        })
+        .await;
         match outcome {
             Ok(Ok((KIND_RESPONSE, body))) => {
                 kvfs_proto::decode_body(&body).map_err(|e| RpcError::Decode(e.to_string()))
@@ -257,37 +263,21 @@ impl RpcConn {
             Ok(Err(_)) => Err(RpcError::Closed(inner.peer.clone())),
             Err(_) => {
                 inner.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-                Err(RpcError::Timeout { peer: inner.peer.clone(), timeout_ms: timeout.as_millis() as u64 })
+                Err(RpcError::Timeout {
+                    peer: inner.peer.clone(),
+                    timeout_ms: timeout.as_millis() as u64,
+                })
             }
         }
     }
 
-    async fn send(&self, frame: &[u8]) -> Result<(), oneshot::error::RecvError> {
+    /// Writes one whole frame; a failed write closes the connection, which fails every call
+    /// waiting on it (their reply senders are dropped).
+    async fn send(&self, frame: &[u8]) {
         let mut w = self.inner.writer.lock().await;
         if w.write_all(frame).await.is_err() {
             drop(w);
             self.inner.close();
-            // Reported as a closed connection by the caller.
-            return Ok(());
-        }
-        Ok(())
-    }
-}
-
-/// `tokio::time::error::Elapsed` has no public constructor; this stands in for it.
-trait ElapsedExt {
-    fn new_for_kvfs() -> Self;
-}
-
-impl ElapsedExt for tokio::time::error::Elapsed {
-    fn new_for_kvfs() -> Self {
-        // A zero-length timeout on a pending future elapses immediately.
-        let fut = tokio::time::timeout(Duration::ZERO, std::future::pending::<()>());
-        let mut fut = std::pin::pin!(fut);
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        match fut.as_mut().poll(&mut cx) {
-            Poll::Ready(Err(e)) => e,
-            _ => unreachable!("a zero timeout elapses on its first poll outside a runtime timer"),
         }
     }
 }
@@ -342,7 +332,8 @@ async fn read_loop(mut rd: OwnedReadHalf, conn: RpcConn, handler: Arc<dyn Handle
         };
         match kind {
             KIND_RESPONSE | KIND_ERROR => {
-                let waiter = conn.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                let waiter =
+                    conn.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
                 if let Some(tx) = waiter {
                     let _ = tx.send((kind, body));
                 }
@@ -393,7 +384,7 @@ async fn respond(conn: &RpcConn, id: u64, result: Result<Vec<u8>, String>) {
         Ok(body) => frame_bytes(KIND_RESPONSE, id, &body),
         Err(msg) => frame_bytes(KIND_ERROR, id, msg.as_bytes()),
     };
-    let _ = conn.send(&frame).await;
+    conn.send(&frame).await;
 }
 
 #[cfg(test)]
@@ -417,8 +408,9 @@ mod tests {
         });
         let (client, server) = pair(h).await;
         let t = Duration::from_secs(5);
-        let slow = client.call::<_, String>(&(200u64, "slow".to_string()), t);
-        let fast = client.call::<_, String>(&(0u64, "fast".to_string()), t);
+        let (slow_req, fast_req) = ((200u64, "slow".to_string()), (0u64, "fast".to_string()));
+        let slow = client.call::<_, String>(&slow_req, t);
+        let fast = client.call::<_, String>(&fast_req, t);
         let (slow, fast) = tokio::join!(slow, fast);
         assert_eq!(slow.unwrap(), "echo slow");
         assert_eq!(fast.unwrap(), "echo fast");
@@ -437,7 +429,7 @@ mod tests {
         let r = client.call::<_, u64>(&10_000u64, Duration::from_millis(100)).await;
         assert!(matches!(r, Err(RpcError::Timeout { .. })), "{r:?}");
         // A request the handler cannot decode is answered with an error, not a hang.
-        let r = client.call::<_, u64>(&"not a number", Duration::from_secs(5)).await;
+        let r = client.call::<_, u64>(&[0xffu8; 11], Duration::from_secs(5)).await;
         assert!(matches!(r, Err(RpcError::Remote(_))), "{r:?}");
         // A closed peer fails waiting calls at once.
         let waiting = tokio::spawn({
@@ -459,9 +451,16 @@ mod tests {
         let accept = tokio::spawn(async move { l.accept().await.unwrap().0 });
         let opts = RpcOptions { frame_bytes_max: 1024, ..RpcOptions::default() };
         let client = RpcConn::connect(&addr, no_handler(), opts.clone()).await.unwrap();
-        let _server = RpcConn::start(accept.await.unwrap(), handler_fn(|_c, v: Vec<u8>| async move { v.len() }), opts);
+        let _server = RpcConn::start(
+            accept.await.unwrap(),
+            handler_fn(|_c, v: Vec<u8>| async move { v.len() }),
+            opts,
+        );
         let r = client.call::<_, usize>(&vec![0u8; 4096], Duration::from_secs(5)).await;
         assert!(matches!(r, Err(RpcError::TooLarge { .. })), "{r:?}");
-        assert_eq!(client.call::<_, usize>(&vec![0u8; 100], Duration::from_secs(5)).await.unwrap(), 100);
+        assert_eq!(
+            client.call::<_, usize>(&vec![0u8; 100], Duration::from_secs(5)).await.unwrap(),
+            100
+        );
     }
 }
