@@ -5,7 +5,8 @@
 //! eviction, placement, tiers, node membership and recovery from what nodes report) and the
 //! per-segment offset [`Allocator`](alloc::Allocator).
 //!
-//! It is deliberately plain: no threads, no I/O, no clock (time comes in as `now_ms`), no
+//! The [`service`] module puts that core on the network (RPC, timer, node connections, admin
+//! HTTP); everything outside it is sans-IO. It is deliberately plain: no threads, no I/O, no clock (time comes in as `now_ms`), no
 //! global randomness (a seeded RNG owned by the directory), no serialization derives (wire
 //! types live in the proto crate). The RPC layer owns a `Directory`, feeds it requests and
 //! timer ticks, and delivers the [`NodeEffect`]s it returns to nodes. The same seed and the
@@ -18,6 +19,7 @@ mod config;
 mod directory;
 mod error;
 mod rng;
+pub mod service;
 mod slab;
 mod types;
 

@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod frame;
+pub mod store;
 pub mod transfer;
 
 pub use frame::{

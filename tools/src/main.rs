@@ -2,6 +2,7 @@
 //! the work happens in the crates.
 
 mod bench;
+mod cmd;
 
 use clap::{Args, Parser, Subcommand};
 use kvfs_transfer::TransportKind;
@@ -15,12 +16,31 @@ use bench::report::parse_bytes;
     about = "kvfs: a tiered, distributed KV-cache store for LLM inference"
 )]
 struct Cli {
+    /// Master address for the commands that talk to a cluster.
+    #[arg(long, global = true, env = "KVFS_MASTER", default_value = "127.0.0.1:50051")]
+    master: String,
     #[command(subcommand)]
     cmd: Cmd,
 }
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Run a whole cluster on this machine: master and one node (prints the master address).
+    Up(cmd::cluster::UpArgs),
+    /// Run the master: object directory, placement, leases, eviction (never on the data path).
+    Master(cmd::cluster::MasterArgs),
+    /// Run a node: contribute DRAM to the pool and serve transfers.
+    Node(cmd::cluster::NodeArgs),
+    /// Store a file as an object.
+    Put(cmd::objects::PutArgs),
+    /// Read an object into a file.
+    Get(cmd::objects::GetArgs),
+    /// List keys.
+    Ls(cmd::objects::LsArgs),
+    /// Show an object's size, checksum, replicas and lease, or cluster figures.
+    Stat(cmd::objects::StatArgs),
+    /// Remove objects.
+    Rm(cmd::objects::RmArgs),
     /// Measure kvfs against the machine's own limits (memcpy, loopback TCP, raw disk).
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -75,7 +95,15 @@ fn parse_transport(s: &str) -> Result<TransportKind, String> {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() {
+    if let Err(e) = run() {
+        // The chain of causes, without a backtrace: these are user-facing errors.
+        eprintln!("kvfs: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KVFS_LOG")
@@ -86,7 +114,16 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
+        let master = cli.master;
         match cli.cmd {
+            Cmd::Up(a) => cmd::cluster::up(a).await,
+            Cmd::Master(a) => cmd::cluster::master(a).await,
+            Cmd::Node(a) => cmd::cluster::node(&master, a).await,
+            Cmd::Put(a) => cmd::objects::put(&master, a).await,
+            Cmd::Get(a) => cmd::objects::get(&master, a).await,
+            Cmd::Ls(a) => cmd::objects::ls(&master, a).await,
+            Cmd::Stat(a) => cmd::objects::stat(&master, a).await,
+            Cmd::Rm(a) => cmd::objects::rm(&master, a).await,
             Cmd::Bench(BenchCmd::Transfer(a)) => {
                 bench::transfer::run(bench::transfer::TransferBench {
                     sizes: a.sizes,

@@ -1,0 +1,761 @@
+//! The store client: puts and gets of whole objects, zero-copy from and into registered memory,
+//! batches of everything, and the metadata calls.
+//!
+//! Put: `PutStart` for the whole batch (the master allocates one range per replica on distinct
+//! nodes), then one Transfer Engine batch writes every replica of every object in parallel,
+//! then `PutEnd` for the objects whose replicas were all written and `PutRevoke` for the rest.
+//! First writer wins: a key that already exists is a success that keeps the old value; a key
+//! another writer is still putting is retried until it completes (then it exists) or until
+//! the retry budget runs out (`PutInProgress`).
+//!
+//! Get: `Get` for the whole batch (grants read leases), then one Transfer Engine batch reads
+//! each object from its best replica (same host first, then the least loaded by bytes in
+//! flight from this client), straight into the destination; items whose replica failed are
+//! read again from their next replica, until none is left.
+//!
+//! The bytes API (`put`, `get`) stages through registered buffers; the zero-copy API
+//! (`put_from`, `get_into`) moves bytes directly from and into memory registered with the
+//! client's engine ([`Client::engine`]).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvfs_proto::store::{
+    DirPage, ListPage, MasterRequest, MasterResponse, MasterStats, ObjectView, Persistence, Pin,
+    PutEndItem, PutGrant, PutStartItem, RemoveCounts, ReplicaDesc, Role, Strategy, Tier,
+};
+use kvfs_transfer::{Engine, EngineConfig, SegmentHandle, TransferOp, TransferRequest};
+
+use crate::master::MasterLink;
+use crate::staging::StagingPool;
+use crate::{Error, ErrorKind, Result};
+
+/// How a put places and protects its objects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutOptions {
+    /// Replicas on distinct nodes (best effort: at least one).
+    pub replicas: u8,
+    pub persistence: Persistence,
+    pub pin: Pin,
+    pub strategy: Strategy,
+    /// Replace an existing object instead of keeping the first value.
+    pub upsert: bool,
+    /// Nodes to place on first, by Transfer Engine segment name.
+    pub preferred_endpoints: Vec<String>,
+    /// Compute a blake3 checksum of the bytes and record it with the object.
+    pub checksum: bool,
+}
+
+impl Default for PutOptions {
+    fn default() -> Self {
+        PutOptions {
+            replicas: 1,
+            persistence: Persistence::None,
+            pin: Pin::None,
+            strategy: Strategy::Random,
+            upsert: false,
+            preferred_endpoints: Vec::new(),
+            checksum: false,
+        }
+    }
+}
+
+/// Configuration of a client.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Master address, `host:port`.
+    pub master: String,
+    pub engine: EngineConfig,
+    /// One master call fails after this long.
+    pub rpc_timeout_ms: u64,
+    /// How long a put keeps retrying keys that another writer is putting (or while the master
+    /// recovers) before it reports `PutInProgress` / `Recovering`.
+    pub retry_budget_ms: u64,
+    /// Staging buffers kept for reuse by the bytes API.
+    pub staging_cached_bytes_max: usize,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            master: "127.0.0.1:50051".into(),
+            engine: EngineConfig::default(),
+            rpc_timeout_ms: 5_000,
+            retry_budget_ms: 15_000,
+            staging_cached_bytes_max: 256 << 20,
+        }
+    }
+}
+
+/// One object of a zero-copy put: `len` bytes at `addr`, in memory registered with the engine.
+#[derive(Debug, Clone, Copy)]
+pub struct PutFrom<'a> {
+    pub key: &'a str,
+    pub addr: u64,
+    pub len: u64,
+}
+
+/// One object of a zero-copy get: into at most `cap` bytes at `addr` (registered memory).
+#[derive(Debug, Clone, Copy)]
+pub struct GetInto<'a> {
+    pub key: &'a str,
+    pub addr: u64,
+    pub cap: u64,
+}
+
+/// What the master knows of an object.
+pub type ObjectInfo = ObjectView;
+
+struct Inner {
+    cfg: ClientConfig,
+    engine: Engine,
+    master: MasterLink,
+    staging: Arc<StagingPool>,
+    host: String,
+    /// Bytes this client has in flight per node endpoint (replica choice).
+    inflight: Mutex<HashMap<String, u64>>,
+    rotate: AtomicUsize,
+}
+
+/// A connection to a kvfs cluster. Cheap to clone; all clones share one engine and one master
+/// connection.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+impl Client {
+    /// Starts the client's Transfer Engine and connects to the master.
+    pub async fn connect(cfg: ClientConfig) -> Result<Client> {
+        let engine = Engine::start(cfg.engine.clone())
+            .await
+            .map_err(|e| Error::from_transfer("start engine", &e))?;
+        let host = kvfs_transfer::host_id().to_string();
+        let timeout = Duration::from_millis(cfg.rpc_timeout_ms);
+        let master = MasterLink::new(
+            cfg.master.clone(),
+            Role::Client,
+            host.clone(),
+            kvfs_rpc::no_handler(),
+            timeout,
+        );
+        master.conn().await?;
+        let staging = StagingPool::new(engine.clone(), cfg.staging_cached_bytes_max);
+        Ok(Client {
+            inner: Arc::new(Inner {
+                cfg,
+                engine,
+                master,
+                staging,
+                host,
+                inflight: Mutex::new(HashMap::new()),
+                rotate: AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    /// The client's Transfer Engine: register buffers here for the zero-copy calls.
+    pub fn engine(&self) -> &Engine {
+        &self.inner.engine
+    }
+
+    pub fn master_addr(&self) -> &str {
+        self.inner.master.addr()
+    }
+
+    /// Host identity used for same-host-first replica choice.
+    pub fn host(&self) -> &str {
+        &self.inner.host
+    }
+
+    pub async fn close(&self) {
+        self.inner.master.close().await;
+    }
+
+    async fn call(&self, op: &'static str, req: &MasterRequest) -> Result<MasterResponse> {
+        self.inner.master.call(op, req).await
+    }
+
+    // ----- puts ----------------------------------------------------------------------------
+
+    /// Zero-copy put of one object.
+    pub async fn put_from(&self, key: &str, addr: u64, len: u64, opts: &PutOptions) -> Result<()> {
+        let mut r = self.put_from_batch(&[PutFrom { key, addr, len }], opts).await;
+        r.pop().unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "put", "no result")))
+    }
+
+    /// Zero-copy put of many objects: one master round trip to start, one transfer batch,
+    /// one to end. Results are per item, in order.
+    pub async fn put_from_batch(
+        &self,
+        items: &[PutFrom<'_>],
+        opts: &PutOptions,
+    ) -> Vec<Result<()>> {
+        let mut out: Vec<Option<Result<()>>> = vec![None; items.len()];
+        let deadline = Instant::now() + Duration::from_millis(self.inner.cfg.retry_budget_ms);
+        let mut todo: Vec<usize> = (0..items.len()).collect();
+        let mut backoff = Duration::from_millis(5);
+        while !todo.is_empty() {
+            let retry = self.put_round(items, &todo, opts, &mut out).await;
+            if retry.is_empty() {
+                break;
+            }
+            if Instant::now() + backoff > deadline {
+                for (i, e) in retry {
+                    out[i] = Some(Err(e.with_key(items[i].key)));
+                }
+                break;
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(200));
+            todo = retry.into_iter().map(|(i, _)| i).collect();
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "put", "no result"))))
+            .collect()
+    }
+
+    /// One round of puts for the items `todo`; returns the items to retry (another writer's put
+    /// in progress, master recovering) with the error to report if the budget runs out.
+    async fn put_round(
+        &self,
+        items: &[PutFrom<'_>],
+        todo: &[usize],
+        opts: &PutOptions,
+        out: &mut [Option<Result<()>>],
+    ) -> Vec<(usize, Error)> {
+        let starts: Vec<PutStartItem> = todo
+            .iter()
+            .map(|&i| PutStartItem {
+                key: items[i].key.to_string(),
+                size: items[i].len,
+                replicas: opts.replicas,
+                persistence: opts.persistence,
+                pin: opts.pin,
+                strategy: opts.strategy,
+                preferred_endpoints: opts.preferred_endpoints.clone(),
+                upsert: opts.upsert,
+            })
+            .collect();
+        let req = MasterRequest::PutStart { client_host: self.inner.host.clone(), items: starts };
+        let grants = match self.call("put", &req).await {
+            Ok(MasterResponse::PutStart(g)) if g.len() == todo.len() => g,
+            Ok(other) => return fail_all(todo, out, unexpected("put", &other)),
+            Err(e) => return fail_all(todo, out, e),
+        };
+        let mut retry = Vec::new();
+        let mut granted = Vec::new();
+        for (&i, g) in todo.iter().zip(grants) {
+            match g {
+                Ok(g) => granted.push((i, g)),
+                Err(e) => {
+                    let err = Error::from_wire("put", &e).with_key(items[i].key);
+                    match err.kind() {
+                        ErrorKind::AlreadyExists => out[i] = Some(Ok(())),
+                        ErrorKind::PutInProgress | ErrorKind::Recovering => retry.push((i, err)),
+                        _ => out[i] = Some(Err(err)),
+                    }
+                }
+            }
+        }
+        if granted.is_empty() {
+            return retry;
+        }
+        let written = self.write_replicas(items, &granted).await;
+        let mut ends = Vec::new();
+        let mut revokes = Vec::new();
+        for ((i, g), w) in granted.iter().zip(written) {
+            match w {
+                Ok(()) => ends.push((*i, g.version)),
+                Err(e) => {
+                    out[*i] = Some(Err(e.with_key(items[*i].key)));
+                    revokes.push(items[*i].key.to_string());
+                }
+            }
+        }
+        if !revokes.is_empty() {
+            // Best effort: an unrevoked put expires on the master after put_timeout_ms.
+            let _ = self.call("put", &MasterRequest::PutRevoke(revokes)).await;
+        }
+        if !ends.is_empty() {
+            self.put_end(items, &ends, opts.checksum, out).await;
+        }
+        retry
+    }
+
+    async fn put_end(
+        &self,
+        items: &[PutFrom<'_>],
+        ends: &[(usize, u64)],
+        checksum: bool,
+        out: &mut [Option<Result<()>>],
+    ) {
+        let req = MasterRequest::PutEnd(
+            ends.iter()
+                .map(|&(i, version)| PutEndItem {
+                    key: items[i].key.to_string(),
+                    checksum: checksum.then(|| registered_blake3(items[i].addr, items[i].len)),
+                    version: Some(version),
+                })
+                .collect(),
+        );
+        match self.call("put", &req).await {
+            Ok(MasterResponse::PutEnd(r)) if r.len() == ends.len() => {
+                for (&(i, _), r) in ends.iter().zip(r) {
+                    out[i] =
+                        Some(r.map_err(|e| Error::from_wire("put", &e).with_key(items[i].key)));
+                }
+            }
+            Ok(other) => {
+                let e = unexpected("put", &other);
+                ends.iter().for_each(|&(i, _)| out[i] = Some(Err(e.clone())));
+            }
+            Err(e) => ends.iter().for_each(|&(i, _)| out[i] = Some(Err(e.clone()))),
+        }
+    }
+
+    /// Writes every replica of every granted object in one transfer batch; per grant, `Ok`
+    /// when all of its replicas were written.
+    async fn write_replicas(
+        &self,
+        items: &[PutFrom<'_>],
+        granted: &[(usize, PutGrant)],
+    ) -> Vec<Result<()>> {
+        let mut status: Vec<Result<()>> = vec![Ok(()); granted.len()];
+        let mut reqs = Vec::new();
+        let mut owner = Vec::new();
+        for (gi, (i, g)) in granted.iter().enumerate() {
+            for r in &g.replicas {
+                match self.writable_segment(r).await {
+                    Ok(seg) => {
+                        reqs.push(TransferRequest {
+                            op: TransferOp::Write,
+                            segment: seg,
+                            local_addr: items[*i].addr,
+                            remote_addr: r.addr,
+                            len: items[*i].len,
+                        });
+                        owner.push(gi);
+                    }
+                    Err(e) => status[gi] = Err(e),
+                }
+            }
+        }
+        for (gi, r) in owner.into_iter().zip(self.transfer(reqs).await) {
+            if let (Err(e), Ok(())) = (r, &status[gi]) {
+                status[gi] = Err(Error::from_transfer("put", &e));
+            }
+        }
+        status
+    }
+
+    async fn writable_segment(&self, r: &ReplicaDesc) -> Result<SegmentHandle> {
+        if !matches!(r.tier, Tier::Dram | Tier::Hbm) {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                "put",
+                format!("cannot write a {:?} replica directly", r.tier),
+            ));
+        }
+        self.inner
+            .engine
+            .open_segment(&r.endpoint)
+            .await
+            .map_err(|e| Error::from_transfer("put", &e))
+    }
+
+    /// Runs transfer requests in engine-sized batches; one result per request, in order.
+    async fn transfer(&self, reqs: Vec<TransferRequest>) -> Vec<kvfs_transfer::Result<()>> {
+        let max = self.inner.engine.config().batch_items_max;
+        let mut results = Vec::with_capacity(reqs.len());
+        let mut reqs = reqs.into_iter().peekable();
+        while reqs.peek().is_some() {
+            let chunk: Vec<_> = reqs.by_ref().take(max).collect();
+            let n = chunk.len();
+            match self.inner.engine.transfer(chunk).await {
+                Ok(r) => results.extend(r),
+                Err(e) => results.extend(std::iter::repeat_n(Err(e), n)),
+            }
+        }
+        results
+    }
+
+    /// Puts bytes (staged through a registered buffer).
+    pub async fn put(&self, key: &str, data: &[u8], opts: &PutOptions) -> Result<()> {
+        self.put_parts(key, &[data], opts).await
+    }
+
+    /// Puts the concatenation of `parts` as one object (e.g. a small header and a KV block).
+    pub async fn put_parts(&self, key: &str, parts: &[&[u8]], opts: &PutOptions) -> Result<()> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let staged = self.inner.staging.take(len)?;
+        let mut off = 0;
+        for p in parts {
+            staged.buffer().write_at(off, p).map_err(|e| Error::from_transfer("put", &e))?;
+            off += p.len();
+        }
+        self.put_from(key, staged.buffer().addr(), len as u64, opts).await
+    }
+
+    /// Puts many byte values.
+    pub async fn put_batch(&self, items: &[(&str, &[u8])], opts: &PutOptions) -> Vec<Result<()>> {
+        let mut staged = Vec::with_capacity(items.len());
+        for (_, data) in items {
+            match self.inner.staging.take(data.len()) {
+                Ok(s) => match s.buffer().write_at(0, data) {
+                    Ok(()) => staged.push(Ok(s)),
+                    Err(e) => staged.push(Err(Error::from_transfer("put", &e))),
+                },
+                Err(e) => staged.push(Err(e)),
+            }
+        }
+        let froms: Vec<PutFrom> = items
+            .iter()
+            .zip(&staged)
+            .filter_map(|((key, data), s)| {
+                s.as_ref().ok().map(|s| PutFrom {
+                    key,
+                    addr: s.buffer().addr(),
+                    len: data.len() as u64,
+                })
+            })
+            .collect();
+        let mut done = self.put_from_batch(&froms, opts).await.into_iter();
+        staged.into_iter().map(|s| s.and_then(|_| done.next().unwrap_or(Ok(())))).collect()
+    }
+
+    // ----- gets ----------------------------------------------------------------------------
+
+    /// Zero-copy get of one object; returns its size.
+    pub async fn get_into(&self, key: &str, addr: u64, cap: u64) -> Result<u64> {
+        let mut r = self.get_into_batch(&[GetInto { key, addr, cap }]).await;
+        r.pop().unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "get", "no result")))
+    }
+
+    /// Zero-copy get of many objects: one master round trip, one transfer batch (plus one per
+    /// replica fallback round). Returns each object's size.
+    pub async fn get_into_batch(&self, items: &[GetInto<'_>]) -> Vec<Result<u64>> {
+        let views = self.views("get", items.iter().map(|g| g.key)).await;
+        let dsts: Vec<(u64, u64)> = items.iter().map(|g| (g.addr, g.cap)).collect();
+        self.read_views(views, &dsts)
+            .await
+            .into_iter()
+            .zip(items)
+            .map(|(r, g)| r.map_err(|e| e.with_key(g.key)))
+            .collect()
+    }
+
+    /// Gets an object's bytes (staged through a registered buffer).
+    pub async fn get(&self, key: &str) -> Result<Vec<u8>> {
+        let mut r = self.get_batch(&[key]).await;
+        r.pop().unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "get", "no result")))
+    }
+
+    /// Gets many objects' bytes.
+    pub async fn get_batch<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<Vec<u8>>> {
+        let views = self.views("get", keys.iter().map(|k| k.as_ref())).await;
+        let mut staged = Vec::with_capacity(views.len());
+        let mut dsts = Vec::with_capacity(views.len());
+        for v in &views {
+            let size = v.as_ref().map(|v| v.size).unwrap_or(0) as usize;
+            match self.inner.staging.take(size) {
+                Ok(s) => {
+                    dsts.push((s.buffer().addr(), size as u64));
+                    staged.push(Some(s));
+                }
+                Err(_) => {
+                    dsts.push((0, 0));
+                    staged.push(None);
+                }
+            }
+        }
+        let got = self.read_views(views, &dsts).await;
+        got.into_iter()
+            .zip(staged)
+            .zip(keys)
+            .map(|((r, s), key)| {
+                let size = r.map_err(|e| e.with_key(key.as_ref()))? as usize;
+                let s =
+                    s.ok_or_else(|| Error::new(ErrorKind::Internal, "get", "no staging buffer"))?;
+                let mut v = vec![0u8; size];
+                s.buffer().read_at(0, &mut v).map_err(|e| Error::from_transfer("get", &e))?;
+                Ok(v)
+            })
+            .collect()
+    }
+
+    async fn views<'k>(
+        &self,
+        op: &'static str,
+        keys: impl Iterator<Item = &'k str>,
+    ) -> Vec<Result<ObjectView>> {
+        let keys: Vec<String> = keys.map(String::from).collect();
+        let n = keys.len();
+        match self.call(op, &MasterRequest::Get(keys)).await {
+            Ok(MasterResponse::Get(v)) if v.len() == n => {
+                v.into_iter().map(|r| r.map_err(|e| Error::from_wire(op, &e))).collect()
+            }
+            Ok(other) => vec![Err(unexpected(op, &other)); n],
+            Err(e) => vec![Err(e); n],
+        }
+    }
+
+    /// Reads each viewed object into its destination, replica by replica until one works.
+    async fn read_views(
+        &self,
+        views: Vec<Result<ObjectView>>,
+        dsts: &[(u64, u64)],
+    ) -> Vec<Result<u64>> {
+        struct Pending {
+            item: usize,
+            size: u64,
+            replicas: Vec<ReplicaDesc>,
+            next: usize,
+        }
+        let mut out: Vec<Result<u64>> = Vec::with_capacity(views.len());
+        let mut pending = Vec::new();
+        for (item, v) in views.into_iter().enumerate() {
+            match v {
+                Ok(v) if v.size > dsts[item].1 => out.push(Err(Error::new(
+                    ErrorKind::BufferTooSmall,
+                    "get",
+                    format!("object is {} bytes, the buffer {}", v.size, dsts[item].1),
+                ))),
+                Ok(v) => {
+                    out.push(Err(Error::new(ErrorKind::Transfer, "get", "no readable replica")));
+                    pending.push(Pending {
+                        item,
+                        size: v.size,
+                        replicas: self.order_replicas(v.replicas),
+                        next: 0,
+                    });
+                }
+                Err(e) => out.push(Err(e)),
+            }
+        }
+        while !pending.is_empty() {
+            let mut reqs = Vec::new();
+            let mut owners = Vec::new();
+            let mut again = Vec::new();
+            for mut p in pending {
+                let Some(r) = p.replicas.get(p.next).cloned() else { continue };
+                p.next += 1;
+                match self.inner.engine.open_segment(&r.endpoint).await {
+                    Ok(seg) => {
+                        let (addr, size) = (dsts[p.item].0, p.size);
+                        reqs.push(TransferRequest {
+                            op: TransferOp::Read,
+                            segment: seg,
+                            local_addr: addr,
+                            remote_addr: r.addr,
+                            len: size,
+                        });
+                        owners.push((p, r.endpoint));
+                    }
+                    Err(e) => {
+                        out[p.item] = Err(Error::from_transfer("get", &e));
+                        again.push(p);
+                    }
+                }
+            }
+            let load: Vec<(String, u64)> =
+                owners.iter().map(|(p, ep)| (ep.clone(), p.size)).collect();
+            self.track(&load, true);
+            let results = self.transfer(reqs).await;
+            self.track(&load, false);
+            for ((p, _), r) in owners.into_iter().zip(results) {
+                match r {
+                    Ok(()) => out[p.item] = Ok(p.size),
+                    Err(e) => {
+                        // A bad local range fails the same way on every replica.
+                        let local = matches!(
+                            e.kind(),
+                            kvfs_transfer::ErrorKind::NotRegistered
+                                | kvfs_transfer::ErrorKind::InvalidArgument
+                        );
+                        out[p.item] = Err(Error::from_transfer("get", &e));
+                        if !local {
+                            again.push(p);
+                        }
+                    }
+                }
+            }
+            pending = again;
+        }
+        out
+    }
+
+    /// Same host first, then the endpoints this client has the fewest bytes in flight to;
+    /// ties rotate so repeated reads spread over replicas. Only memory replicas are readable
+    /// through the engine.
+    fn order_replicas(&self, mut replicas: Vec<ReplicaDesc>) -> Vec<ReplicaDesc> {
+        replicas.retain(|r| matches!(r.tier, Tier::Dram | Tier::Hbm) && !r.endpoint.is_empty());
+        if replicas.len() > 1 {
+            let k = self.inner.rotate.fetch_add(1, Ordering::Relaxed) % replicas.len();
+            replicas.rotate_left(k);
+            let load = self.inner.inflight.lock().unwrap_or_else(|e| e.into_inner());
+            replicas.sort_by_key(|r| {
+                (r.host != self.inner.host, load.get(&r.endpoint).copied().unwrap_or(0))
+            });
+        }
+        replicas
+    }
+
+    fn track(&self, owners: &[(String, u64)], start: bool) {
+        let mut load = self.inner.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        for (ep, size) in owners {
+            let v = load.entry(ep.clone()).or_insert(0);
+            *v = if start { v.saturating_add(*size) } else { v.saturating_sub(*size) };
+        }
+    }
+
+    // ----- metadata ------------------------------------------------------------------------
+
+    pub async fn exists(&self, key: &str) -> Result<bool> {
+        self.exists_batch(&[key])
+            .await
+            .pop()
+            .unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "exists", "no result")))
+    }
+
+    /// Existence of many keys in one round trip (grants read leases to those that exist).
+    pub async fn exists_batch<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<bool>> {
+        let req = MasterRequest::Exists(keys.iter().map(|k| k.as_ref().to_string()).collect());
+        match self.call("exists", &req).await {
+            Ok(MasterResponse::Exists(v)) if v.len() == keys.len() => {
+                v.into_iter().map(|r| r.map_err(|e| Error::from_wire("exists", &e))).collect()
+            }
+            Ok(other) => vec![Err(unexpected("exists", &other)); keys.len()],
+            Err(e) => vec![Err(e); keys.len()],
+        }
+    }
+
+    /// Size, checksum, replicas, persistence, pin and lease of an object (grants no lease).
+    pub async fn stat(&self, key: &str) -> Result<ObjectInfo> {
+        self.stat_batch(&[key])
+            .await
+            .pop()
+            .unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "stat", "no result")))
+    }
+
+    pub async fn stat_batch<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<ObjectInfo>> {
+        let req = MasterRequest::Stat(keys.iter().map(|k| k.as_ref().to_string()).collect());
+        match self.call("stat", &req).await {
+            Ok(MasterResponse::Stat(v)) if v.len() == keys.len() => v
+                .into_iter()
+                .zip(keys)
+                .map(|(r, k)| r.map_err(|e| Error::from_wire("stat", &e).with_key(k.as_ref())))
+                .collect(),
+            Ok(other) => vec![Err(unexpected("stat", &other)); keys.len()],
+            Err(e) => vec![Err(e); keys.len()],
+        }
+    }
+
+    /// Removes an object; a live read lease refuses it (`Leased`) unless `force`.
+    pub async fn remove(&self, key: &str, force: bool) -> Result<()> {
+        self.remove_batch(&[key], force)
+            .await
+            .pop()
+            .unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "remove", "no result")))
+    }
+
+    pub async fn remove_batch<K: AsRef<str>>(&self, keys: &[K], force: bool) -> Vec<Result<()>> {
+        let req = MasterRequest::Remove {
+            keys: keys.iter().map(|k| k.as_ref().to_string()).collect(),
+            force,
+        };
+        match self.call("remove", &req).await {
+            Ok(MasterResponse::Remove(v)) if v.len() == keys.len() => v
+                .into_iter()
+                .zip(keys)
+                .map(|(r, k)| r.map_err(|e| Error::from_wire("remove", &e).with_key(k.as_ref())))
+                .collect(),
+            Ok(other) => vec![Err(unexpected("remove", &other)); keys.len()],
+            Err(e) => vec![Err(e); keys.len()],
+        }
+    }
+
+    /// Removes every object whose key matches `pattern` (unanchored regex); counts what was
+    /// removed and what leases or pins protected.
+    pub async fn remove_regex(&self, pattern: &str, force: bool) -> Result<RemoveCounts> {
+        self.remove_counted(MasterRequest::RemoveRegex { pattern: pattern.to_string(), force })
+            .await
+    }
+
+    /// Removes every object (leased and hard-pinned ones only with `force`).
+    pub async fn remove_all(&self, force: bool) -> Result<RemoveCounts> {
+        self.remove_counted(MasterRequest::RemoveAll { force }).await
+    }
+
+    async fn remove_counted(&self, req: MasterRequest) -> Result<RemoveCounts> {
+        match self.call("remove", &req).await? {
+            MasterResponse::RemoveCount(r) => r.map_err(|e| Error::from_wire("remove", &e)),
+            other => Err(unexpected("remove", &other)),
+        }
+    }
+
+    /// One page of keys under `prefix`, in order.
+    pub async fn list(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+        limit: u32,
+    ) -> Result<ListPage> {
+        let req = MasterRequest::List {
+            prefix: prefix.into(),
+            start_after: start_after.map(String::from),
+            limit,
+        };
+        match self.call("list", &req).await? {
+            MasterResponse::List(r) => r.map_err(|e| Error::from_wire("list", &e)),
+            other => Err(unexpected("list", &other)),
+        }
+    }
+
+    /// One page of the immediate children of a `/`-separated prefix (objects and directories).
+    pub async fn list_dir(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+        limit: u32,
+    ) -> Result<DirPage> {
+        let req = MasterRequest::ListDir {
+            prefix: prefix.into(),
+            start_after: start_after.map(String::from),
+            limit,
+        };
+        match self.call("list", &req).await? {
+            MasterResponse::ListDir(r) => r.map_err(|e| Error::from_wire("list", &e)),
+            other => Err(unexpected("list", &other)),
+        }
+    }
+
+    /// Cluster figures from the master.
+    pub async fn stats(&self) -> Result<MasterStats> {
+        match self.call("stats", &MasterRequest::Stats).await? {
+            MasterResponse::Stats(s) => Ok(s),
+            other => Err(unexpected("stats", &other)),
+        }
+    }
+}
+
+fn fail_all(todo: &[usize], out: &mut [Option<Result<()>>], e: Error) -> Vec<(usize, Error)> {
+    for &i in todo {
+        out[i] = Some(Err(e.clone()));
+    }
+    Vec::new()
+}
+
+fn unexpected(op: &'static str, resp: &MasterResponse) -> Error {
+    Error::new(ErrorKind::Internal, op, format!("unexpected answer from the master: {resp:?}"))
+}
+
+/// blake3 of `len` bytes of registered memory at `addr`.
+fn registered_blake3(addr: u64, len: u64) -> [u8; 32] {
+    // SAFETY: the caller registered [addr, addr+len) with the engine (the transfer that just
+    // read it succeeded), and promised it stays valid while the put runs.
+    let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
+    *blake3::hash(bytes).as_bytes()
+}

@@ -1,0 +1,632 @@
+//! The master as a network service: the sans-IO [`Directory`] behind an RPC endpoint, a timer,
+//! node connections and an admin HTTP endpoint.
+//!
+//! Mechanism. Clients and nodes connect over [`kvfs_rpc`]; a node's connection is also how the
+//! master calls it (commit and drop records). Every request takes the directory lock once,
+//! computes its answer and the node effects, releases the lock, then delivers the effects:
+//! `Commit` records are awaited before a `PutEnd` is answered (so what a client was told is
+//! complete is what the nodes will re-report after a master restart), `Drop` records are sent
+//! without waiting (a lost drop only leaves a stale entry that the node's next registration
+//! resolves). A timer revokes expired puts, expires silent nodes and runs eviction passes.
+//!
+//! Recovery. Nodes are the source of truth for the bytes they hold: after a restart the
+//! directory is rebuilt from their registrations. A client may still be writing into a range
+//! granted by the previous master; so when a node reconnects with objects during the first
+//! `recovery_grace_ms` after start, new puts are refused with `Recovering` until that grace has
+//! passed (gets are served throughout). A fresh cluster never waits.
+//!
+//! Not handled here: HA and leader election (one master per cluster for now), tenants.
+
+mod convert;
+mod http;
+mod metrics;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use kvfs_proto::store::{
+    self as w, CommitItem, DropItem, ErrorCode, MasterRequest, MasterResponse, NodeRequest,
+    NodeResponse, WireError,
+};
+use kvfs_rpc::{RpcConn, RpcOptions, handler_fn};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use crate::{Config, Directory, NodeEffect, NodeId, PutEnd, PutStart, SegmentRef, Stats};
+use metrics::{Metrics, Op};
+
+/// Configuration of a master service.
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    pub listen: SocketAddr,
+    /// Admin HTTP (`/metrics`, `/health`); `None` disables it.
+    pub admin_listen: Option<SocketAddr>,
+    pub directory: Config,
+    /// Period of the timer that expires puts and nodes and runs eviction.
+    pub tick_ms: u64,
+    /// Heartbeat period the master asks nodes to keep (node TTL is in `directory`).
+    pub heartbeat_ms: u64,
+    /// How long after start puts wait when nodes come back with objects (see module notes).
+    pub recovery_grace_ms: u64,
+    /// A commit or drop call to a node fails after this long.
+    pub node_call_timeout_ms: u64,
+    pub rpc: RpcOptions,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        ServiceConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            admin_listen: None,
+            directory: Config::default(),
+            tick_ms: 100,
+            heartbeat_ms: 1_000,
+            recovery_grace_ms: 10_000,
+            node_call_timeout_ms: 2_000,
+            rpc: RpcOptions::default(),
+        }
+    }
+}
+
+/// Wall-clock milliseconds since the Unix epoch (the directory's `now_ms`).
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+pub(crate) struct State {
+    cfg: ServiceConfig,
+    name: String,
+    dir: Mutex<Directory>,
+    nodes: Mutex<HashMap<u64, RpcConn>>,
+    metrics: Metrics,
+    started_ms: u64,
+    recovering_until_ms: AtomicU64,
+}
+
+impl State {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Directory> {
+        self.dir.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn recovering(&self, now: u64) -> bool {
+        now < self.recovering_until_ms.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn stats(&self) -> w::MasterStats {
+        let s = self.lock().stats();
+        wire_stats(&s, self.recovering(now_ms()))
+    }
+
+    pub(crate) fn render_metrics(&self) -> String {
+        let s = self.lock().stats();
+        self.metrics.render(&s, self.recovering(now_ms()))
+    }
+
+    pub(crate) fn segment_names(&self) -> Vec<String> {
+        let dir = self.lock();
+        dir.node_ids().filter_map(|n| dir.node_endpoint(n).map(|(_, e)| e.to_string())).collect()
+    }
+
+    pub(crate) fn describe_key(&self, key: &str) -> Option<serde_json::Value> {
+        let dir = self.lock();
+        let v = dir.stat(key).ok()?;
+        let v = convert::view(&dir, &v);
+        let replicas: Vec<_> = v
+            .replicas
+            .iter()
+            .map(|r| serde_json::json!({"tier": format!("{:?}", r.tier), "endpoint": r.endpoint, "addr": r.addr, "len": r.len}))
+            .collect();
+        Some(serde_json::json!({
+            "key": key, "size": v.size, "version": v.version, "replicas": replicas,
+            "persistence": format!("{:?}", v.persistence), "pin": format!("{:?}", v.pin),
+            "lease_end_ms": v.lease_end_ms,
+            "checksum": v.checksum.map(|c| c.iter().map(|b| format!("{b:02x}")).collect::<String>()),
+        }))
+    }
+}
+
+fn wire_stats(s: &Stats, recovering: bool) -> w::MasterStats {
+    let tiers = crate::Tier::ALL
+        .iter()
+        .map(|&t| {
+            let ts = &s.tiers[t.index()];
+            w::TierStats {
+                tier: convert::tier(t),
+                capacity_bytes: ts.capacity_bytes,
+                used_bytes: ts.used_bytes,
+                replicas: ts.replicas,
+            }
+        })
+        .collect();
+    w::MasterStats {
+        objects: s.objects,
+        pending: s.pending_puts,
+        nodes: s.nodes,
+        tiers,
+        metadata_bytes: s.metadata_bytes,
+        evicted_replicas: s.evicted_replicas,
+        recovering,
+    }
+}
+
+/// A running master. Dropping it stops every task.
+pub struct MasterService {
+    state: Arc<State>,
+    rpc_addr: SocketAddr,
+    admin_addr: Option<SocketAddr>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for MasterService {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        for conn in self.state.nodes.lock().unwrap_or_else(|e| e.into_inner()).values() {
+            conn.close();
+        }
+    }
+}
+
+impl MasterService {
+    /// Binds the RPC and admin listeners and starts serving on the current runtime.
+    pub async fn start(cfg: ServiceConfig) -> std::io::Result<MasterService> {
+        let dir = Directory::new(cfg.directory.clone())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let listener = TcpListener::bind(cfg.listen).await?;
+        let rpc_addr = listener.local_addr()?;
+        let admin = match cfg.admin_listen {
+            Some(a) => Some(TcpListener::bind(a).await?),
+            None => None,
+        };
+        let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
+        let state = Arc::new(State {
+            name: format!("kvfs-master@{rpc_addr}"),
+            cfg,
+            dir: Mutex::new(dir),
+            nodes: Mutex::new(HashMap::new()),
+            metrics: Metrics::default(),
+            started_ms: now_ms(),
+            recovering_until_ms: AtomicU64::new(0),
+        });
+        let mut tasks = vec![tokio::spawn(accept_loop(listener, state.clone()))];
+        tasks.push(tokio::spawn(timer(state.clone())));
+        if let Some(l) = admin {
+            tasks.push(tokio::spawn(http::serve(l, state.clone())));
+        }
+        tracing::info!(rpc = %rpc_addr, admin = ?admin_addr, "master started");
+        Ok(MasterService { state, rpc_addr, admin_addr, tasks })
+    }
+
+    pub fn rpc_addr(&self) -> SocketAddr {
+        self.rpc_addr
+    }
+
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin_addr
+    }
+
+    pub fn stats(&self) -> w::MasterStats {
+        self.state.stats()
+    }
+}
+
+async fn accept_loop(listener: TcpListener, state: Arc<State>) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        tracing::debug!(%peer, "connection");
+        let st = state.clone();
+        let handler = handler_fn(move |conn: RpcConn, req: MasterRequest| {
+            let st = st.clone();
+            async move { handle(st, conn, req).await }
+        });
+        RpcConn::start(stream, handler, state.cfg.rpc.clone());
+    }
+}
+
+async fn timer(state: Arc<State>) {
+    let mut every = tokio::time::interval(Duration::from_millis(state.cfg.tick_ms.max(10)));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let now = now_ms();
+        let mut fx = Vec::new();
+        let (tick, loss) = {
+            let mut dir = state.lock();
+            let tick = dir.tick(now, &mut fx);
+            let loss = dir.expire(now);
+            dir.evict(now, &mut fx);
+            (tick, loss)
+        };
+        let m = &state.metrics;
+        m.expired_puts.fetch_add(tick.expired_puts, Ordering::Relaxed);
+        if !loss.nodes.is_empty() {
+            m.expired_nodes.fetch_add(loss.nodes.len() as u64, Ordering::Relaxed);
+            m.lost_objects.fetch_add(loss.lost_keys.len() as u64, Ordering::Relaxed);
+            tracing::warn!(nodes = ?loss.nodes, lost = loss.lost_keys.len(), "nodes expired");
+            let mut nodes = state.nodes.lock().unwrap_or_else(|e| e.into_inner());
+            for n in &loss.nodes {
+                if let Some(c) = nodes.remove(&n.0) {
+                    c.close();
+                }
+            }
+        }
+        deliver(&state, fx, false).await;
+    }
+}
+
+fn op_of(req: &MasterRequest) -> (Op, usize) {
+    match req {
+        MasterRequest::Hello { .. } => (Op::Hello, 0),
+        MasterRequest::PutStart { items, .. } => (Op::PutStart, items.len()),
+        MasterRequest::PutEnd(v) => (Op::PutEnd, v.len()),
+        MasterRequest::PutRevoke(v) => (Op::PutRevoke, v.len()),
+        MasterRequest::Get(v) => (Op::Get, v.len()),
+        MasterRequest::Exists(v) => (Op::Exists, v.len()),
+        MasterRequest::Stat(v) => (Op::Stat, v.len()),
+        MasterRequest::Remove { keys, .. } => (Op::Remove, keys.len()),
+        MasterRequest::RemoveRegex { .. } => (Op::RemoveRegex, 0),
+        MasterRequest::RemoveAll { .. } => (Op::RemoveAll, 0),
+        MasterRequest::List { .. } => (Op::List, 0),
+        MasterRequest::ListDir { .. } => (Op::ListDir, 0),
+        MasterRequest::Stats => (Op::Stats, 0),
+        MasterRequest::RegisterNode(r) => (Op::RegisterNode, r.held.len()),
+        MasterRequest::Heartbeat { .. } => (Op::Heartbeat, 0),
+        MasterRequest::UnregisterNode { .. } => (Op::UnregisterNode, 0),
+    }
+}
+
+async fn handle(state: Arc<State>, conn: RpcConn, req: MasterRequest) -> MasterResponse {
+    let started = Instant::now();
+    let (op, items) = op_of(&req);
+    let resp = dispatch(&state, &conn, req).await;
+    count_errors(&state.metrics, &resp);
+    state.metrics.request(op, items, started.elapsed());
+    resp
+}
+
+fn count_errors(m: &Metrics, resp: &MasterResponse) {
+    fn each<T>(m: &Metrics, v: &[w::ItemResult<T>]) {
+        for e in v.iter().filter_map(|r| r.as_ref().err()) {
+            m.item_error(e.code);
+        }
+    }
+    match resp {
+        MasterResponse::PutStart(v) => each(m, v),
+        MasterResponse::PutEnd(v) | MasterResponse::PutRevoke(v) | MasterResponse::Remove(v) => {
+            each(m, v)
+        }
+        MasterResponse::Get(v) | MasterResponse::Stat(v) => each(m, v),
+        MasterResponse::Exists(v) => each(m, v),
+        MasterResponse::Refused(e) => m.item_error(e.code),
+        _ => {}
+    }
+}
+
+fn results<T, U>(v: Vec<crate::Result<T>>, f: impl Fn(T) -> U) -> Vec<w::ItemResult<U>> {
+    v.into_iter().map(|r| r.map(&f).map_err(|e| convert::error(&e))).collect()
+}
+
+async fn dispatch(state: &Arc<State>, conn: &RpcConn, req: MasterRequest) -> MasterResponse {
+    let now = now_ms();
+    match req {
+        MasterRequest::Hello { version, .. } if version != w::STORE_PROTOCOL_VERSION => {
+            MasterResponse::Refused(WireError::new(
+                ErrorCode::Version,
+                format!("store protocol {version} is not {}", w::STORE_PROTOCOL_VERSION),
+            ))
+        }
+        MasterRequest::Hello { .. } => {
+            MasterResponse::Hello { version: w::STORE_PROTOCOL_VERSION, master: state.name.clone() }
+        }
+        MasterRequest::PutStart { client_host, items } => {
+            put_start(state, client_host, items, now).await
+        }
+        MasterRequest::PutEnd(items) => put_end(state, items, now).await,
+        MasterRequest::PutRevoke(keys) => {
+            MasterResponse::PutRevoke(results(state.lock().put_revoke_batch(&keys), |()| ()))
+        }
+        MasterRequest::Get(keys) => {
+            let dir = &mut *state.lock();
+            let views = dir.get_batch(&keys, now);
+            MasterResponse::Get(views.into_iter().map(|r| wire_view(dir, r)).collect())
+        }
+        MasterRequest::Stat(keys) => {
+            let dir = &*state.lock();
+            let views = dir.stat_batch(&keys);
+            MasterResponse::Stat(views.into_iter().map(|r| wire_view(dir, r)).collect())
+        }
+        MasterRequest::Exists(keys) => {
+            MasterResponse::Exists(results(state.lock().exists_batch(&keys, now), |b| b))
+        }
+        MasterRequest::Remove { keys, force } => {
+            let mut fx = Vec::new();
+            let r = state.lock().remove_batch(&keys, force, now, &mut fx);
+            deliver(state, fx, false).await;
+            MasterResponse::Remove(results(r, |()| ()))
+        }
+        MasterRequest::RemoveRegex { pattern, force } => {
+            let mut fx = Vec::new();
+            let r = state.lock().remove_regex(&pattern, force, now, &mut fx);
+            deliver(state, fx, false).await;
+            MasterResponse::RemoveCount(r.map(wire_counts).map_err(|e| convert::error(&e)))
+        }
+        MasterRequest::RemoveAll { force } => {
+            let mut fx = Vec::new();
+            let r = state.lock().remove_all(force, now, &mut fx);
+            deliver(state, fx, false).await;
+            MasterResponse::RemoveCount(Ok(wire_counts(r)))
+        }
+        MasterRequest::List { prefix, start_after, limit } => {
+            let r = state.lock().list(&prefix, start_after.as_deref(), limit as usize);
+            MasterResponse::List(r.map(wire_list).map_err(|e| convert::error(&e)))
+        }
+        MasterRequest::ListDir { prefix, start_after, limit } => {
+            let r = state.lock().list_dir(&prefix, start_after.as_deref(), limit as usize);
+            MasterResponse::ListDir(r.map(wire_dir).map_err(|e| convert::error(&e)))
+        }
+        MasterRequest::Stats => MasterResponse::Stats(state.stats()),
+        MasterRequest::RegisterNode(reg) => register(state, conn, reg, now).await,
+        MasterRequest::Heartbeat { node } => MasterResponse::Heartbeat(
+            state.lock().heartbeat(NodeId(node), now).map_err(|e| convert::error(&e)),
+        ),
+        MasterRequest::UnregisterNode { node } => {
+            let r = state.lock().unregister_node(NodeId(node));
+            if let Some(c) = state.nodes.lock().unwrap_or_else(|e| e.into_inner()).remove(&node) {
+                c.close();
+            }
+            MasterResponse::Unregistered(r.map(|_| ()).map_err(|e| convert::error(&e)))
+        }
+    }
+}
+
+fn wire_view(dir: &Directory, r: crate::Result<crate::ObjectView>) -> w::ItemResult<w::ObjectView> {
+    r.map(|v| convert::view(dir, &v)).map_err(|e| convert::error(&e))
+}
+
+fn wire_counts(c: crate::RemoveCounts) -> w::RemoveCounts {
+    w::RemoveCounts {
+        removed: c.removed,
+        skipped_leased: c.skipped_leased,
+        skipped_pinned: c.skipped_pinned,
+    }
+}
+
+fn wire_list(p: crate::ListPage) -> w::ListPage {
+    w::ListPage {
+        entries: p
+            .entries
+            .into_iter()
+            .map(|e| w::ListEntry { key: e.key.to_string(), size: e.size })
+            .collect(),
+        next_start_after: p.next_start_after,
+    }
+}
+
+fn wire_dir(p: crate::DirPage) -> w::DirPage {
+    w::DirPage {
+        entries: p
+            .entries
+            .into_iter()
+            .map(|e| match e {
+                crate::DirEntry::Object { name, size, .. } => w::DirEntry::Object { name, size },
+                crate::DirEntry::Dir { name } => w::DirEntry::Dir { name },
+            })
+            .collect(),
+        next_start_after: p.next_start_after,
+    }
+}
+
+async fn put_start(
+    state: &Arc<State>,
+    client_host: String,
+    items: Vec<w::PutStartItem>,
+    now: u64,
+) -> MasterResponse {
+    if state.recovering(now) {
+        let left = state.recovering_until_ms.load(Ordering::Acquire).saturating_sub(now);
+        let e = WireError::new(
+            ErrorCode::Recovering,
+            format!(
+                "the master restarted and nodes are reporting their objects; puts resume in {left} ms"
+            ),
+        );
+        return MasterResponse::PutStart(items.iter().map(|_| Err(e.clone())).collect());
+    }
+    let mut fx = Vec::new();
+    let out = {
+        let dir = &mut *state.lock();
+        let by_endpoint: HashMap<String, NodeId> = dir
+            .node_ids()
+            .filter_map(|n| dir.node_endpoint(n).map(|(_, e)| (e.to_string(), n)))
+            .collect();
+        let reqs: Vec<PutStart> = items
+            .into_iter()
+            .map(|it| PutStart {
+                preferred_segments: it
+                    .preferred_endpoints
+                    .iter()
+                    .filter_map(|e| by_endpoint.get(e))
+                    .map(|&node| SegmentRef { node, index: 0 })
+                    .collect(),
+                key: it.key,
+                size: it.size,
+                replicas: it.replicas,
+                tier: crate::Tier::Dram,
+                persistence: convert::persistence_in(it.persistence),
+                pin: convert::pin_in(it.pin),
+                strategy: convert::strategy_in(it.strategy),
+                client_host: Some(client_host.clone()),
+                upsert: it.upsert,
+            })
+            .collect();
+        let grants = dir.put_start_batch(&reqs, now, &mut fx);
+        grants
+            .into_iter()
+            .map(|r| {
+                r.map(|g| w::PutGrant {
+                    version: g.version,
+                    replicas: g.replicas.iter().map(|rep| convert::replica(dir, rep)).collect(),
+                })
+                .map_err(|e| convert::error(&e))
+            })
+            .collect()
+    };
+    deliver(state, fx, false).await;
+    MasterResponse::PutStart(out)
+}
+
+async fn put_end(state: &Arc<State>, items: Vec<w::PutEndItem>, now: u64) -> MasterResponse {
+    let ends: Vec<PutEnd> = items
+        .into_iter()
+        .map(|i| PutEnd { key: i.key, checksum: i.checksum, version: i.version })
+        .collect();
+    let mut fx = Vec::new();
+    let r = state.lock().put_end_batch(&ends, now, &mut fx);
+    // Nodes must have recorded the objects before the writer hears they are complete.
+    deliver(state, fx, true).await;
+    MasterResponse::PutEnd(results(r, |()| ()))
+}
+
+async fn register(
+    state: &Arc<State>,
+    conn: &RpcConn,
+    reg: w::NodeRegistration,
+    now: u64,
+) -> MasterResponse {
+    let node = reg.node;
+    if reg.reconnect && !reg.held.is_empty() && now < state.started_ms + state.cfg.recovery_grace_ms
+    {
+        state
+            .recovering_until_ms
+            .fetch_max(state.started_ms + state.cfg.recovery_grace_ms, Ordering::AcqRel);
+    }
+    let mut fx = Vec::new();
+    let r = state.lock().register_node(&convert::registration(&reg), now, &mut fx);
+    let reg = match r {
+        Ok(reg) => reg,
+        Err(e) => return MasterResponse::Registered(Err(convert::error(&e))),
+    };
+    let previous = state.nodes.lock().unwrap_or_else(|e| e.into_inner()).insert(node, conn.clone());
+    if let Some(prev) = previous.filter(|p| !p.is_closed() && p.peer() != conn.peer()) {
+        prev.close();
+    }
+    watch_node(state, node, conn.clone());
+    let m = &state.metrics;
+    m.recovery_conflicts.fetch_add(reg.conflicts.len() as u64, Ordering::Relaxed);
+    m.lost_objects.fetch_add(reg.lost_keys.len() as u64, Ordering::Relaxed);
+    tracing::info!(node, endpoint = %conn.peer(), adopted = reg.adopted, conflicts = reg.conflicts.len(), "node registered");
+    deliver(state, fx, false).await;
+    MasterResponse::Registered(Ok(w::RegistrationAck {
+        adopted: reg.adopted,
+        conflicts: reg.conflicts.len() as u64,
+        lost: reg.lost_keys.len() as u64,
+        heartbeat_ms: state.cfg.heartbeat_ms,
+        node_ttl_ms: state.cfg.directory.node_ttl_ms,
+    }))
+}
+
+/// Forgets a node's connection when it closes (the node itself expires by its TTL unless it
+/// reconnects and registers again).
+fn watch_node(state: &Arc<State>, node: u64, conn: RpcConn) {
+    let state = Arc::downgrade(state);
+    tokio::spawn(async move {
+        conn.closed().await;
+        let Some(state) = state.upgrade() else { return };
+        let mut nodes = state.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        if nodes.get(&node).is_some_and(|c| c.peer() == conn.peer()) {
+            nodes.remove(&node);
+        }
+    });
+}
+
+/// Sends node effects, grouped into one commit and one drop call per node.
+async fn deliver(state: &Arc<State>, fx: Vec<NodeEffect>, wait: bool) {
+    if fx.is_empty() {
+        return;
+    }
+    let mut per_node: HashMap<u64, (Vec<CommitItem>, Vec<DropItem>)> = HashMap::new();
+    for e in fx {
+        let slot = per_node.entry(e.node().0).or_default();
+        match e {
+            NodeEffect::Commit {
+                key,
+                segment,
+                offset,
+                size,
+                checksum,
+                version,
+                persistence,
+                pin,
+                ..
+            } => slot.0.push(CommitItem {
+                key: key.to_string(),
+                segment,
+                offset,
+                size,
+                checksum,
+                version,
+                persistence: convert::persistence(persistence),
+                pin: convert::pin(pin),
+            }),
+            NodeEffect::Drop { key, segment, offset, len, .. } => {
+                slot.1.push(DropItem { key: key.to_string(), segment, offset, len })
+            }
+        }
+    }
+    let timeout = Duration::from_millis(state.cfg.node_call_timeout_ms);
+    let mut calls = Vec::new();
+    for (node, (commits, drops)) in per_node {
+        let conn = state.nodes.lock().unwrap_or_else(|e| e.into_inner()).get(&node).cloned();
+        let Some(conn) = conn else {
+            state.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(node, "no connection to node for its commit/drop records");
+            continue;
+        };
+        let st = state.clone();
+        calls.push(async move {
+            for req in [NodeRequest::Commit(commits), NodeRequest::Drop(drops)] {
+                let empty = matches!(&req, NodeRequest::Commit(v) if v.is_empty())
+                    || matches!(&req, NodeRequest::Drop(v) if v.is_empty());
+                if empty {
+                    continue;
+                }
+                match conn.call::<_, NodeResponse>(&req, timeout).await {
+                    Ok(NodeResponse::Done) => {}
+                    Ok(NodeResponse::Refused(e)) => {
+                        st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(node, error = %e.message, "node refused records");
+                    }
+                    Err(e) => {
+                        st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(node, error = %e, "node call failed");
+                    }
+                }
+            }
+        });
+    }
+    let all = futures_join_all(calls);
+    if wait {
+        all.await;
+    } else {
+        tokio::spawn(all);
+    }
+}
+
+async fn futures_join_all<F: std::future::Future<Output = ()> + Send + 'static>(calls: Vec<F>) {
+    let mut set = tokio::task::JoinSet::new();
+    for c in calls {
+        set.spawn(c);
+    }
+    while set.join_next().await.is_some() {}
+}

@@ -1,0 +1,398 @@
+//! Store wire types: the master's RPC (clients and nodes call it) and the calls the master
+//! makes on nodes over the nodes' own connections.
+//!
+//! Every per-key call is a batch: a single call is a batch of one, so the batch path is the
+//! only path and is exercised by everything. Each item of a batch has its own result.
+//! Connections begin with [`MasterRequest::Hello`], which carries the protocol version.
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the store protocol; a master refuses a client or node that speaks another one.
+pub const STORE_PROTOCOL_VERSION: u32 = 1;
+
+/// Storage medium of a segment or replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Tier {
+    Hbm,
+    Dram,
+    Nvme,
+    ObjectStore,
+}
+
+/// When an object reaches object storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum Persistence {
+    #[default]
+    None,
+    Lazy,
+    Eager,
+}
+
+/// Eviction protection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum Pin {
+    #[default]
+    None,
+    Soft,
+    Hard,
+}
+
+/// Placement strategy for a put.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum Strategy {
+    #[default]
+    Random,
+    FreeRatioFirst,
+    LocalFirst,
+}
+
+/// Domain outcome of a failed item, as clients branch on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorCode {
+    NotFound,
+    AlreadyExists,
+    /// Another writer's put of the key is pending; retry later.
+    PutInProgress,
+    NoSpace,
+    /// A read lease protects the object.
+    Leased,
+    /// A hard pin protects the object.
+    Pinned,
+    InvalidKey,
+    InvalidArgument,
+    TooLarge,
+    /// The node is not (or no longer) registered: re-register.
+    NodeUnknown,
+    Conflict,
+    /// The master is rebuilding its directory after a restart; puts resume shortly.
+    Recovering,
+    /// The peer speaks another protocol version.
+    Version,
+    Internal,
+}
+
+/// A failed item: its code and a human-readable message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl WireError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> WireError {
+        WireError { code, message: message.into() }
+    }
+}
+
+pub type ItemResult<T> = Result<T, WireError>;
+
+/// Who is on the other end of a master connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Role {
+    Client,
+    Node,
+}
+
+/// One replica as clients see it: where to read or write the bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaDesc {
+    pub tier: Tier,
+    /// The holding node; `None` for the object store.
+    pub node: Option<u64>,
+    /// Transfer Engine segment name of the node (empty for the object store).
+    pub endpoint: String,
+    /// Host identity of the node, for same-host-first choices.
+    pub host: String,
+    pub segment: u32,
+    /// Address in the node's segment (Transfer Engine address); 0 for non-memory tiers.
+    pub addr: u64,
+    pub len: u64,
+}
+
+/// One item of a put.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutStartItem {
+    pub key: String,
+    pub size: u64,
+    pub replicas: u8,
+    pub persistence: Persistence,
+    pub pin: Pin,
+    pub strategy: Strategy,
+    /// Ordered preference of nodes, by Transfer Engine segment name (Mooncake's
+    /// `preferred_segments`, e.g. the writer's own `host:port` for local-first placement).
+    pub preferred_endpoints: Vec<String>,
+    pub upsert: bool,
+}
+
+/// Where to write an object; `version` must come back in [`PutEndItem`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutGrant {
+    pub version: u64,
+    pub replicas: Vec<ReplicaDesc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutEndItem {
+    pub key: String,
+    pub checksum: Option<[u8; 32]>,
+    pub version: Option<u64>,
+}
+
+/// What the directory knows of a complete object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectView {
+    pub size: u64,
+    pub checksum: Option<[u8; 32]>,
+    pub version: u64,
+    pub replicas: Vec<ReplicaDesc>,
+    pub persistence: Persistence,
+    pub pin: Pin,
+    /// End of the read lease, in ms since the Unix epoch (0 when none).
+    pub lease_end_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListEntry {
+    pub key: String,
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListPage {
+    pub entries: Vec<ListEntry>,
+    /// Pass as `start_after` to get the next page; `None` when this was the last.
+    pub next_start_after: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DirEntry {
+    Object {
+        name: String,
+        size: u64,
+    },
+    /// A name ending in `/`.
+    Dir {
+        name: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirPage {
+    pub entries: Vec<DirEntry>,
+    pub next_start_after: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct RemoveCounts {
+    pub removed: u64,
+    pub skipped_leased: u64,
+    pub skipped_pinned: u64,
+}
+
+/// One segment a node contributes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentSpec {
+    pub index: u32,
+    pub tier: Tier,
+    pub base_addr: u64,
+    pub capacity: u64,
+}
+
+/// An object a node holds, re-reported when it (re-)registers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldObject {
+    pub key: String,
+    pub size: u64,
+    pub checksum: Option<[u8; 32]>,
+    pub version: u64,
+    pub segment: u32,
+    pub offset: u64,
+    pub tier: Tier,
+    pub persistence: Persistence,
+    pub pin: Pin,
+    pub persisted: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRegistration {
+    pub node: u64,
+    pub host: String,
+    /// Transfer Engine segment name of the node.
+    pub endpoint: String,
+    pub segments: Vec<SegmentSpec>,
+    pub held: Vec<HeldObject>,
+    /// The node registered with a master before (this is a reconnection, maybe to a restarted
+    /// master): writers may still be finishing transfers into its segments.
+    pub reconnect: bool,
+}
+
+/// The master's answer to a registration, with the timing the node must keep.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegistrationAck {
+    pub adopted: u64,
+    pub conflicts: u64,
+    pub lost: u64,
+    pub heartbeat_ms: u64,
+    pub node_ttl_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierStats {
+    pub tier: Tier,
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+    pub replicas: u64,
+}
+
+/// Master status, for `kvfs stat` and health pages.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MasterStats {
+    pub objects: u64,
+    pub pending: u64,
+    pub nodes: u64,
+    pub tiers: Vec<TierStats>,
+    pub metadata_bytes: u64,
+    pub evicted_replicas: u64,
+    pub recovering: bool,
+}
+
+/// Requests to the master.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MasterRequest {
+    Hello {
+        version: u32,
+        role: Role,
+        host: String,
+    },
+    PutStart {
+        client_host: String,
+        items: Vec<PutStartItem>,
+    },
+    PutEnd(Vec<PutEndItem>),
+    PutRevoke(Vec<String>),
+    /// Replicas of each key; grants read leases.
+    Get(Vec<String>),
+    /// Whether each key exists; grants read leases to those that do.
+    Exists(Vec<String>),
+    /// Like `Get` without a lease.
+    Stat(Vec<String>),
+    Remove {
+        keys: Vec<String>,
+        force: bool,
+    },
+    RemoveRegex {
+        pattern: String,
+        force: bool,
+    },
+    RemoveAll {
+        force: bool,
+    },
+    List {
+        prefix: String,
+        start_after: Option<String>,
+        limit: u32,
+    },
+    ListDir {
+        prefix: String,
+        start_after: Option<String>,
+        limit: u32,
+    },
+    Stats,
+    RegisterNode(NodeRegistration),
+    Heartbeat {
+        node: u64,
+    },
+    UnregisterNode {
+        node: u64,
+    },
+}
+
+/// Answers of the master, one variant per request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum MasterResponse {
+    Hello {
+        version: u32,
+        master: String,
+    },
+    PutStart(Vec<ItemResult<PutGrant>>),
+    PutEnd(Vec<ItemResult<()>>),
+    PutRevoke(Vec<ItemResult<()>>),
+    Get(Vec<ItemResult<ObjectView>>),
+    Exists(Vec<ItemResult<bool>>),
+    Stat(Vec<ItemResult<ObjectView>>),
+    Remove(Vec<ItemResult<()>>),
+    RemoveCount(ItemResult<RemoveCounts>),
+    List(ItemResult<ListPage>),
+    ListDir(ItemResult<DirPage>),
+    Stats(MasterStats),
+    Registered(ItemResult<RegistrationAck>),
+    Heartbeat(ItemResult<()>),
+    Unregistered(ItemResult<()>),
+    /// The request as a whole was refused (version, role, malformed).
+    Refused(WireError),
+}
+
+/// An object the node now holds (sent after the put completed on the master).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommitItem {
+    pub key: String,
+    pub segment: u32,
+    pub offset: u64,
+    pub size: u64,
+    pub checksum: Option<[u8; 32]>,
+    pub version: u64,
+    pub persistence: Persistence,
+    pub pin: Pin,
+}
+
+/// An object the node no longer holds (removed, evicted, replaced).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DropItem {
+    pub key: String,
+    pub segment: u32,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Calls the master makes on a node, over the node's connection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeRequest {
+    Commit(Vec<CommitItem>),
+    Drop(Vec<DropItem>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeResponse {
+    Done,
+    Refused(WireError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip() {
+        let req = MasterRequest::PutStart {
+            client_host: "h".into(),
+            items: vec![PutStartItem {
+                key: "model/L0/abc".into(),
+                size: 5 << 20,
+                replicas: 2,
+                persistence: Persistence::Lazy,
+                pin: Pin::Soft,
+                strategy: Strategy::LocalFirst,
+                preferred_endpoints: vec!["10.0.0.7:15000".into()],
+                upsert: false,
+            }],
+        };
+        let frame = crate::encode_frame(&req).unwrap();
+        let back: MasterRequest = crate::decode_body(&frame[4..]).unwrap();
+        assert_eq!(back, req);
+        let resp =
+            MasterResponse::Get(vec![Err(WireError::new(ErrorCode::NotFound, "no such key"))]);
+        let frame = crate::encode_frame(&resp).unwrap();
+        let back: MasterResponse = crate::decode_body(&frame[4..]).unwrap();
+        assert_eq!(back, resp);
+    }
+}

@@ -1,0 +1,200 @@
+//! `kvfs master`, `kvfs node` and `kvfs up`: the daemons, and the embedded one-machine cluster.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use kvfs_client::{Node, NodeConfig};
+use kvfs_master::service::{MasterService, ServiceConfig};
+use kvfs_transfer::{EngineConfig, Transports};
+
+use crate::bench::report::{human_bytes, parse_bytes};
+
+/// Options of `kvfs master` (and the master half of `kvfs up`).
+#[derive(Args, Debug, Clone)]
+pub struct MasterArgs {
+    /// Address the master serves clients and nodes on.
+    #[arg(long, default_value = "127.0.0.1:50051", env = "KVFS_LISTEN")]
+    pub listen: SocketAddr,
+    /// Admin HTTP address (/metrics, /health, /get_all_segments); "off" disables it.
+    #[arg(long, default_value = "127.0.0.1:9003")]
+    pub admin: String,
+    /// Read lease granted by get/exists; a leased object is neither evicted nor removed
+    /// without force.
+    #[arg(long, default_value_t = 10_000)]
+    pub lease_ttl_ms: u64,
+    /// A node silent for longer loses its segments (objects only there are gone).
+    #[arg(long, default_value_t = 10_000)]
+    pub node_ttl_ms: u64,
+    /// Heartbeat period nodes are asked to keep.
+    #[arg(long, default_value_t = 1_000)]
+    pub heartbeat_ms: u64,
+    /// A put not ended within this is revoked and its space reclaimed.
+    #[arg(long, default_value_t = 30_000)]
+    pub put_timeout_ms: u64,
+    /// Eviction starts above this fraction of a tier's capacity...
+    #[arg(long, default_value_t = 0.95)]
+    pub eviction_high_watermark: f64,
+    /// ...and stops at this one.
+    #[arg(long, default_value_t = 0.90)]
+    pub eviction_low_watermark: f64,
+    /// After a restart, puts wait this long when nodes come back with objects (writers of the
+    /// previous master may still be finishing).
+    #[arg(long, default_value_t = 10_000)]
+    pub recovery_grace_ms: u64,
+    /// Longest key, in bytes.
+    #[arg(long, default_value_t = 4096)]
+    pub key_len_max: usize,
+    /// Largest object.
+    #[arg(long, default_value = "4GiB", value_parser = parse_bytes)]
+    pub object_size_max: u64,
+    /// Seed of random placement (the same seed gives the same placement decisions).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl MasterArgs {
+    pub fn service_config(&self) -> anyhow::Result<ServiceConfig> {
+        let admin_listen = match self.admin.as_str() {
+            "off" | "none" | "" => None,
+            a => Some(
+                a.parse().with_context(|| format!("--admin {a:?} is not host:port or \"off\""))?,
+            ),
+        };
+        let mut cfg = ServiceConfig {
+            listen: self.listen,
+            admin_listen,
+            heartbeat_ms: self.heartbeat_ms,
+            recovery_grace_ms: self.recovery_grace_ms,
+            ..ServiceConfig::default()
+        };
+        let d = &mut cfg.directory;
+        d.lease_ttl_ms = self.lease_ttl_ms;
+        d.node_ttl_ms = self.node_ttl_ms;
+        d.put_timeout_ms = self.put_timeout_ms;
+        d.evict_high_watermark = self.eviction_high_watermark;
+        d.evict_low_watermark = self.eviction_low_watermark;
+        d.key_len_max = self.key_len_max;
+        d.object_size_max = self.object_size_max;
+        d.seed = self.seed;
+        Ok(cfg)
+    }
+}
+
+/// Options of `kvfs node` (and the node half of `kvfs up`).
+#[derive(Args, Debug, Clone)]
+pub struct NodeArgs {
+    /// DRAM contributed to the pool (e.g. 512MiB, 2GiB).
+    #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+    pub dram: u64,
+    /// Address of the node's Transfer Engine (peers read and write its segment there).
+    #[arg(long = "engine-listen", default_value = "127.0.0.1:0")]
+    pub engine_listen: SocketAddr,
+    /// Stable node identity (random by default: a restarted node is then a new node).
+    #[arg(long)]
+    pub node_id: Option<u64>,
+    /// Do not fault the segment's pages in at start (faster start, slower first writes).
+    #[arg(long)]
+    pub no_populate: bool,
+    /// Serve peers over tcp only (no shared memory with same-host clients).
+    #[arg(long)]
+    pub tcp_only: bool,
+}
+
+impl NodeArgs {
+    pub fn node_config(&self, master: &str) -> NodeConfig {
+        let mut engine = EngineConfig { listen: self.engine_listen, ..EngineConfig::default() };
+        if self.tcp_only {
+            engine.transports = Transports::tcp_only();
+        }
+        NodeConfig {
+            master: master.to_string(),
+            engine,
+            dram_bytes: self.dram,
+            node_id: self.node_id,
+            populate: !self.no_populate,
+            ..NodeConfig::default()
+        }
+    }
+}
+
+async fn wait_for_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+    }
+}
+
+pub async fn master(args: MasterArgs) -> anyhow::Result<()> {
+    let svc = MasterService::start(args.service_config()?)
+        .await
+        .with_context(|| format!("starting the master on {}", args.listen))?;
+    match svc.admin_addr() {
+        Some(a) => {
+            println!("kvfs master listening on {} (admin http://{a}/metrics)", svc.rpc_addr())
+        }
+        None => println!("kvfs master listening on {}", svc.rpc_addr()),
+    }
+    wait_for_signal().await;
+    Ok(())
+}
+
+pub async fn node(master: &str, args: NodeArgs) -> anyhow::Result<()> {
+    let node = Node::start(args.node_config(master)).await.context("starting the node")?;
+    println!(
+        "kvfs node {} serving {} of DRAM at {} (master {master})",
+        node.id(),
+        human_bytes(args.dram),
+        node.endpoint()
+    );
+    if node.wait_registered(Duration::from_secs(5)).await.is_err() {
+        eprintln!("kvfs node: the master at {master} does not answer yet; still trying");
+    }
+    wait_for_signal().await;
+    node.shutdown().await;
+    Ok(())
+}
+
+/// Options of `kvfs up`.
+#[derive(Args, Debug, Clone)]
+pub struct UpArgs {
+    /// Where kvfs keeps its data (NVMe tier, local object store); created if missing.
+    #[arg(long, default_value = "/var/tmp/kvfs")]
+    pub data: PathBuf,
+    #[command(flatten)]
+    pub master: MasterArgs,
+    #[command(flatten)]
+    pub node: NodeArgs,
+}
+
+pub async fn up(args: UpArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.data)
+        .with_context(|| format!("creating {}", args.data.display()))?;
+    let svc = MasterService::start(args.master.service_config()?)
+        .await
+        .with_context(|| format!("starting the master on {}", args.master.listen))?;
+    let master = svc.rpc_addr().to_string();
+    let node = Node::start(args.node.node_config(&master)).await.context("starting the node")?;
+    node.wait_registered(Duration::from_secs(10)).await.context("the node did not register")?;
+    println!("kvfs is up: master {master}");
+    println!(
+        "  node {} with {} of DRAM at {}",
+        node.id(),
+        human_bytes(args.node.dram),
+        node.endpoint()
+    );
+    if let Some(a) = svc.admin_addr() {
+        println!("  metrics http://{a}/metrics   health http://{a}/health");
+    }
+    println!("  data {}", args.data.display());
+    println!(
+        "try: kvfs put --master {master} hello ./README.md && kvfs get --master {master} hello -"
+    );
+    wait_for_signal().await;
+    node.shutdown().await;
+    drop(svc);
+    Ok(())
+}

@@ -1,0 +1,4 @@
+//! Subcommands other than benchmarks: cluster daemons and object commands.
+
+pub mod cluster;
+pub mod objects;
