@@ -25,6 +25,10 @@ pub mod policy;
 pub mod uring;
 pub mod writeback;
 
+pub use fault::{Fault, FaultyMedium, Op};
+pub use hbm::HbmMedium;
+pub use object::{ObjectStoreConfig, ObjectStoreLimits, ObjectStoreMedium};
+
 pub use dram::{DramMedium, DramView};
 pub use error::{Error, ErrorKind, Result};
 pub use medium::{

@@ -7,6 +7,8 @@
 //!   [`crate::header`] record padded to 4 KiB (8 KiB for keys over 3992 bytes), then the data,
 //!   zero-padded to a multiple of 4 KiB. Its length is exactly header + padded data.
 //! - `tmp/`: files being written; whatever is there at `open` is a crash leftover and is deleted.
+//! - `LOCK`: held with `flock` while a medium has the directory open (a second open fails with
+//!   `Unavailable`; the kernel drops the lock when the process dies).
 //! - `quarantine/`: files found at `open` whose header does not verify, moved aside for an
 //!   operator (never deleted, never served).
 //!
@@ -97,6 +99,8 @@ struct Index {
 }
 
 struct Inner {
+    /// Holds an exclusive `flock` on `dir/LOCK` for the medium's life.
+    _lock: File,
     dir: PathBuf,
     capacity_bytes: u64,
     used_bytes: AtomicU64,
@@ -164,6 +168,23 @@ fn open_direct(path: &Path, write: bool) -> Result<File> {
     o.custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| Error::io(format!("open {}", path.display()), e))
+}
+
+/// Take the directory's lock so two processes never share one NVMe directory.
+fn lock_dir(dir: &Path) -> Result<File> {
+    let path = dir.join("LOCK");
+    let f = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(Error::new(ErrorKind::Unavailable, format!("{} is in use by another medium", dir.display()))
+            .with_source(std::io::Error::last_os_error()));
+    }
+    Ok(f)
 }
 
 fn fsync_dir(dir: &Path) -> Result<()> {
@@ -257,6 +278,8 @@ impl NvmeMedium {
     /// Open (or create) the directory and rebuild the index from the object headers.
     /// Blocking: it reads every header; call it at start-up or from `spawn_blocking`.
     pub fn open(cfg: NvmeConfig) -> Result<(Self, OpenReport)> {
+        fs::create_dir_all(&cfg.dir).map_err(|e| Error::io(format!("create {}", cfg.dir.display()), e))?;
+        let lock_file = lock_dir(&cfg.dir)?;
         let pool = IoPool::new(cfg.ring, "nvme")?;
         for sub in ["objects", "tmp", "quarantine"] {
             let p = cfg.dir.join(sub);
@@ -273,6 +296,7 @@ impl NvmeMedium {
         scan_objects(&cfg.dir, &mut index, &mut report)?;
         report.objects = index.ready.len();
         let inner = Inner {
+            _lock: lock_file,
             dir: cfg.dir,
             capacity_bytes: cfg.capacity_bytes,
             used_bytes: AtomicU64::new(report.bytes),
