@@ -77,15 +77,19 @@ impl OffsetAllocator {
         if need == 0 {
             return Ok(());
         }
-        if offset % self.align_bytes != 0 {
+        if !offset.is_multiple_of(self.align_bytes) {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("offset {offset} is not aligned to {} bytes", self.align_bytes),
             ));
         }
-        let end = offset.checked_add(need).filter(|e| *e <= self.region_bytes).ok_or_else(|| {
-            Error::new(ErrorKind::InvalidArgument, format!("range {offset}+{len} outside the region"))
-        })?;
+        let end =
+            offset.checked_add(need).filter(|e| *e <= self.region_bytes).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("range {offset}+{len} outside the region"),
+                )
+            })?;
         let Some((&f_off, &f_len)) = self.free.range(..=offset).next_back() else {
             return Err(Error::new(ErrorKind::NoSpace, format!("range at {offset} is in use")));
         };

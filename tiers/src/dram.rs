@@ -75,7 +75,11 @@ impl Region {
             return Err(Error::io("ftruncate memfd", std::io::Error::last_os_error()));
         }
         if len == 0 {
-            return Ok(Region { ptr: std::ptr::NonNull::dangling().as_ptr(), len, memfd: Some(memfd) });
+            return Ok(Region {
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                len,
+                memfd: Some(memfd),
+            });
         }
         // SAFETY: mapping `len` bytes of our memfd; the result is checked against MAP_FAILED.
         let ptr = unsafe {
@@ -195,7 +199,13 @@ impl DramMedium {
 
     /// Copy `data` to `[offset, offset + len)` (a range the caller, i.e. the master, chose) and
     /// record it under `key`.
-    pub fn put_at(&self, key: &str, offset: u64, data: &[u8], opts: PutOptions) -> Result<ObjectMeta> {
+    pub fn put_at(
+        &self,
+        key: &str,
+        offset: u64,
+        data: &[u8],
+        opts: PutOptions,
+    ) -> Result<ObjectMeta> {
         validate_key(key)?;
         self.check_create(key, opts.mode)?;
         let slot_range = self.reserve(Some(offset), data.len() as u64)?;

@@ -46,7 +46,10 @@ pub enum ErrorKind {
 impl ErrorKind {
     /// Whether retrying the same operation may succeed.
     pub fn retryable(self) -> bool {
-        matches!(self, ErrorKind::Unavailable | ErrorKind::Io | ErrorKind::Timeout | ErrorKind::Busy)
+        matches!(
+            self,
+            ErrorKind::Unavailable | ErrorKind::Io | ErrorKind::Timeout | ErrorKind::Busy
+        )
     }
 
     /// Stable lower-case name, for logs and bench output.

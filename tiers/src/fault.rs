@@ -185,7 +185,11 @@ mod tests {
         assert_eq!(m.get("k").await.unwrap(), b"v");
         m.inject(Op::Remove, Fault::FailAfter(ErrorKind::Timeout), 1);
         assert_eq!(m.remove("k").await.unwrap_err().kind(), ErrorKind::Timeout);
-        assert_eq!(m.stat("k").await.unwrap_err().kind(), ErrorKind::NotFound, "FailAfter ran the op");
+        assert_eq!(
+            m.stat("k").await.unwrap_err().kind(),
+            ErrorKind::NotFound,
+            "FailAfter ran the op"
+        );
         assert_eq!(m.injected(), 4);
     }
 }

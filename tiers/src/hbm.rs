@@ -76,9 +76,13 @@ impl HbmMedium {
     /// `Unavailable` with a clear message when there is no driver or no such device.
     pub fn open(device: usize, capacity_bytes: u64) -> Result<Self> {
         if !driver_present() {
-            return Err(Error::new(ErrorKind::Unavailable, "no CUDA driver found (libcuda.so not loadable)"));
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "no CUDA driver found (libcuda.so not loadable)",
+            ));
         }
-        let ctx = CudaContext::new(device).map_err(|e| cuda_err(&format!("open device {device}"), e))?;
+        let ctx =
+            CudaContext::new(device).map_err(|e| cuda_err(&format!("open device {device}"), e))?;
         let stream = ctx.default_stream();
         let len = usize::try_from(capacity_bytes)
             .map_err(|_| Error::new(ErrorKind::InvalidArgument, "capacity_bytes exceeds usize"))?;
@@ -113,7 +117,10 @@ impl HbmMedium {
     }
 
     fn lookup(&self, key: &str) -> Result<Arc<Slot>> {
-        lock(&self.index).get(key).cloned().ok_or_else(|| Error::new(ErrorKind::NotFound, format!("hbm: {key:?}")))
+        lock(&self.index)
+            .get(key)
+            .cloned()
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("hbm: {key:?}")))
     }
 }
 
@@ -183,7 +190,10 @@ impl Medium for HbmMedium {
 
     async fn remove(&self, key: &str) -> Result<()> {
         validate_key(key)?;
-        lock(&self.index).remove(key).map(drop).ok_or_else(|| Error::new(ErrorKind::NotFound, format!("hbm: {key:?}")))
+        lock(&self.index)
+            .remove(key)
+            .map(drop)
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("hbm: {key:?}")))
     }
 
     async fn list(&self) -> Result<Vec<(String, ObjectMeta)>> {
@@ -212,6 +222,9 @@ mod tests {
         }
         let err = HbmMedium::open(0, 1 << 20).err().expect("open must fail without a driver");
         assert_eq!(err.kind(), ErrorKind::Unavailable);
-        assert!(err.to_string().contains("no CUDA driver found (libcuda.so not loadable)"), "{err}");
+        assert!(
+            err.to_string().contains("no CUDA driver found (libcuda.so not loadable)"),
+            "{err}"
+        );
     }
 }

@@ -15,6 +15,8 @@
 //! - `put` with [`PutMode::CreateNew`] fails with `AlreadyExists` on an existing key and leaves
 //!   the first value; [`PutMode::Overwrite`] replaces it atomically (readers see the old or the
 //!   new object, never a mix). First-writer-wins at the store level is the master's job.
+//!   A create racing another create of the same key in progress gets `AlreadyExists` at once
+//!   (even if the first then fails): exactly one of N racing creators succeeds.
 //! - `get_into` needs a destination at least as long as the object (`InvalidArgument`
 //!   otherwise, naming the size) and fills its first `size` bytes.
 //!
@@ -53,7 +55,9 @@ impl Persistence {
             0 => Ok(Persistence::None),
             1 => Ok(Persistence::Lazy),
             2 => Ok(Persistence::Eager),
-            other => Err(Error::new(ErrorKind::Corrupt, format!("unknown persistence code {other}"))),
+            other => {
+                Err(Error::new(ErrorKind::Corrupt, format!("unknown persistence code {other}")))
+            }
         }
     }
 }
@@ -178,7 +182,9 @@ pub fn check_dst(key: &str, dst_len: usize, size_bytes: u64) -> Result<usize> {
     if dst_len < size {
         return Err(Error::new(
             ErrorKind::InvalidArgument,
-            format!("get {key:?}: destination of {dst_len} bytes is shorter than the object ({size} bytes)"),
+            format!(
+                "get {key:?}: destination of {dst_len} bytes is shorter than the object ({size} bytes)"
+            ),
         ));
     }
     Ok(size)
@@ -186,7 +192,8 @@ pub fn check_dst(key: &str, dst_len: usize, size_bytes: u64) -> Result<usize> {
 
 /// Convert a stored length to `usize`, refusing values this machine cannot address.
 pub fn usize_from(v: u64) -> Result<usize> {
-    usize::try_from(v).map_err(|_| Error::new(ErrorKind::Corrupt, format!("length {v} exceeds usize")))
+    usize::try_from(v)
+        .map_err(|_| Error::new(ErrorKind::Corrupt, format!("length {v} exceeds usize")))
 }
 
 /// Milliseconds since the Unix epoch, from the system clock (media stamp objects with it).

@@ -121,8 +121,8 @@ fn lock(m: &Mutex<Index>) -> MutexGuard<'_, Index> {
 
 /// Bytes a file of an object takes.
 pub fn file_bytes(key: &str, size_bytes: u64) -> u64 {
-    (round_up(header::FIXED_BYTES + key.len(), BLOCK_BYTES) + round_up(size_bytes as usize, BLOCK_BYTES))
-        as u64
+    (round_up(header::FIXED_BYTES + key.len(), BLOCK_BYTES)
+        + round_up(size_bytes as usize, BLOCK_BYTES)) as u64
 }
 
 impl Inner {
@@ -181,8 +181,11 @@ fn lock_dir(dir: &Path) -> Result<File> {
         .map_err(|e| Error::io(format!("open {}", path.display()), e))?;
     // SAFETY: flock on a descriptor we own.
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        return Err(Error::new(ErrorKind::Unavailable, format!("{} is in use by another medium", dir.display()))
-            .with_source(std::io::Error::last_os_error()));
+        return Err(Error::new(
+            ErrorKind::Unavailable,
+            format!("{} is in use by another medium", dir.display()),
+        )
+        .with_source(std::io::Error::last_os_error()));
     }
     Ok(f)
 }
@@ -227,6 +230,18 @@ fn write_object(
     let f = open_direct(tmp, true)?;
     let fd = f.as_raw_fd();
     let hlen = round_up(header::FIXED_BYTES + key.len(), BLOCK_BYTES);
+    let total = (hlen + round_up(size, BLOCK_BYTES)) as libc::off_t;
+    if total > 0 {
+        // One extent up front instead of block allocation chunk by chunk.
+        // SAFETY: fallocate on a descriptor we own.
+        let r = unsafe { libc::fallocate(fd, 0, 0, total) };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
+                return Err(Error::io(format!("fallocate {}", tmp.display()), e));
+            }
+        }
+    }
     let mut hasher = blake3::Hasher::new();
     // SAFETY: `data` points at the caller's `size` bytes, kept alive by IoPool::run.
     unsafe { ctx.pipeline(Dir::Write, fd, hlen as u64, data.0, size, Some(&mut hasher)) }?;
@@ -234,7 +249,10 @@ fn write_object(
     if let Some(want) = opts.checksum
         && want != sum
     {
-        return Err(Error::new(ErrorKind::Corrupt, format!("nvme put {key:?}: data does not match the writer's checksum")));
+        return Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("nvme put {key:?}: data does not match the writer's checksum"),
+        ));
     }
     let meta = ObjectMeta {
         size_bytes: size as u64,
@@ -253,7 +271,13 @@ fn write_object(
 }
 
 /// Read one object into `dst`, verified. Runs on a ring thread.
-fn read_object(ctx: &mut RingCtx, path: &Path, key: &str, dst: SendPtr, dst_len: usize) -> Result<ObjectMeta> {
+fn read_object(
+    ctx: &mut RingCtx,
+    path: &Path,
+    key: &str,
+    dst: SendPtr,
+    dst_len: usize,
+) -> Result<ObjectMeta> {
     let f = match open_direct(path, false) {
         Err(e) if e.kind() == ErrorKind::NotFound => {
             return Err(Error::new(ErrorKind::NotFound, format!("nvme: {key:?}")));
@@ -262,14 +286,29 @@ fn read_object(ctx: &mut RingCtx, path: &Path, key: &str, dst: SendPtr, dst_len:
     };
     let h = read_header(ctx, &f, path)?;
     if h.key != key {
-        return Err(Error::new(ErrorKind::Corrupt, format!("{}: holds key {:?}, not {key:?}", path.display(), h.key)));
+        return Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("{}: holds key {:?}, not {key:?}", path.display(), h.key),
+        ));
     }
     let size = check_dst(key, dst_len, h.meta.size_bytes)?;
     let mut hasher = blake3::Hasher::new();
     // SAFETY: dst is the caller's buffer of dst_len >= size bytes, kept alive by IoPool::run.
-    unsafe { ctx.pipeline(Dir::Read, f.as_raw_fd(), h.header_bytes as u64, dst.0, size, Some(&mut hasher)) }?;
+    unsafe {
+        ctx.pipeline(
+            Dir::Read,
+            f.as_raw_fd(),
+            h.header_bytes as u64,
+            dst.0,
+            size,
+            Some(&mut hasher),
+        )
+    }?;
     if hasher.finalize().as_bytes() != &h.meta.checksum {
-        return Err(Error::new(ErrorKind::Corrupt, format!("nvme get {key:?}: data checksum mismatch ({})", path.display())));
+        return Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("nvme get {key:?}: data checksum mismatch ({})", path.display()),
+        ));
     }
     Ok(h.meta)
 }
@@ -278,7 +317,8 @@ impl NvmeMedium {
     /// Open (or create) the directory and rebuild the index from the object headers.
     /// Blocking: it reads every header; call it at start-up or from `spawn_blocking`.
     pub fn open(cfg: NvmeConfig) -> Result<(Self, OpenReport)> {
-        fs::create_dir_all(&cfg.dir).map_err(|e| Error::io(format!("create {}", cfg.dir.display()), e))?;
+        fs::create_dir_all(&cfg.dir)
+            .map_err(|e| Error::io(format!("create {}", cfg.dir.display()), e))?;
         let lock_file = lock_dir(&cfg.dir)?;
         let pool = IoPool::new(cfg.ring, "nvme")?;
         for sub in ["objects", "tmp", "quarantine"] {
@@ -289,7 +329,8 @@ impl NvmeMedium {
         let tmp = cfg.dir.join("tmp");
         for e in fs::read_dir(&tmp).map_err(|e| Error::io(format!("read {}", tmp.display()), e))? {
             let e = e.map_err(|e| Error::io("read tmp", e))?;
-            fs::remove_file(e.path()).map_err(|err| Error::io(format!("remove {}", e.path().display()), err))?;
+            fs::remove_file(e.path())
+                .map_err(|err| Error::io(format!("remove {}", e.path().display()), err))?;
             report.temp_files_removed += 1;
         }
         let mut index = Index::default();
@@ -327,16 +368,25 @@ impl NvmeMedium {
     }
 
     /// Rename the finished temp file into place and index it (under the index lock).
-    fn commit(&self, key: &str, tmp: &Path, meta: ObjectMeta, fbytes: u64, mode: PutMode) -> Result<()> {
+    fn commit(
+        &self,
+        key: &str,
+        tmp: &Path,
+        meta: ObjectMeta,
+        fbytes: u64,
+        mode: PutMode,
+    ) -> Result<()> {
         let path = self.inner.object_path(key);
         let mut idx = lock(&self.inner.index);
         if mode == PutMode::CreateNew && idx.ready.contains_key(key) {
             return Err(Error::new(ErrorKind::AlreadyExists, format!("nvme: {key:?}")));
         }
         if let Some(parent) = path.parent() {
-            fs::create_dir_all(parent).map_err(|e| Error::io(format!("create {}", parent.display()), e))?;
+            fs::create_dir_all(parent)
+                .map_err(|e| Error::io(format!("create {}", parent.display()), e))?;
         }
-        fs::rename(tmp, &path).map_err(|e| Error::io(format!("rename to {}", path.display()), e))?;
+        fs::rename(tmp, &path)
+            .map_err(|e| Error::io(format!("rename to {}", path.display()), e))?;
         if let Some(old) = idx.ready.insert(key.to_owned(), Entry { meta, file_bytes: fbytes }) {
             self.inner.release(old.file_bytes);
         }
@@ -361,9 +411,13 @@ fn scan_objects(dir: &Path, index: &mut Index, report: &mut OpenReport) -> Resul
                 }
                 Err(e) => {
                     tracing::warn!(path = %path.display(), error = %e, "quarantining object file");
-                    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                    let name = path
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default();
                     let to = dir.join("quarantine").join(format!("{name}.{}", now_unix_ms()));
-                    fs::rename(&path, &to).map_err(|e| Error::io(format!("quarantine {}", path.display()), e))?;
+                    fs::rename(&path, &to)
+                        .map_err(|e| Error::io(format!("quarantine {}", path.display()), e))?;
                     report.quarantined += 1;
                 }
             }
@@ -393,7 +447,10 @@ fn check_file(path: &Path) -> Result<(String, Entry)> {
     let len = f.metadata().map_err(|e| Error::io("stat", e))?.len();
     let want = (h.header_bytes + round_up(usize_from(h.meta.size_bytes)?, BLOCK_BYTES)) as u64;
     if len != want {
-        return Err(Error::new(ErrorKind::Corrupt, format!("file has {len} bytes, header says {want}")));
+        return Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("file has {len} bytes, header says {want}"),
+        ));
     }
     Ok((h.key, Entry { meta: h.meta, file_bytes: len }))
 }
@@ -450,9 +507,14 @@ impl Medium for NvmeMedium {
         inner.reserve(fbytes, key)?;
         guard.bytes = fbytes;
         let seq = inner.tmp_seq.fetch_add(1, Ordering::Relaxed);
-        let tmp = inner.dir.join("tmp").join(format!("{}.{}.{seq}", key_digest_hex(key), std::process::id()));
+        let tmp = inner.dir.join("tmp").join(format!(
+            "{}.{}.{seq}",
+            key_digest_hex(key),
+            std::process::id()
+        ));
         guard.tmp = Some(tmp.clone());
-        let (k, ptr, len, t) = (key.to_owned(), SendPtr(data.as_ptr().cast_mut()), data.len(), tmp.clone());
+        let (k, ptr, len, t) =
+            (key.to_owned(), SendPtr(data.as_ptr().cast_mut()), data.len(), tmp.clone());
         let meta = self.pool.run(move |ctx| write_object(ctx, &t, &k, ptr, len, opts)).await?;
         self.commit(key, &tmp, meta, fbytes, opts.mode)?;
         guard.tmp = None;

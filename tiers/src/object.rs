@@ -131,7 +131,10 @@ pub fn object_path(key: &str) -> String {
 fn split_verified(key: &str, raw: &[u8]) -> Result<(header::Header, usize)> {
     let h = header::decode(raw)?;
     if h.key != key {
-        return Err(Error::new(ErrorKind::Corrupt, format!("object holds key {:?}, not {key:?}", h.key)));
+        return Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("object holds key {:?}, not {key:?}", h.key),
+        ));
     }
     let data_len = raw.len() - h.header_bytes;
     if data_len as u64 != h.meta.size_bytes {
@@ -141,7 +144,10 @@ fn split_verified(key: &str, raw: &[u8]) -> Result<(header::Header, usize)> {
         ));
     }
     if checksum(&raw[h.header_bytes..]) != h.meta.checksum {
-        return Err(Error::new(ErrorKind::Corrupt, format!("object {key:?}: data checksum mismatch")));
+        return Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("object {key:?}: data checksum mismatch"),
+        ));
     }
     Ok((h, data_len))
 }
@@ -162,7 +168,14 @@ impl ObjectStoreMedium {
                 let s = |p: PathBuf| p.to_string_lossy().into_owned();
                 ("fs".into(), vec![("root".into(), s(root)), ("atomic_write_dir".into(), s(tmp))])
             }
-            ObjectStoreConfig::S3 { endpoint, bucket, region, access_key_id, secret_access_key, root } => (
+            ObjectStoreConfig::S3 {
+                endpoint,
+                bucket,
+                region,
+                access_key_id,
+                secret_access_key,
+                root,
+            } => (
                 "s3".into(),
                 vec![
                     ("endpoint".into(), endpoint),
@@ -175,7 +188,9 @@ impl ObjectStoreMedium {
                     ("enable_virtual_host_style".into(), "false".into()),
                 ],
             ),
-            ObjectStoreConfig::Scheme { scheme, options } => (scheme, options.into_iter().collect()),
+            ObjectStoreConfig::Scheme { scheme, options } => {
+                (scheme, options.into_iter().collect())
+            }
         };
         let op = Operator::via_iter(&scheme, options)
             .map_err(|e| map_err(format!("configure object store {scheme:?}"), e))?
@@ -202,7 +217,8 @@ impl ObjectStoreMedium {
 
     async fn read_raw(&self, key: &str) -> Result<Bytes> {
         let path = object_path(key);
-        let buf = self.op.read(&path).await.map_err(|e| map_err(format!("object get {key:?}"), e))?;
+        let buf =
+            self.op.read(&path).await.map_err(|e| map_err(format!("object get {key:?}"), e))?;
         Ok(buf.to_bytes())
     }
 
@@ -225,7 +241,10 @@ impl ObjectStoreMedium {
         if len != h.header_bytes as u64 + h.meta.size_bytes {
             return Err(Error::new(
                 ErrorKind::Corrupt,
-                format!("{path}: {len} bytes stored, header says {}", h.header_bytes as u64 + h.meta.size_bytes),
+                format!(
+                    "{path}: {len} bytes stored, header says {}",
+                    h.header_bytes as u64 + h.meta.size_bytes
+                ),
             ));
         }
         Ok(h)
@@ -251,7 +270,10 @@ impl Medium for ObjectStoreMedium {
         if let Some(want) = opts.checksum
             && want != sum
         {
-            return Err(Error::new(ErrorKind::Corrupt, format!("object put {key:?}: data does not match the writer's checksum")));
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!("object put {key:?}: data does not match the writer's checksum"),
+            ));
         }
         let path = object_path(key);
         let meta = ObjectMeta {
@@ -264,11 +286,16 @@ impl Medium for ObjectStoreMedium {
         let mut _creating = Creating(self, None);
         if opts.mode == PutMode::CreateNew {
             if !self.creating.lock().unwrap_or_else(|p| p.into_inner()).insert(key.to_owned()) {
-                return Err(Error::new(ErrorKind::AlreadyExists, format!("object: {key:?} (being created)")));
+                return Err(Error::new(
+                    ErrorKind::AlreadyExists,
+                    format!("object: {key:?} (being created)"),
+                ));
             }
             _creating.1 = Some(key.to_owned());
             match self.op.stat(&path).await {
-                Ok(_) => return Err(Error::new(ErrorKind::AlreadyExists, format!("object: {key:?}"))),
+                Ok(_) => {
+                    return Err(Error::new(ErrorKind::AlreadyExists, format!("object: {key:?}")));
+                }
                 Err(e) if e.kind() == opendal::ErrorKind::NotFound => {}
                 Err(e) => return Err(map_err(format!("object put {key:?}"), e)),
             }
@@ -276,7 +303,10 @@ impl Medium for ObjectStoreMedium {
         let hdr = Bytes::from(header::encode(key, &meta, 1));
         let total = hdr.len() as u64 + meta.size_bytes;
         let body = opendal::Buffer::from(vec![hdr, Bytes::copy_from_slice(data)]);
-        let w = self.op.write_with(&path, body).if_not_exists(opts.mode == PutMode::CreateNew && conditional);
+        let w = self
+            .op
+            .write_with(&path, body)
+            .if_not_exists(opts.mode == PutMode::CreateNew && conditional);
         w.await.map_err(|e| map_err(format!("object put {key:?}"), e))?;
         self.used_bytes.fetch_add(total, Ordering::Relaxed);
         Ok(meta)
@@ -302,7 +332,10 @@ impl Medium for ObjectStoreMedium {
         validate_key(key)?;
         let h = self.counted(Self::read_header(&self.op, &object_path(key)).await)?;
         if h.key != key {
-            return Err(Error::new(ErrorKind::Corrupt, format!("object holds key {:?}, not {key:?}", h.key)));
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!("object holds key {:?}, not {key:?}", h.key),
+            ));
         }
         Ok(h.meta)
     }
@@ -310,9 +343,16 @@ impl Medium for ObjectStoreMedium {
     async fn remove(&self, key: &str) -> Result<()> {
         validate_key(key)?;
         let path = object_path(key);
-        let len = self.op.stat(&path).await.map_err(|e| map_err(format!("object remove {key:?}"), e))?.content_length();
+        let len = self
+            .op
+            .stat(&path)
+            .await
+            .map_err(|e| map_err(format!("object remove {key:?}"), e))?
+            .content_length();
         self.op.delete(&path).await.map_err(|e| map_err(format!("object remove {key:?}"), e))?;
-        let _ = self.used_bytes.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| Some(u.saturating_sub(len)));
+        let _ = self
+            .used_bytes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| Some(u.saturating_sub(len)));
         Ok(())
     }
 
@@ -323,8 +363,11 @@ impl Medium for ObjectStoreMedium {
             .recursive(true)
             .await
             .map_err(|e| map_err("object list".into(), e))?;
-        let paths: Vec<String> =
-            entries.into_iter().filter(|e| e.metadata().is_file()).map(|e| e.path().to_owned()).collect();
+        let paths: Vec<String> = entries
+            .into_iter()
+            .filter(|e| e.metadata().is_file())
+            .map(|e| e.path().to_owned())
+            .collect();
         let mut out = Vec::with_capacity(paths.len());
         for window in paths.chunks(self.limits.list_concurrency_max.max(1)) {
             let mut set = tokio::task::JoinSet::new();
@@ -336,7 +379,9 @@ impl Medium for ObjectStoreMedium {
                 let (h, p) = r.map_err(|e| Error::new(ErrorKind::Io, format!("list task: {e}")))?;
                 match h {
                     Ok(h) if object_path(&h.key) == p => out.push((h.key, h.meta)),
-                    Ok(h) => tracing::warn!(path = %p, key = %h.key, "object path is not its key's digest; skipped"),
+                    Ok(h) => {
+                        tracing::warn!(path = %p, key = %h.key, "object path is not its key's digest; skipped")
+                    }
                     // Vanished between list and read (a concurrent remove).
                     Err(e) if e.kind() == ErrorKind::NotFound => {}
                     Err(e) => {

@@ -49,7 +49,9 @@ pub enum Action {
 impl Action {
     pub fn key(&self) -> &str {
         match self {
-            Action::Demote { key, .. } | Action::Promote { key, .. } | Action::Drop { key, .. } => key,
+            Action::Demote { key, .. } | Action::Promote { key, .. } | Action::Drop { key, .. } => {
+                key
+            }
         }
     }
 }
@@ -156,7 +158,12 @@ struct Bucket {
 
 impl Bucket {
     fn new(rate_per_s: u64, burst: u64) -> Self {
-        Bucket { tokens: burst as f64, rate_per_ms: rate_per_s as f64 / 1000.0, burst: burst as f64, last_ms: 0 }
+        Bucket {
+            tokens: burst as f64,
+            rate_per_ms: rate_per_s as f64 / 1000.0,
+            burst: burst as f64,
+            last_ms: 0,
+        }
     }
 
     fn refill(&mut self, now_ms: u64) {
@@ -312,11 +319,14 @@ impl TierPolicy {
 
     fn forget_inflight(&mut self, o: &ObjState) {
         match o.tier {
-            Tier::Dram => self.inflight_demote_bytes = self.inflight_demote_bytes.saturating_sub(o.size_bytes),
+            Tier::Dram => {
+                self.inflight_demote_bytes = self.inflight_demote_bytes.saturating_sub(o.size_bytes)
+            }
             Tier::Nvme => {
                 // A moving NVMe object is being promoted or dropped; we do not know which here,
                 // so release from both (saturating) conservatively.
-                self.inflight_promote_bytes = self.inflight_promote_bytes.saturating_sub(o.size_bytes);
+                self.inflight_promote_bytes =
+                    self.inflight_promote_bytes.saturating_sub(o.size_bytes);
                 self.inflight_drop_bytes = self.inflight_drop_bytes.saturating_sub(o.size_bytes);
             }
         }
@@ -337,7 +347,8 @@ impl TierPolicy {
                 }
             }
             Action::Promote { size_bytes, .. } => {
-                self.inflight_promote_bytes = self.inflight_promote_bytes.saturating_sub(*size_bytes);
+                self.inflight_promote_bytes =
+                    self.inflight_promote_bytes.saturating_sub(*size_bytes);
                 if ok {
                     o.tier = Tier::Dram;
                 }
@@ -353,7 +364,11 @@ impl TierPolicy {
     }
 
     /// Coldest first: (frequency estimate, last access, key) ascending.
-    fn candidates(&self, tier: Tier, pred: impl Fn(&ObjState) -> bool) -> Vec<(u32, u64, &str, u64)> {
+    fn candidates(
+        &self,
+        tier: Tier,
+        pred: impl Fn(&ObjState) -> bool,
+    ) -> Vec<(u32, u64, &str, u64)> {
         let mut v: Vec<_> = self
             .objects
             .iter()
@@ -513,7 +528,11 @@ mod tests {
         for i in 0..1000 {
             p.on_access(&format!("k{i}"), 1 + i as u64);
         }
-        let a = p.decide(2000, TierUsage { used_bytes: 0, capacity_bytes: 10_000 * MB }, usage(&p, Tier::Nvme, 10_000 * MB));
+        let a = p.decide(
+            2000,
+            TierUsage { used_bytes: 0, capacity_bytes: 10_000 * MB },
+            usage(&p, Tier::Nvme, 10_000 * MB),
+        );
         assert!(a.is_empty(), "{a:?}");
     }
 
@@ -530,7 +549,10 @@ mod tests {
         let dram = TierUsage { used_bytes: 0, capacity_bytes: 100 * MB };
         let a = p.decide(200, dram, usage(&p, Tier::Nvme, 100 * MB));
         assert_eq!(a, vec![Action::Promote { key: "hot".into(), size_bytes: MB }]);
-        assert!(p.decide(300, dram, usage(&p, Tier::Nvme, 100 * MB)).is_empty(), "in flight: not re-emitted");
+        assert!(
+            p.decide(300, dram, usage(&p, Tier::Nvme, 100 * MB)).is_empty(),
+            "in flight: not re-emitted"
+        );
         complete(&mut p, &a);
         assert_eq!(p.tier_of("hot"), Some(Tier::Dram));
         // Two windows later the warm object's two reads have faded: a third read is not enough.
@@ -549,7 +571,11 @@ mod tests {
         for t in 0..5 {
             p.on_access("k0", 20 + t);
         }
-        let a = p.decide(100, usage(&p, Tier::Dram, 100 * MB), TierUsage { used_bytes: 0, capacity_bytes: 1000 * MB });
+        let a = p.decide(
+            100,
+            usage(&p, Tier::Dram, 100 * MB),
+            TierUsage { used_bytes: 0, capacity_bytes: 1000 * MB },
+        );
         let keys: Vec<&str> = a.iter().map(|a| a.key()).collect();
         assert_eq!(keys, ["k1", "k2"], "90 -> 80 MB with 10 MB objects; k0 is hot");
         assert!(a.iter().all(|a| matches!(a, Action::Demote { .. })));

@@ -113,22 +113,27 @@ pub struct RingConfig {
 
 impl Default for RingConfig {
     fn default() -> Self {
-        RingConfig { chunk_bytes: 1 << 20, queue_depth: 4, io_threads: 2, hash_with_rayon: true }
+        RingConfig { chunk_bytes: 1 << 20, queue_depth: 8, io_threads: 2, hash_with_rayon: true }
     }
 }
 
 impl RingConfig {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::new(ErrorKind::InvalidArgument, m));
-        if self.chunk_bytes == 0 || self.chunk_bytes % BLOCK_BYTES != 0 {
-            return bad(format!("chunk_bytes {} is not a positive multiple of 4096", self.chunk_bytes));
+        if self.chunk_bytes == 0 || !self.chunk_bytes.is_multiple_of(BLOCK_BYTES) {
+            return bad(format!(
+                "chunk_bytes {} is not a positive multiple of 4096",
+                self.chunk_bytes
+            ));
         }
         if self.queue_depth == 0 || self.queue_depth > QUEUE_DEPTH_MAX {
             return bad(format!("queue_depth {} not in 1..={QUEUE_DEPTH_MAX}", self.queue_depth));
         }
         if self.chunk_bytes.saturating_mul(self.queue_depth) > STAGING_BYTES_MAX {
-            return bad(format!("staging of {} bytes exceeds staging_bytes_max {STAGING_BYTES_MAX}",
-                self.chunk_bytes * self.queue_depth));
+            return bad(format!(
+                "staging of {} bytes exceeds staging_bytes_max {STAGING_BYTES_MAX}",
+                self.chunk_bytes * self.queue_depth
+            ));
         }
         if self.io_threads == 0 {
             return bad("io_threads must be at least 1".into());
@@ -188,7 +193,7 @@ impl RingCtx {
         let chunk = self.cfg.chunk_bytes;
         let qd = self.cfg.queue_depth;
         let n = size.div_ceil(chunk);
-        let aligned = (buf as usize) % BLOCK_BYTES == 0;
+        let aligned = (buf as usize).is_multiple_of(BLOCK_BYTES);
         let mut done_bytes = vec![0usize; n];
         let mut complete = vec![false; n];
         let (mut next_submit, mut low, mut inflight) = (0usize, 0usize, 0usize);
@@ -238,13 +243,22 @@ impl RingCtx {
                 let i = idx as usize;
                 inflight -= 1;
                 if res < 0 {
-                    err.get_or_insert(Error::errno(format!("{dir:?} at {}", file_off as usize + i * chunk), -res));
+                    err.get_or_insert(Error::errno(
+                        format!("{dir:?} at {}", file_off as usize + i * chunk),
+                        -res,
+                    ));
                     continue;
                 }
                 if res == 0 {
                     err.get_or_insert(Error::new(
-                        match dir { Dir::Read => ErrorKind::Corrupt, Dir::Write => ErrorKind::Io },
-                        format!("{dir:?} at {}: end of file / no progress", file_off as usize + i * chunk),
+                        match dir {
+                            Dir::Read => ErrorKind::Corrupt,
+                            Dir::Write => ErrorKind::Io,
+                        },
+                        format!(
+                            "{dir:?} at {}: end of file / no progress",
+                            file_off as usize + i * chunk
+                        ),
                     ));
                     continue;
                 }
@@ -252,7 +266,17 @@ impl RingCtx {
                 if done_bytes[i] < io_len_of(i) && err.is_none() {
                     // SAFETY: same buffer as the first submission, further in.
                     unsafe {
-                        self.push(dir, fd, file_off, buf, i, done_bytes[i], direct(i), slot(i), io_len_of(i))
+                        self.push(
+                            dir,
+                            fd,
+                            file_off,
+                            buf,
+                            i,
+                            done_bytes[i],
+                            direct(i),
+                            slot(i),
+                            io_len_of(i),
+                        )
                     }?;
                     inflight += 1;
                 } else {
@@ -308,8 +332,12 @@ impl RingCtx {
                 let p = unsafe { buf.add(i * self.cfg.chunk_bytes + done) };
                 opcode::Write::new(fd, p, len).offset(off).build()
             }
-            (Dir::Read, false) => opcode::ReadFixed::new(fd, slot.wrapping_add(done), len, 0).offset(off).build(),
-            (Dir::Write, false) => opcode::WriteFixed::new(fd, slot.wrapping_add(done), len, 0).offset(off).build(),
+            (Dir::Read, false) => {
+                opcode::ReadFixed::new(fd, slot.wrapping_add(done), len, 0).offset(off).build()
+            }
+            (Dir::Write, false) => {
+                opcode::WriteFixed::new(fd, slot.wrapping_add(done), len, 0).offset(off).build()
+            }
         };
         let sqe = sqe.user_data(i as u64);
         // SAFETY: the entry's buffers stay valid until its completion is reaped (pipeline
@@ -391,6 +419,13 @@ pub struct SendPtr(pub *mut u8);
 // SAFETY: the pointee is kept alive and unaliased by `IoPool::run`'s WaitDone guard.
 unsafe impl Send for SendPtr {}
 
+impl SendPtr {
+    /// The pointer (a method, so closures capture the whole `SendPtr`, not its field).
+    pub fn ptr(self) -> *mut u8 {
+        self.0
+    }
+}
+
 impl IoPool {
     pub fn new(cfg: RingConfig, name: &str) -> Result<Arc<Self>> {
         cfg.validate()?;
@@ -416,7 +451,9 @@ impl IoPool {
                     loop {
                         let job = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
                         let Ok(job) = job else { return };
-                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut ctx)));
+                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            job(&mut ctx)
+                        }));
                     }
                 })
                 .map_err(|e| Error::io("spawn ring thread", e))?;

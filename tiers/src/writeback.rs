@@ -229,7 +229,9 @@ pub struct WritebackQueue {
 
 fn fsync_parent(path: &Path) -> Result<()> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    File::open(dir).and_then(|f| f.sync_all()).map_err(|e| Error::io(format!("fsync {}", dir.display()), e))
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| Error::io(format!("fsync {}", dir.display()), e))
 }
 
 /// Read, replay and compact the journal; returns the file open for appends.
@@ -237,7 +239,8 @@ fn recover(path: &Path) -> Result<(File, Recovery, u64)> {
     let mut bytes = Vec::new();
     match File::open(path) {
         Ok(mut f) => {
-            f.read_to_end(&mut bytes).map_err(|e| Error::io(format!("read {}", path.display()), e))?;
+            f.read_to_end(&mut bytes)
+                .map_err(|e| Error::io(format!("read {}", path.display()), e))?;
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(Error::io(format!("open {}", path.display()), e)),
@@ -266,16 +269,23 @@ fn recover(path: &Path) -> Result<(File, Recovery, u64)> {
     rec.pending = pending.into_values().collect();
     let tmp = path.with_extension("compact");
     {
-        let mut f = File::create(&tmp).map_err(|e| Error::io(format!("create {}", tmp.display()), e))?;
+        let mut f =
+            File::create(&tmp).map_err(|e| Error::io(format!("create {}", tmp.display()), e))?;
         let mut buf = Vec::new();
         for e in &rec.pending {
             buf.extend_from_slice(&encode_record(KIND_ENQUEUED, e.seq, Some(e)));
         }
-        f.write_all(&buf).and_then(|_| f.sync_all()).map_err(|e| Error::io(format!("write {}", tmp.display()), e))?;
+        f.write_all(&buf)
+            .and_then(|_| f.sync_all())
+            .map_err(|e| Error::io(format!("write {}", tmp.display()), e))?;
     }
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(format!("rename to {}", path.display()), e))?;
+    std::fs::rename(&tmp, path)
+        .map_err(|e| Error::io(format!("rename to {}", path.display()), e))?;
     fsync_parent(path)?;
-    let f = OpenOptions::new().append(true).open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+    let f = OpenOptions::new()
+        .append(true)
+        .open(path)
+        .map_err(|e| Error::io(format!("open {}", path.display()), e))?;
     Ok((f, rec, max_seq + 1))
 }
 
@@ -288,7 +298,10 @@ impl WritebackQueue {
         target: Arc<dyn Medium>,
     ) -> Result<(Self, Recovery, mpsc::UnboundedReceiver<WritebackEvent>)> {
         if cfg.workers == 0 || cfg.queue_entries_max == 0 {
-            return Err(Error::new(ErrorKind::InvalidArgument, "workers and queue_entries_max must be >= 1"));
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "workers and queue_entries_max must be >= 1",
+            ));
         }
         let path = cfg.journal_path.clone();
         let (journal, recovery, next_seq) = tokio::task::spawn_blocking(move || recover(&path))
@@ -311,7 +324,8 @@ impl WritebackQueue {
             target,
             events: tx,
         });
-        let workers = (0..shared.cfg.workers).map(|_| tokio::spawn(worker(shared.clone()))).collect();
+        let workers =
+            (0..shared.cfg.workers).map(|_| tokio::spawn(worker(shared.clone()))).collect();
         Ok((WritebackQueue { shared, workers }, recovery, rx))
     }
 
@@ -398,11 +412,16 @@ async fn worker(shared: Arc<Shared>) {
         };
         let outcome = upload(&shared, &next).await;
         let (kind, event) = match outcome {
-            Ok(()) => (KIND_PERSISTED, WritebackEvent::Persisted { seq: next.seq, key: next.key.clone() }),
+            Ok(()) => {
+                (KIND_PERSISTED, WritebackEvent::Persisted { seq: next.seq, key: next.key.clone() })
+            }
             Err(e) if e.kind() == ErrorKind::Closed => return,
             Err(error) => {
                 tracing::warn!(key = %next.key, seq = next.seq, %error, "write-back gave up");
-                (KIND_FAILED, WritebackEvent::Failed { seq: next.seq, key: next.key.clone(), error })
+                (
+                    KIND_FAILED,
+                    WritebackEvent::Failed { seq: next.seq, key: next.key.clone(), error },
+                )
             }
         };
         let record = encode_record(kind, next.seq, None);
@@ -415,8 +434,12 @@ async fn worker(shared: Arc<Shared>) {
             }
             // Without a durable record the outcome cannot be acknowledged; the entry stays
             // counted and is recovered (and retried) by the next open.
-            Ok(Err(e)) => tracing::error!(key = %next.key, error = %e, "write-back journal append failed"),
-            Err(e) => tracing::error!(key = %next.key, error = %e, "write-back journal task failed"),
+            Ok(Err(e)) => {
+                tracing::error!(key = %next.key, error = %e, "write-back journal append failed")
+            }
+            Err(e) => {
+                tracing::error!(key = %next.key, error = %e, "write-back journal task failed")
+            }
         }
     }
 }
@@ -430,15 +453,23 @@ async fn upload(shared: &Shared, e: &WritebackEntry) -> Result<()> {
             Ok(()) => return Ok(()),
             Err(err) if err.retryable() && shared.closed.load(Ordering::Acquire) => {
                 // Closing: leave the entry pending in the journal for the next open.
-                return Err(Error::new(ErrorKind::Closed, "write-back closed during retries").with_source(err));
+                return Err(Error::new(ErrorKind::Closed, "write-back closed during retries")
+                    .with_source(err));
             }
             Err(err) if err.retryable() && attempt < c.retries_max => {
-                let backoff = c.backoff_base_ms.saturating_mul(1 << attempt.min(20)).min(c.backoff_max_ms);
+                let backoff =
+                    c.backoff_base_ms.saturating_mul(1 << attempt.min(20)).min(c.backoff_max_ms);
                 tracing::debug!(key = %e.key, attempt, backoff_ms = backoff, error = %err, "write-back retry");
                 tokio::time::sleep(Duration::from_millis(backoff)).await;
                 attempt += 1;
             }
-            Err(err) => return Err(err.context(format!("write-back {:?} after {} attempts", e.key, attempt + 1))),
+            Err(err) => {
+                return Err(err.context(format!(
+                    "write-back {:?} after {} attempts",
+                    e.key,
+                    attempt + 1
+                )));
+            }
         }
     }
 }
@@ -448,10 +479,17 @@ async fn upload_once(shared: &Shared, e: &WritebackEntry) -> Result<()> {
     if data.len() as u64 != e.size_bytes || checksum(&data) != e.checksum {
         return Err(Error::new(
             ErrorKind::Corrupt,
-            format!("source holds other bytes for {:?} than were enqueued (changed or damaged)", e.key),
+            format!(
+                "source holds other bytes for {:?} than were enqueued (changed or damaged)",
+                e.key
+            ),
         ));
     }
-    let opts = PutOptions { mode: PutMode::Overwrite, persistence: e.persistence, checksum: Some(e.checksum) };
+    let opts = PutOptions {
+        mode: PutMode::Overwrite,
+        persistence: e.persistence,
+        checksum: Some(e.checksum),
+    };
     shared.target.put(&e.key, &data, opts).await.map(drop)
 }
 
@@ -462,7 +500,11 @@ mod tests {
     use crate::fault::{Fault, FaultyMedium, Op};
 
     fn cfg(dir: &Path) -> WritebackConfig {
-        WritebackConfig { backoff_base_ms: 1, backoff_max_ms: 2, ..WritebackConfig::new(dir.join("journal")) }
+        WritebackConfig {
+            backoff_base_ms: 1,
+            backoff_max_ms: 2,
+            ..WritebackConfig::new(dir.join("journal"))
+        }
     }
 
     async fn put(m: &DramMedium, key: &str, len: usize) -> [u8; 32] {
@@ -475,7 +517,12 @@ mod tests {
         let src = Arc::new(DramMedium::new(1 << 20).unwrap());
         let dst = Arc::new(FaultyMedium::new(DramMedium::new(1 << 20).unwrap()));
         dst.inject(Op::Put, Fault::Fail(ErrorKind::Unavailable), 1000);
-        let c = WritebackConfig { queue_entries_max: 2, queue_bytes_max: 10_000, retries_max: 1000, ..cfg(dir.path()) };
+        let c = WritebackConfig {
+            queue_entries_max: 2,
+            queue_bytes_max: 10_000,
+            retries_max: 1000,
+            ..cfg(dir.path())
+        };
         let (q, _, _rx) = WritebackQueue::open(c, src.clone(), dst.clone()).await.unwrap();
         let s = put(&src, "a", 10).await;
         q.enqueue("a", 10, s).await.unwrap();
@@ -494,7 +541,9 @@ mod tests {
         let s = put(&src, "ok", 100).await;
         dst.inject(Op::Put, Fault::Fail(ErrorKind::Io), 2);
         q.enqueue("ok", 100, s).await.unwrap();
-        assert!(matches!(rx.recv().await.unwrap(), WritebackEvent::Persisted { ref key, .. } if key == "ok"));
+        assert!(
+            matches!(rx.recv().await.unwrap(), WritebackEvent::Persisted { ref key, .. } if key == "ok")
+        );
         assert_eq!(dst.inner().get("ok").await.unwrap(), vec![2u8; 100]);
 
         let s = put(&src, "bad", 100).await;
@@ -542,12 +591,21 @@ mod tests {
         }
         assert_eq!(dst.inner().get("y").await.unwrap(), vec![1u8; 64]);
         let next = q.enqueue("x", 64, checksum(&[1u8; 64])).await.unwrap();
-        assert!(next > rec.pending.iter().map(|e| e.seq).max().unwrap(), "sequence numbers keep rising");
+        assert!(
+            next > rec.pending.iter().map(|e| e.seq).max().unwrap(),
+            "sequence numbers keep rising"
+        );
     }
 
     #[test]
     fn replay_stops_at_any_damage() {
-        let e = WritebackEntry { seq: 7, key: "k/\u{e9}".into(), size_bytes: 9, checksum: [3; 32], persistence: Persistence::Lazy };
+        let e = WritebackEntry {
+            seq: 7,
+            key: "k/\u{e9}".into(),
+            size_bytes: 9,
+            checksum: [3; 32],
+            persistence: Persistence::Lazy,
+        };
         let mut j = encode_record(KIND_ENQUEUED, 7, Some(&e));
         j.extend(encode_record(KIND_PERSISTED, 7, None));
         let (recs, valid) = replay(&j);

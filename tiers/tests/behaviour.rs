@@ -42,20 +42,32 @@ async fn round_trips(m: &dyn Medium) -> Result<()> {
     for (i, size) in [0, 1, 4096, MIB + 1, 16 * MIB].into_iter().enumerate() {
         let key = format!("rt/{i}/{}", "a".repeat(64));
         let data = pattern(size, i as u8);
-        let meta = m.put(&key, &data, PutOptions::default()).await.with_context(|| format!("put {size}"))?;
-        ensure!(meta.size_bytes == size as u64 && meta.checksum == checksum(&data), "put meta for {size}");
+        let meta = m
+            .put(&key, &data, PutOptions::default())
+            .await
+            .with_context(|| format!("put {size}"))?;
+        ensure!(
+            meta.size_bytes == size as u64 && meta.checksum == checksum(&data),
+            "put meta for {size}"
+        );
         ensure!(m.get(&key).await? == data, "get {size} bytes");
         let st = m.stat(&key).await?;
         ensure!(st.size_bytes == size as u64 && st.checksum == meta.checksum, "stat {size}");
         let mut aligned = AlignedBuf::new(size + 4096);
         let got = m.get_into(&key, &mut aligned).await?;
-        ensure!(got.size_bytes == size as u64 && aligned[..size] == data[..], "aligned get_into {size}");
+        ensure!(
+            got.size_bytes == size as u64 && aligned[..size] == data[..],
+            "aligned get_into {size}"
+        );
         let mut unaligned = vec![0u8; size + 7];
         m.get_into(&key, &mut unaligned[3..]).await?;
         ensure!(unaligned[3..3 + size] == data[..], "unaligned get_into {size}");
         if size > 0 {
             let mut short = vec![0u8; size - 1];
-            ensure!(kind(m.get_into(&key, &mut short).await) == ErrorKind::InvalidArgument, "short dst");
+            ensure!(
+                kind(m.get_into(&key, &mut short).await) == ErrorKind::InvalidArgument,
+                "short dst"
+            );
         }
         m.remove(&key).await?;
     }
@@ -68,10 +80,16 @@ async fn overwrite_semantics(m: &dyn Medium) -> Result<()> {
     ensure!(kind(m.put(key, b"second!", PutOptions::default()).await) == ErrorKind::AlreadyExists);
     ensure!(m.get(key).await? == b"first", "create-new kept the first value");
     m.put(key, b"second!", PutOptions { mode: PutMode::Overwrite, ..Default::default() }).await?;
-    ensure!(m.get(key).await? == b"second!" && m.stat(key).await?.size_bytes == 7, "overwrite replaced");
+    ensure!(
+        m.get(key).await? == b"second!" && m.stat(key).await?.size_bytes == 7,
+        "overwrite replaced"
+    );
     let bad = PutOptions { checksum: Some([0; 32]), ..PutOptions::overwrite() };
     if m.capabilities().verifies_reads {
-        ensure!(kind(m.put(key, b"third", bad).await) == ErrorKind::Corrupt, "writer checksum checked");
+        ensure!(
+            kind(m.put(key, b"third", bad).await) == ErrorKind::Corrupt,
+            "writer checksum checked"
+        );
         ensure!(m.get(key).await? == b"second!", "a refused put leaves the old value");
     }
     m.remove(key).await?;
@@ -96,7 +114,9 @@ async fn remove_and_not_found(m: &dyn Medium) -> Result<()> {
 async fn keys(m: &dyn Medium) -> Result<()> {
     ensure!(kind(m.put("", b"x", PutOptions::default()).await) == ErrorKind::InvalidArgument);
     let too_long = "k".repeat(KEY_BYTES_MAX + 1);
-    ensure!(kind(m.put(&too_long, b"x", PutOptions::default()).await) == ErrorKind::InvalidArgument);
+    ensure!(
+        kind(m.put(&too_long, b"x", PutOptions::default()).await) == ErrorKind::InvalidArgument
+    );
     ensure!(kind(m.get(&too_long).await) == ErrorKind::InvalidArgument);
     let odd = [
         "k".repeat(KEY_BYTES_MAX),
@@ -105,12 +125,17 @@ async fn keys(m: &dyn Medium) -> Result<()> {
         "sp ace/\u{1F600}/\\back".into(),
     ];
     for (i, k) in odd.iter().enumerate() {
-        m.put(k, &pattern(100 + i, 9), PutOptions::default()).await.with_context(|| format!("put key #{i}"))?;
+        m.put(k, &pattern(100 + i, 9), PutOptions::default())
+            .await
+            .with_context(|| format!("put key #{i}"))?;
     }
     let listed = m.list().await?;
     for (i, k) in odd.iter().enumerate() {
         ensure!(m.get(k).await? == pattern(100 + i, 9), "key #{i} round trip");
-        ensure!(listed.iter().any(|(l, meta)| l == k && meta.size_bytes == (100 + i) as u64), "key #{i} listed");
+        ensure!(
+            listed.iter().any(|(l, meta)| l == k && meta.size_bytes == (100 + i) as u64),
+            "key #{i} listed"
+        );
         m.remove(k).await?;
     }
     Ok(())
@@ -145,7 +170,9 @@ async fn concurrency(m: Arc<dyn Medium>) -> Result<()> {
     let mut racers = Vec::new();
     for t in 0..6u8 {
         let m = m.clone();
-        racers.push(tokio::spawn(async move { (t, m.put("cc/race", &pattern(300_000, t), PutOptions::default()).await) }));
+        racers.push(tokio::spawn(async move {
+            (t, m.put("cc/race", &pattern(300_000, t), PutOptions::default()).await)
+        }));
     }
     let mut winners = Vec::new();
     for r in racers {
@@ -181,10 +208,17 @@ async fn corruption(fx: &dyn Fixture) -> Result<()> {
 }
 
 async fn restart(fx: &mut dyn Fixture) -> Result<()> {
-    let objects: Vec<(String, Vec<u8>)> =
-        (0..5).map(|i| (format!("rs/{i}/{}", "b".repeat(i * 900)), pattern(i * 300_001, i as u8))).collect();
+    let objects: Vec<(String, Vec<u8>)> = (0..5)
+        .map(|i| (format!("rs/{i}/{}", "b".repeat(i * 900)), pattern(i * 300_001, i as u8)))
+        .collect();
     for (k, v) in &objects {
-        fx.medium().put(k, v, PutOptions { persistence: kvfs_tiers::Persistence::Lazy, ..Default::default() }).await?;
+        fx.medium()
+            .put(
+                k,
+                v,
+                PutOptions { persistence: kvfs_tiers::Persistence::Lazy, ..Default::default() },
+            )
+            .await?;
     }
     let before = fx.medium().list().await?;
     fx.reopen().await?;
@@ -192,7 +226,10 @@ async fn restart(fx: &mut dyn Fixture) -> Result<()> {
     let after = m.list().await?;
     for (k, v) in &objects {
         let b = before.iter().find(|(x, _)| x == k).context("listed before")?;
-        let a = after.iter().find(|(x, _)| x == k).with_context(|| format!("{k:?} listed after reopen"))?;
+        let a = after
+            .iter()
+            .find(|(x, _)| x == k)
+            .with_context(|| format!("{k:?} listed after reopen"))?;
         ensure!(a.1 == b.1, "meta survives reopen for {k:?}");
         ensure!(a.1.persistence == kvfs_tiers::Persistence::Lazy);
         ensure!(&m.get(k).await? == v, "bytes survive reopen for {k:?}");
@@ -273,7 +310,8 @@ impl Fixture for Nvme {
     }
     async fn reopen(&mut self) -> Result<()> {
         let old = self.m.take().context("open")?;
-        let objects = Arc::into_inner(old).context("a clone of the medium is still alive")?.stats().objects;
+        let objects =
+            Arc::into_inner(old).context("a clone of the medium is still alive")?.stats().objects;
         let (m, report) = NvmeMedium::open(NvmeConfig::new(self.dir.path(), CAPACITY_BYTES))?;
         ensure!(report.objects == objects && report.quarantined == 0, "reopen report {report:?}");
         self.m = Some(Arc::new(m));
@@ -372,14 +410,20 @@ async fn nvme_open_discards_temp_files_and_quarantines_bad_headers() -> Result<(
     m.put("good", &pattern(10_000, 1), PutOptions::default()).await?;
     m.put("bad", &pattern(10_000, 2), PutOptions::default()).await?;
     let bad_path = m.object_path("bad");
-    ensure!(NvmeMedium::open(cfg.clone()).err().map(|e| e.kind()) == Some(ErrorKind::Unavailable), "second open of a locked dir");
+    ensure!(
+        NvmeMedium::open(cfg.clone()).err().map(|e| e.kind()) == Some(ErrorKind::Unavailable),
+        "second open of a locked dir"
+    );
     drop(m);
     std::fs::write(dir.path().join("tmp").join("half-written.1.1"), b"partial")?;
     let mut raw = std::fs::read(&bad_path)?;
     raw[20] ^= 1; // inside the header
     std::fs::write(&bad_path, raw)?;
     let (m, report) = NvmeMedium::open(cfg)?;
-    ensure!(report.objects == 1 && report.temp_files_removed == 1 && report.quarantined == 1, "{report:?}");
+    ensure!(
+        report.objects == 1 && report.temp_files_removed == 1 && report.quarantined == 1,
+        "{report:?}"
+    );
     ensure!(m.get("good").await? == pattern(10_000, 1));
     ensure!(kind(m.get("bad").await) == ErrorKind::NotFound);
     ensure!(std::fs::read_dir(dir.path().join("quarantine"))?.count() == 1);

@@ -17,7 +17,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use kvfs_tiers::writeback::{WritebackConfig, WritebackEvent, WritebackQueue};
-use kvfs_tiers::{Medium, NvmeConfig, NvmeMedium, ObjectStoreConfig, ObjectStoreMedium, PutOptions};
+use kvfs_tiers::{
+    Medium, NvmeConfig, NvmeMedium, ObjectStoreConfig, ObjectStoreMedium, PutOptions,
+};
 
 const CHILD_ENV: &str = "KVFS_WRITEBACK_CRASH_DIR";
 const OBJECTS: usize = 200;
@@ -103,14 +105,21 @@ async fn writeback_survives_sigkill() -> Result<()> {
     }
 
     // Reopen: nothing acknowledged is pending, everything else is.
-    let (q, rec, mut events) = WritebackQueue::open(wb_config(dir.path()), nvme, bucket.clone()).await?;
+    let (q, rec, mut events) =
+        WritebackQueue::open(wb_config(dir.path()), nvme, bucket.clone()).await?;
     let pending: HashSet<String> = rec.pending.iter().map(|e| e.key.clone()).collect();
     ensure!(!pending.is_empty(), "the kill left entries to retry");
     ensure!(pending.is_disjoint(&acked), "an acknowledged entry came back as pending");
     // Every acknowledged enqueue is accounted for (persisted before the kill, or pending);
     // an enqueue the child did not get to print may be there too.
     let known = rec.persisted + pending.len();
-    ensure!(known >= enqueued.len() && known <= OBJECTS, "persisted {} + pending {} vs {} enqueued", rec.persisted, pending.len(), enqueued.len());
+    ensure!(
+        known >= enqueued.len() && known <= OBJECTS,
+        "persisted {} + pending {} vs {} enqueued",
+        rec.persisted,
+        pending.len(),
+        enqueued.len()
+    );
     let mut done = 0;
     while done < pending.len() {
         match tokio::time::timeout(Duration::from_secs(120), events.recv()).await? {
@@ -118,7 +127,9 @@ async fn writeback_survives_sigkill() -> Result<()> {
                 ensure!(pending.contains(&key), "unexpected upload of {key}");
                 done += 1;
             }
-            Some(WritebackEvent::Failed { key, error, .. }) => anyhow::bail!("{key} failed after restart: {error}"),
+            Some(WritebackEvent::Failed { key, error, .. }) => {
+                anyhow::bail!("{key} failed after restart: {error}")
+            }
             None => anyhow::bail!("event channel closed"),
         }
     }

@@ -18,7 +18,14 @@ pub fn find_moto() -> PathBuf {
     if let Some(path) = std::env::var_os("PATH") {
         for dir in std::env::split_paths(&path) {
             let c = dir.join("moto_server");
-            if c.is_file() && Command::new(&c).arg("-h").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success()) {
+            if c.is_file()
+                && Command::new(&c)
+                    .arg("-h")
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success())
+            {
                 return c;
             }
         }
@@ -27,7 +34,9 @@ pub fn find_moto() -> PathBuf {
     if venv.is_file() {
         return venv;
     }
-    panic!("no moto S3 server found (env KVFS_MOTO_SERVER, `moto_server` on PATH, /opt/kvfs-venv/bin/moto_server); install it with: {INSTALL}");
+    panic!(
+        "no moto S3 server found (env KVFS_MOTO_SERVER, `moto_server` on PATH, /opt/kvfs-venv/bin/moto_server); install it with: {INSTALL}"
+    );
 }
 
 /// A running moto server; killed on drop.
@@ -39,7 +48,10 @@ pub struct Moto {
 impl Moto {
     pub fn start() -> Moto {
         let bin = find_moto();
-        let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
         let child = Command::new(&bin)
             .args(["-H", "127.0.0.1", "-p", &port.to_string()])
             .stdout(Stdio::null())
@@ -49,10 +61,8 @@ impl Moto {
         let mut moto = Moto { child, port };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Ok(status) = moto.http("GET", "/") {
-                if status < 500 {
-                    break;
-                }
+            if moto.http("GET", "/").is_ok_and(|status| status < 500) {
+                break;
             }
             if let Ok(Some(st)) = moto.child.try_wait() {
                 panic!("moto server exited early with {st}");
@@ -71,7 +81,11 @@ impl Moto {
     pub fn http(&self, method: &str, path: &str) -> std::io::Result<u16> {
         let mut s = TcpStream::connect(("127.0.0.1", self.port))?;
         s.set_read_timeout(Some(Duration::from_secs(10)))?;
-        write!(s, "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", self.port)?;
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            self.port
+        )?;
         let mut resp = Vec::new();
         s.read_to_end(&mut resp)?;
         let line = String::from_utf8_lossy(&resp);
