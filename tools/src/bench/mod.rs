@@ -3,4 +3,5 @@
 
 pub mod limits;
 pub mod report;
+pub mod store;
 pub mod transfer;
