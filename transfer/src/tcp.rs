@@ -149,6 +149,7 @@ async fn connect(addr: SocketAddr, shared: &Shared) -> Result<(TcpStream, Welcom
             version: TE_PROTOCOL_VERSION,
             name: shared.name.clone(),
             host_id: shared.host_id.clone(),
+            rdma: None,
         };
         write_msg(&mut stream, &hello)
             .await
@@ -554,6 +555,8 @@ pub(crate) async fn serve_conn(mut stream: TcpStream, shared: Arc<Shared>) {
         instance: shared.instance,
         shm_socket: shared.shm_socket.clone(),
         refused: refused.clone(),
+        rdma: false,
+        rdma_endpoint: None,
     };
     if write_msg(&mut stream, &welcome).await.is_err() || refused.is_some() {
         return;
