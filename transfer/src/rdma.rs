@@ -81,7 +81,7 @@ use kvfs_rdma::{
 };
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use crate::config::EngineConfig;
@@ -268,19 +268,27 @@ struct Cmd {
     done: oneshot::Sender<kvfs_rdma::Result<()>>,
 }
 
-/// What a link's worker and control task share with the requests using it.
-#[derive(Default)]
+/// What a link's worker and control task share with the requests using it. Once broken, a
+/// link never recovers: the worker exits when idle and the control task closes the control
+/// connection (so the peer destroys its endpoint at once, not when the link is replaced).
 struct LinkState {
     broken: AtomicBool,
+    /// Tells the control task; a watch keeps the value, so no wake-up is lost.
+    broken_tx: watch::Sender<bool>,
 }
 
 impl LinkState {
+    fn new() -> LinkState {
+        LinkState { broken: AtomicBool::new(false), broken_tx: watch::Sender::new(false) }
+    }
+
     fn is_broken(&self) -> bool {
         self.broken.load(Ordering::Acquire)
     }
 
     fn fail(&self, peer: &str, why: &str) {
         if !self.broken.swap(true, Ordering::AcqRel) {
+            self.broken_tx.send_replace(true);
             tracing::debug!(peer, why, "rdma link broken; the next request rebuilds it");
         }
     }
@@ -616,7 +624,7 @@ impl RdmaPeer {
         }
         self.install_table(regions);
 
-        let state = Arc::new(LinkState::default());
+        let state = Arc::new(LinkState::new());
         let (ops_tx, ops_rx) = mpsc::channel(self.shared.cfg.rdma_queue_depth_max);
         let (control_tx, control_rx) = mpsc::channel(4);
         tracing::debug!(
@@ -678,7 +686,7 @@ async fn fetch_rest(stream: &mut TcpStream, regions: &mut Vec<RdmaRegion>) -> Re
 
 /// Owns the opener's end of an rdma control connection: serves table refreshes, and breaks the
 /// link when the peer closes it (the acceptor never speaks first, so any byte or EOF while idle
-/// means it is gone). Ends when the link is dropped.
+/// means it is gone). Ends, closing the connection, when the link breaks or is dropped.
 async fn control_task(
     mut stream: TcpStream,
     mut reqs: mpsc::Receiver<oneshot::Sender<Result<Vec<RdmaRegion>>>>,
@@ -687,8 +695,15 @@ async fn control_task(
     timeout: Duration,
 ) {
     let mut probe = [0u8; 1];
+    // The value only ever goes from false to true: any change means broken. Subscribing marks
+    // the current value seen, so check it once after subscribing.
+    let mut broken = state.broken_tx.subscribe();
+    if state.is_broken() {
+        return;
+    }
     loop {
         tokio::select! {
+            _ = broken.changed() => return,
             req = reqs.recv() => {
                 let Some(reply) = req else { return };
                 let mut regions = Vec::new();
@@ -745,6 +760,10 @@ impl Worker {
             if self.ep.outstanding() == 0 {
                 fail_all(&mut pending, "endpoint reported no completion");
                 if closed {
+                    break;
+                }
+                if self.state.is_broken() {
+                    // Requests that still hold this link find the queue closed and use tcp.
                     break;
                 }
                 // Idle: wait for work, or for the link to be dropped.
