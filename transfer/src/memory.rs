@@ -11,9 +11,12 @@
 //! whole requested range lies inside it; an owned buffer stays mapped while any transfer that
 //! found it in the registry still runs (the lookup hands out an `Arc`).
 //!
+//! With the `rdma` feature and a device, every region (owned or raw, remote or local-only) is
+//! also registered with the NIC when it is registered with the engine; the [`Region`] keeps the
+//! memory region, so it is deregistered when the last user of the region lets go.
+//!
 //! Not handled: device (HBM) memory, which is registered by the tiers crate through
-//! [`crate::Engine::register_memory`] once it has a host-visible mapping; pinning for NICs,
-//! which the rdma transport does at registration.
+//! [`crate::Engine::register_memory`] once it has a host-visible mapping.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -270,6 +273,10 @@ pub(crate) struct Region {
     pub len: u64,
     /// Peers may read and write it.
     pub remote: bool,
+    /// The region's registration with the NIC (rdma feature, device present, registration
+    /// succeeded). Declared before `buffer` so that it is deregistered before the buffer unmaps.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub mr: Option<Arc<crate::rdma::Mr>>,
     /// The owned buffer behind the region, when the engine can share it (memfd).
     pub buffer: Option<Arc<Buffer>>,
 }
@@ -332,6 +339,16 @@ impl Registry {
         r.contains(addr, len).then(|| r.clone())
     }
 
+    /// Up to `max` remotely accessible regions from the `start`-th on (in address order), and
+    /// whether more follow.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub fn remote_regions(&self, start: usize, max: usize) -> (Vec<Region>, bool) {
+        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let mut it = map.values().filter(|r| r.remote).skip(start);
+        let chunk: Vec<Region> = it.by_ref().take(max).cloned().collect();
+        (chunk, it.next().is_some())
+    }
+
     /// Every remotely accessible region backed by a shareable buffer.
     pub fn shareable(&self) -> Vec<Arc<Buffer>> {
         let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
@@ -360,7 +377,7 @@ mod tests {
     #[test]
     fn registry_refuses_overlap_and_finds_whole_ranges() {
         let r = Registry::default();
-        let region = |addr, len| Region { addr, len, remote: true, buffer: None };
+        let region = |addr, len| Region { addr, len, remote: true, mr: None, buffer: None };
         r.insert(region(1000, 100)).unwrap();
         r.insert(region(1100, 100)).unwrap();
         assert!(r.insert(region(1050, 10)).is_err());
@@ -371,6 +388,10 @@ mod tests {
         assert!(r.find(1050, 100).is_none(), "a range spanning two regions is not one region");
         assert!(r.find(999, 1).is_none());
         assert!(r.find(1199, 2).is_none());
+        let (first, more) = r.remote_regions(0, 1);
+        assert_eq!((first[0].addr, more), (1000, true));
+        let (rest, more) = r.remote_regions(1, 10);
+        assert_eq!((rest.len(), rest[0].addr, more), (1, 1100, false));
         r.remove(1000).unwrap();
         assert!(r.find(1000, 1).is_none());
         assert_eq!(r.remove(1000).unwrap_err().kind(), ErrorKind::NotRegistered);

@@ -136,6 +136,9 @@ pub(crate) struct PeerInfo {
     pub host_id: String,
     pub instance: u64,
     pub shm_socket: Option<String>,
+    /// The peer serves rdma control connections.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub rdma: bool,
 }
 
 /// Connects and performs the handshake, within the connect timeout.
@@ -149,6 +152,7 @@ async fn connect(addr: SocketAddr, shared: &Shared) -> Result<(TcpStream, Welcom
             version: TE_PROTOCOL_VERSION,
             name: shared.name.clone(),
             host_id: shared.host_id.clone(),
+            rdma: None,
         };
         write_msg(&mut stream, &hello)
             .await
@@ -381,6 +385,7 @@ impl TcpPeer {
             host_id: welcome.host_id,
             instance: welcome.instance,
             shm_socket: welcome.shm_socket,
+            rdma: welcome.rdma,
         };
         let n = shared.cfg.tcp_conns_per_peer;
         let first = start_conn(stream, &shared)?;
@@ -541,12 +546,18 @@ pub(crate) async fn serve_conn(mut stream: TcpStream, shared: Arc<Shared>) {
         Ok(Err(e)) => return tracing::debug!(error = %e, "bad handshake"),
         Err(_) => return tracing::debug!("handshake timed out"),
     };
-    let refused = (hello.version != TE_PROTOCOL_VERSION).then(|| {
-        format!(
+    let version_ok = hello.version == TE_PROTOCOL_VERSION;
+    if version_ok && hello.rdma.is_some() && shared.rdma.is_some() {
+        return crate::rdma::serve_control(stream, shared, hello).await;
+    }
+    let refused = if !version_ok {
+        Some(format!(
             "protocol version {} not supported (this engine speaks {})",
             hello.version, TE_PROTOCOL_VERSION
-        )
-    });
+        ))
+    } else {
+        hello.rdma.is_some().then(|| "this engine does not serve rdma".to_string())
+    };
     let welcome = Welcome {
         version: TE_PROTOCOL_VERSION,
         name: shared.name.clone(),
@@ -554,6 +565,8 @@ pub(crate) async fn serve_conn(mut stream: TcpStream, shared: Arc<Shared>) {
         instance: shared.instance,
         shm_socket: shared.shm_socket.clone(),
         refused: refused.clone(),
+        rdma: shared.rdma.is_some(),
+        rdma_endpoint: None,
     };
     if write_msg(&mut stream, &welcome).await.is_err() || refused.is_some() {
         return;
