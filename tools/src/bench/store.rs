@@ -11,9 +11,10 @@
 //! batches. Put keys are fresh every round (first writer wins would make repeats no-ops) and
 //! are removed between rounds, outside the timed region, so the node never fills up.
 //!
-//! Limits: raw loopback TCP (plain sockets to the peer process, the best of one and several
-//! streams) is measured right before each tcp group, single-thread memcpy right before each shm
-//! group, so a busy neighbour moves figure and limit together.
+//! Limits: raw loopback TCP in the same direction (plain sockets to the peer process, the best
+//! of one and four streams) for tcp mode, single-thread memcpy for shm mode, measured before
+//! each of three rounds of every figure and after the last (`limits::interleaved`): the ratio
+//! uses the median, so a busy neighbour moves figure and limit together.
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -25,7 +26,10 @@ use kvfs_master::service::{MasterService, ServiceConfig};
 use kvfs_transfer::{Buffer, BufferOptions, EngineConfig, Transports};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use super::limits::{TcpLimits, memcpy_gbps, serve_raw_tcp};
+use super::limits::{Direction, Limit, Timed, interleaved, serve_raw_tcp};
+
+/// Rounds of (limit, case) per figure; see `limits::interleaved`.
+const ROUNDS: usize = 3;
 use super::report::{Figure, Reporter, Samples};
 
 const BATCH_BYTES_MAX: u64 = 128 << 20;
@@ -48,7 +52,9 @@ pub async fn serve_peer(dram: u64) -> anyhow::Result<()> {
     let cfg = ServiceConfig { listen: "127.0.0.1:0".parse()?, ..ServiceConfig::default() };
     let master = MasterService::start(cfg).await?;
     let addr = master.rpc_addr().to_string();
-    let node = Node::start(NodeConfig { master: addr.clone(), dram_bytes: dram, ..NodeConfig::default() }).await?;
+    let node =
+        Node::start(NodeConfig { master: addr.clone(), dram_bytes: dram, ..NodeConfig::default() })
+            .await?;
     node.wait_registered(Duration::from_secs(120)).await?;
     let raw = std::net::TcpListener::bind("127.0.0.1:0")?;
     let raw_addr = raw.local_addr()?;
@@ -61,7 +67,9 @@ pub async fn serve_peer(dram: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn start_peer(dram: u64) -> anyhow::Result<(tokio::process::Child, String, std::net::SocketAddr)> {
+async fn start_peer(
+    dram: u64,
+) -> anyhow::Result<(tokio::process::Child, String, std::net::SocketAddr)> {
     let exe = std::env::current_exe().context("locating the kvfs binary")?;
     let mut child = tokio::process::Command::new(exe)
         .args(["bench", "store-peer", "--dram", &dram.to_string()])
@@ -87,10 +95,22 @@ struct Ctx {
     src: Arc<Buffer>,
     dst: Arc<Buffer>,
     mode: String,
-    limit: &'static str,
-    limit_gbps: f64,
+    raw: std::net::SocketAddr,
+    limit_bytes: usize,
     min: Duration,
     round: u64,
+}
+
+impl Ctx {
+    /// tcp mode: raw loopback TCP in the op's direction; shm mode: memcpy.
+    fn limit_for(&self, op: &str) -> Limit {
+        if self.mode == "tcp" {
+            let dir = if op.starts_with("put") { Direction::Send } else { Direction::Receive };
+            Limit::Tcp { addr: self.raw, bytes: self.limit_bytes, streams: 4, dir: Some(dir) }
+        } else {
+            Limit::Memcpy { bytes: self.limit_bytes }
+        }
+    }
 }
 
 pub async fn run(opts: StoreBench) -> anyhow::Result<()> {
@@ -118,47 +138,44 @@ pub async fn run(opts: StoreBench) -> anyhow::Result<()> {
             src,
             dst,
             mode: mode.clone(),
-            limit: "memcpy",
-            limit_gbps: 0.0,
+            raw,
+            limit_bytes: opts.limit_bytes,
             min: Duration::from_millis(opts.min_ms),
             round: 0,
         };
         for &size in &opts.sizes {
-            let (limit, gbps) = measure_limit(mode, raw, opts.limit_bytes).await?;
-            ctx.limit = limit;
-            ctx.limit_gbps = gbps;
-            rep.emit(&Figure {
-                bench: "store",
-                case: "limit".into(),
-                mode: Some(mode.clone()),
-                op: limit.into(),
-                gbps: Some(gbps),
-                limit: Some(limit.into()),
-                ..Default::default()
-            });
-            for op in ["put", "get", "put_from", "get_into", "put_batch", "get_batch", "put_from_batch", "get_into_batch"] {
-                let mut s = run_op(&mut ctx, op, size).await.with_context(|| format!("{mode} {op} {size} B"))?;
-                rep.emit(&figure(&ctx, op, Some(size), &mut s));
+            for op in [
+                "put",
+                "get",
+                "put_from",
+                "get_into",
+                "put_batch",
+                "get_batch",
+                "put_from_batch",
+                "get_into_batch",
+            ] {
+                let (limit_gbps, mut s) = run_op(&mut ctx, op, size)
+                    .await
+                    .with_context(|| format!("{mode} {op} {size} B"))?;
+                let limit = ctx.limit_for(op);
+                rep.emit(&figure(&ctx, op, Some(size), &mut s, Some((limit.name(), limit_gbps))));
             }
         }
         for op in ["exists_batch", "remove_batch"] {
             let mut s = run_meta(&mut ctx, op).await.with_context(|| format!("{mode} {op}"))?;
-            rep.emit(&figure(&ctx, op, None, &mut s));
+            rep.emit(&figure(&ctx, op, None, &mut s, None));
         }
     }
     Ok(())
 }
 
-async fn measure_limit(mode: &str, raw: std::net::SocketAddr, bytes: usize) -> anyhow::Result<(&'static str, f64)> {
-    Ok(if mode == "tcp" {
-        let l = tokio::task::spawn_blocking(move || TcpLimits::measure(raw, bytes, 4)).await??;
-        ("tcp", l.best())
-    } else {
-        ("memcpy", tokio::task::spawn_blocking(move || memcpy_gbps(bytes)).await?)
-    })
-}
-
-fn figure(ctx: &Ctx, op: &str, size: Option<u64>, s: &mut Samples) -> Figure {
+fn figure(
+    ctx: &Ctx,
+    op: &str,
+    size: Option<u64>,
+    s: &mut Samples,
+    limit: Option<(&str, f64)>,
+) -> Figure {
     let moves_bytes = size.is_some();
     Figure {
         bench: "store",
@@ -170,8 +187,8 @@ fn figure(ctx: &Ctx, op: &str, size: Option<u64>, s: &mut Samples) -> Figure {
         ops_per_s: Some(s.ops_per_s()),
         p50_us: s.percentile(0.5),
         p99_us: s.percentile(0.99),
-        limit: moves_bytes.then(|| ctx.limit.to_string()),
-        limit_gbps: moves_bytes.then_some(ctx.limit_gbps),
+        limit: limit.map(|l| l.0.to_string()),
+        limit_gbps: limit.map(|l| l.1),
         ..Default::default()
     }
 }
@@ -181,56 +198,57 @@ fn batch_items(op: &str, size: u64) -> u64 {
 }
 
 /// Runs one operation for at least the minimum time; every round is one timed call.
-async fn run_op(ctx: &mut Ctx, op: &str, size: u64) -> anyhow::Result<Samples> {
+async fn run_op(ctx: &mut Ctx, op: &str, size: u64) -> anyhow::Result<(f64, Samples)> {
     let n = batch_items(op, size);
     let is_put = op.starts_with("put");
     let prefix = format!("bench/{}/{op}/{size}", ctx.mode);
+    let fixed: Vec<String> = (0..n).map(|i| format!("{prefix}/{i}")).collect();
     // Gets read a fixed set of objects, put once up front.
     if !is_put {
-        ctx.round += 1;
-        let keys: Vec<String> = (0..n).map(|i| format!("{prefix}/{i}")).collect();
-        put_keys(ctx, &keys, size).await?;
+        put_keys(ctx, &fixed, size).await?;
     }
-    let mut s = Samples::default();
-    let start = Instant::now();
-    let mut warm = true;
-    while warm || s.ops < 5 || start.elapsed() < ctx.min {
-        ctx.round += 1;
+    let limit = ctx.limit_for(op);
+    let round = std::cell::Cell::new(ctx.round);
+    let ctx_ref = &*ctx;
+    let one = || {
+        let r = round.get() + 1;
+        round.set(r);
         let keys: Vec<String> = if is_put {
-            (0..n).map(|i| format!("{prefix}/{}/{i}", ctx.round)).collect()
+            (0..n).map(|i| format!("{prefix}/{r}/{i}")).collect()
         } else {
-            (0..n).map(|i| format!("{prefix}/{i}")).collect()
+            fixed.clone()
         };
-        let t = Instant::now();
-        call(ctx, op, &keys, size).await?;
-        let took = t.elapsed();
-        if is_put {
-            // Untimed: keep the node from filling up.
-            for r in ctx.client.remove_batch(&keys, true).await {
-                r?;
+        async move {
+            let t = Instant::now();
+            call(ctx_ref, op, &keys, size).await?;
+            let took = t.elapsed();
+            if is_put {
+                // Untimed: keep the node from filling up.
+                for r in ctx_ref.client.remove_batch(&keys, true).await {
+                    r?;
+                }
             }
+            Ok(Timed { took, bytes: n * size, ops: n })
         }
-        if warm {
-            warm = false;
-            continue;
-        }
-        s.lat_us.push(took.as_secs_f64() * 1e6);
-        s.ops += n;
-        s.bytes += n * size;
-        s.elapsed_s += took.as_secs_f64();
-    }
+    };
+    one().await?; // warm-up
+    let per_round = ctx.min.div_f64(ROUNDS as f64);
+    let out = interleaved(&limit, ROUNDS, per_round, one).await?;
+    ctx.round = round.get();
     if !is_put {
-        let keys: Vec<String> = (0..n).map(|i| format!("{prefix}/{i}")).collect();
-        for r in ctx.client.remove_batch(&keys, true).await {
+        for r in ctx.client.remove_batch(&fixed, true).await {
             r?;
         }
     }
-    Ok(s)
+    Ok(out)
 }
 
 async fn put_keys(ctx: &Ctx, keys: &[String], size: u64) -> anyhow::Result<()> {
-    let items: Vec<PutFrom> =
-        keys.iter().enumerate().map(|(i, k)| PutFrom { key: k, addr: ctx.src.addr() + i as u64 * size, len: size }).collect();
+    let items: Vec<PutFrom> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| PutFrom { key: k, addr: ctx.src.addr() + i as u64 * size, len: size })
+        .collect();
     for r in ctx.client.put_from_batch(&items, &PutOptions::default()).await {
         r?;
     }
@@ -293,7 +311,8 @@ async fn run_meta(ctx: &mut Ctx, op: &str) -> anyhow::Result<Samples> {
     let start = Instant::now();
     while s.ops < (5 * META_KEYS) as u64 || start.elapsed() < ctx.min {
         ctx.round += 1;
-        let keys: Vec<String> = (0..META_KEYS).map(|i| format!("bench/meta/{}/{:064x}", ctx.round, i)).collect();
+        let keys: Vec<String> =
+            (0..META_KEYS).map(|i| format!("bench/meta/{}/{:064x}", ctx.round, i)).collect();
         let t = Instant::now();
         let took = if op == "exists_batch" {
             // Half hits, half misses, as a prefix lookup of an engine sees them.
@@ -322,7 +341,8 @@ async fn run_meta(ctx: &mut Ctx, op: &str) -> anyhow::Result<Samples> {
 }
 
 async fn put_keys_small(ctx: &Ctx, keys: &[String]) -> anyhow::Result<()> {
-    let items: Vec<PutFrom> = keys.iter().map(|k| PutFrom { key: k, addr: ctx.src.addr(), len: 64 }).collect();
+    let items: Vec<PutFrom> =
+        keys.iter().map(|k| PutFrom { key: k, addr: ctx.src.addr(), len: 64 }).collect();
     for r in ctx.client.put_from_batch(&items, &PutOptions::default()).await {
         r?;
     }
