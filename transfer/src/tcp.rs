@@ -374,7 +374,12 @@ pub(crate) struct TcpPeer {
     next: AtomicUsize,
     instance: u64,
     slice_bytes: u64,
+    /// Requests in flight to this peer (decides whether a mid-sized request is striped).
+    busy: AtomicUsize,
 }
+
+/// Smallest slice a request is cut into when it is striped over idle connections.
+const STRIPE_SLICE_MIN: u64 = 256 << 10;
 
 impl TcpPeer {
     /// Connects the first connection and learns who the peer is.
@@ -400,6 +405,7 @@ impl TcpPeer {
             next: AtomicUsize::new(0),
             instance: info.instance,
             slice_bytes,
+            busy: AtomicUsize::new(0),
         };
         Ok((peer, info))
     }
@@ -436,18 +442,34 @@ impl TcpPeer {
         hold: Hold,
         deadline: Instant,
     ) -> Result<()> {
-        if len <= self.slice_bytes {
+        let _busy = BusyGuard::new(&self.busy);
+        let slice = self.slice_for(len);
+        if len <= slice {
             return self.slice(op, remote, local, len, &hold, deadline).await;
         }
-        let mut slices = Vec::with_capacity(len.div_ceil(self.slice_bytes) as usize);
+        let mut slices = Vec::with_capacity(len.div_ceil(slice) as usize);
         let mut off = 0;
         while off < len {
-            let n = self.slice_bytes.min(len - off);
+            let n = slice.min(len - off);
             slices.push(self.slice(op, remote + off, local + off, n, &hold, deadline));
             off += n;
         }
         let results = futures_util::future::join_all(slices).await;
         results.into_iter().find(|r| r.is_err()).unwrap_or(Ok(()))
+    }
+
+    /// Slice size for a request of `len` bytes: `slice_bytes`, except that a request alone on an
+    /// otherwise idle peer is striped over every connection (slices of at least
+    /// `STRIPE_SLICE_MIN`), so one mid-sized transfer still uses them all; when other requests
+    /// are in flight the connections are busy anyway and bigger slices cost less per byte.
+    fn slice_for(&self, len: u64) -> u64 {
+        if self.busy.load(Ordering::Relaxed) > 1 {
+            return self.slice_bytes;
+        }
+        let conns = self.slots.len() as u64;
+        len.div_ceil(conns)
+            .next_multiple_of(4096)
+            .clamp(STRIPE_SLICE_MIN, self.slice_bytes.max(STRIPE_SLICE_MIN))
     }
 
     async fn slice(
@@ -529,6 +551,22 @@ impl TcpPeer {
                 s.try_lock().ok().and_then(|g| g.as_ref().map(Conn::is_alive)).unwrap_or(false)
             })
             .count()
+    }
+}
+
+/// Counts a request as in flight for as long as it lives.
+struct BusyGuard<'a>(&'a AtomicUsize);
+
+impl<'a> BusyGuard<'a> {
+    fn new(c: &'a AtomicUsize) -> Self {
+        c.fetch_add(1, Ordering::Relaxed);
+        BusyGuard(c)
+    }
+}
+
+impl Drop for BusyGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
