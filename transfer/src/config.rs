@@ -58,9 +58,11 @@ pub struct EngineConfig {
     /// A refused write's payload up to this size is drained to keep the connection; a larger
     /// one closes it.
     pub write_drain_bytes_max: u64,
-    /// Shm copies up to this size run inline on the calling task; larger ones on a blocking
-    /// thread so the async runtime keeps serving other work.
-    pub shm_inline_bytes_max: u64,
+    /// Shm copies from this size up are spread over several threads (smaller ones run inline
+    /// on the calling task).
+    pub shm_parallel_bytes_min: u64,
+    /// Most threads one shm copy is spread over (also capped by the CPUs available).
+    pub shm_copy_threads_max: usize,
     /// TCP socket buffer size to request (0 keeps the kernel's auto-tuning).
     pub socket_buffer_bytes: usize,
     /// RDMA device to open (`mlx5_0`, `rxe0`); `None` takes the first with an active port. A
@@ -90,7 +92,8 @@ impl Default for EngineConfig {
             notify_bytes_max: 64 << 10,
             notify_queue_max: 1024,
             write_drain_bytes_max: 64 << 20,
-            shm_inline_bytes_max: 4 << 20,
+            shm_parallel_bytes_min: 2 << 20,
+            shm_copy_threads_max: 4,
             socket_buffer_bytes: 0,
             rdma_device: None,
             rdma_gid_index: None,

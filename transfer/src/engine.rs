@@ -649,20 +649,60 @@ async fn shm_copy(shared: &Shared, shm: &ShmPeer, req: &TransferRequest) -> Opti
         }
     };
     let (mapping, offset) = found?;
-    let (op, local, len) = (req.op, req.local_addr as usize, req.len as usize);
-    if req.len <= shared.cfg.shm_inline_bytes_max {
+    Some(
+        parallel_copy(shared, req.op, req.local_addr as usize, mapping, offset, req.len as usize)
+            .await,
+    )
+}
+
+/// Copies between local memory and a peer's mapped buffer. Small copies run inline on the
+/// calling task; from `shm_parallel_bytes_min` up, the copy is cut into as many parts as there
+/// are copy threads (at most `shm_copy_threads_max`): one part inline, the others on blocking
+/// threads, so a large transfer uses every core instead of one.
+async fn parallel_copy(
+    shared: &Shared,
+    op: TransferOp,
+    local: usize,
+    mapping: Arc<Buffer>,
+    offset: usize,
+    len: usize,
+) -> Result<()> {
+    let parts = copy_threads(shared.cfg.shm_copy_threads_max);
+    if (len as u64) < shared.cfg.shm_parallel_bytes_min || parts < 2 {
         // SAFETY: offset+len lies inside the mapping (translate checked it).
         let remote = unsafe { mapping.as_ptr().add(offset) };
         copy(op, local as *mut u8, remote, len);
-        return Some(Ok(()));
+        return Ok(());
     }
-    let r = tokio::task::spawn_blocking(move || {
-        // SAFETY: as above; the Arc keeps the mapping alive during the copy.
-        let remote = unsafe { mapping.as_ptr().add(offset) };
-        copy(op, local as *mut u8, remote, len);
-    })
-    .await;
-    Some(r.map_err(|e| Error::new(ErrorKind::Io, "shm copy", e.to_string())))
+    let chunk = len.div_ceil(parts).next_multiple_of(64 << 10);
+    let mut helpers = Vec::with_capacity(parts - 1);
+    let mut at = chunk;
+    while at < len {
+        let n = chunk.min(len - at);
+        let m = mapping.clone();
+        helpers.push(tokio::task::spawn_blocking(move || {
+            // SAFETY: [offset+at, offset+at+n) lies inside the mapping, which `m` keeps alive;
+            // the local range was checked by the caller; parts do not overlap.
+            let remote = unsafe { m.as_ptr().add(offset + at) };
+            copy(op, (local + at) as *mut u8, remote, n);
+        }));
+        at += n;
+    }
+    // SAFETY: as above, for the first part.
+    let remote = unsafe { mapping.as_ptr().add(offset) };
+    copy(op, local as *mut u8, remote, chunk.min(len));
+    for h in helpers {
+        h.await.map_err(|e| Error::new(ErrorKind::Io, "shm copy", e.to_string()))?;
+    }
+    Ok(())
+}
+
+/// Threads a large copy is spread over: the CPUs this process may use, capped.
+fn copy_threads(max: usize) -> usize {
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cpus =
+        *CPUS.get_or_init(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    cpus.min(max).max(1)
 }
 
 fn copy(op: TransferOp, local: *mut u8, remote: *mut u8, len: usize) {
