@@ -162,6 +162,9 @@ impl PyClient {
     ) -> PyResult<PyClient> {
         let opts = SessionOptions {
             master: master.to_string(),
+            // A named host gets a port from the reference's range, so the segment name is
+            // `host:port` like the reference's get_hostname().
+            port_range: local_hostname.as_ref().map(|_| (12300, 14300)),
             local_hostname,
             segment_bytes,
             staging_bytes_max: staging_bytes_max.unwrap_or(usize::MAX),

@@ -24,6 +24,7 @@ pub mod code {
     pub const OBJECT_NOT_FOUND: i64 = -704;
     pub const OBJECT_ALREADY_EXISTS: i64 = -705;
     pub const OBJECT_HAS_LEASE: i64 = -706;
+    pub const OBJECT_REPLICA_BUSY: i64 = -714;
     pub const TRANSFER_FAIL: i64 = -800;
     pub const CHECKSUM_MISMATCH: i64 = -801;
     pub const RPC_FAIL: i64 = -900;
@@ -43,6 +44,7 @@ pub mod code {
         ("OBJECT_NOT_FOUND", OBJECT_NOT_FOUND),
         ("OBJECT_ALREADY_EXISTS", OBJECT_ALREADY_EXISTS),
         ("OBJECT_HAS_LEASE", OBJECT_HAS_LEASE),
+        ("OBJECT_REPLICA_BUSY", OBJECT_REPLICA_BUSY),
         ("TRANSFER_FAIL", TRANSFER_FAIL),
         ("CHECKSUM_MISMATCH", CHECKSUM_MISMATCH),
         ("RPC_FAIL", RPC_FAIL),

@@ -67,6 +67,12 @@ fn rc(op: &str, r: Result<(), Failure>) -> i64 {
     }
 }
 
+/// An upsert refused because readers hold the object: the reference answers that case (its
+/// readers' reference count) with OBJECT_REPLICA_BUSY, which its callers already handle.
+fn upsert_rc(upsert: bool, code: i64) -> i64 {
+    if upsert && code == code::OBJECT_HAS_LEASE { code::OBJECT_REPLICA_BUSY } else { code }
+}
+
 /// The native half of `MooncakeDistributedStore` (see the module notes).
 #[pyclass(module = "kvfs._native", name = "MooncakeCore", frozen)]
 pub struct MooncakeCore {
@@ -109,9 +115,10 @@ impl MooncakeCore {
             Ok(o) => o,
             Err(f) => return log_code("put", &f),
         };
-        self.code_call(py, "put", move |s: Arc<Session>| async move {
+        let c = self.code_call(py, "put", move |s: Arc<Session>| async move {
             s.client.put(key, data, &opts).await.map_err(Failure::from)
-        })
+        });
+        upsert_rc(upsert, c)
     }
 
     fn put_parts_inner(
@@ -126,9 +133,10 @@ impl MooncakeCore {
             Ok(o) => o,
             Err(f) => return log_code("put", &f),
         };
-        self.code_call(py, "put", move |s: Arc<Session>| async move {
+        let c = self.code_call(py, "put", move |s: Arc<Session>| async move {
             s.client.put_parts(key, parts, &opts).await.map_err(Failure::from)
-        })
+        });
+        upsert_rc(upsert, c)
     }
 
     fn batch_put_from_inner(
@@ -158,7 +166,10 @@ impl MooncakeCore {
             })
         });
         match r {
-            Ok(v) => v.into_iter().map(|r| rc("put", r.map_err(Failure::from))).collect(),
+            Ok(v) => v
+                .into_iter()
+                .map(|r| upsert_rc(upsert, rc("put", r.map_err(Failure::from))))
+                .collect(),
             Err(f) => vec![log_code("put", &f); keys.len()],
         }
     }
@@ -296,10 +307,11 @@ impl MooncakeCore {
         };
         let items: Vec<(&str, &[u8])> =
             keys.iter().map(String::as_str).zip(vs.iter().map(View::bytes)).collect();
-        Ok(self.code_call(py, "put", move |s: Arc<Session>| async move {
+        let c = self.code_call(py, "put", move |s: Arc<Session>| async move {
             let r = s.client.put_batch(&items, &opts).await;
             r.into_iter().find_map(Result::err).map_or(Ok(()), |e| Err(Failure::from(e)))
-        }))
+        });
+        Ok(upsert_rc(upsert, c))
     }
 
     /// Bytes, or `b""` on a miss or failure.
