@@ -145,6 +145,7 @@ async fn start_engine(opts: &SessionOptions) -> Result<(Engine, Option<Node>), F
         if opts.tcp_only {
             ecfg.transports = Transports::tcp_only();
         }
+        tune_from_env(&mut ecfg);
         let started = if opts.segment_bytes > 0 {
             let ncfg = NodeConfig {
                 master: opts.master.clone(),
@@ -167,6 +168,30 @@ async fn start_engine(opts: &SessionOptions) -> Result<(Engine, Option<Node>), F
         }
     }
     Err(last)
+}
+
+/// Engine knobs a deployment may set without code: `KVFS_TCP_CONNS_PER_PEER`,
+/// `KVFS_TCP_SLICE_BYTES`, `KVFS_OP_TIMEOUT_MS` (invalid values are ignored with a warning).
+fn tune_from_env(cfg: &mut EngineConfig) {
+    fn var(name: &str) -> Option<u64> {
+        let v = std::env::var(name).ok()?;
+        match v.trim().parse::<u64>() {
+            Ok(n) if n > 0 => Some(n),
+            _ => {
+                tracing::warn!(name, value = %v, "ignoring: not a positive integer");
+                None
+            }
+        }
+    }
+    if let Some(n) = var("KVFS_TCP_CONNS_PER_PEER") {
+        cfg.tcp_conns_per_peer = n.min(64) as usize;
+    }
+    if let Some(n) = var("KVFS_TCP_SLICE_BYTES") {
+        cfg.slice_bytes = n;
+    }
+    if let Some(n) = var("KVFS_OP_TIMEOUT_MS") {
+        cfg.op_timeout_ms = n;
+    }
 }
 
 /// `host` or `host:port` (bracketed IPv6 allowed); `None` is 127.0.0.1.
