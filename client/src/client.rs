@@ -29,7 +29,7 @@ use kvfs_proto::store::{
 use kvfs_transfer::{Engine, EngineConfig, SegmentHandle, TransferOp, TransferRequest};
 
 use crate::master::MasterLink;
-use crate::staging::StagingPool;
+use crate::staging::{Staged, StagingPool};
 use crate::{Error, ErrorKind, Result};
 
 /// How a put places and protects its objects.
@@ -75,6 +75,9 @@ pub struct ClientConfig {
     pub retry_budget_ms: u64,
     /// Staging buffers kept for reuse by the bytes API.
     pub staging_cached_bytes_max: usize,
+    /// Bytes the bytes API may stage at once (the reference system's `local_buffer_size`);
+    /// a put or get that does not fit fails instead of growing the staging memory.
+    pub staging_bytes_max: usize,
 }
 
 impl Default for ClientConfig {
@@ -85,6 +88,7 @@ impl Default for ClientConfig {
             rpc_timeout_ms: 5_000,
             retry_budget_ms: 15_000,
             staging_cached_bytes_max: 256 << 20,
+            staging_bytes_max: usize::MAX,
         }
     }
 }
@@ -107,6 +111,40 @@ pub struct GetInto<'a> {
 
 /// What the master knows of an object.
 pub type ObjectInfo = ObjectView;
+
+/// An object's bytes in a staging buffer on loan from the client ([`Client::get_batch_staged`]);
+/// derefs to the bytes, and the buffer goes back to the pool when this is dropped.
+pub struct StagedBytes {
+    staged: Staged,
+    len: usize,
+}
+
+impl StagedBytes {
+    /// The bytes as a new vector (asking for huge pages before the first touch: see
+    /// `staging::vec_from`).
+    pub fn to_vec_huge(&self) -> Vec<u8> {
+        crate::staging::vec_from(self.staged.buffer(), self.len)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::ops::Deref for StagedBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the buffer is registered local-only (peers cannot address it), the transfer
+        // that filled it has finished, and the loan is exclusive until `self` is dropped; `len`
+        // is the object size, which fit the buffer when it was taken.
+        unsafe { &self.staged.buffer().as_slice()[..self.len] }
+    }
+}
 
 struct Inner {
     cfg: ClientConfig,
@@ -132,6 +170,14 @@ impl Client {
         let engine = Engine::start(cfg.engine.clone())
             .await
             .map_err(|e| Error::from_transfer("start engine", &e))?;
+        Client::connect_with_engine(cfg, engine).await
+    }
+
+    /// Connects to the master with an engine that is already running (`cfg.engine` is then
+    /// unused). A process that embeds a [`crate::Node`] passes the node's engine, so its own
+    /// reads and writes of the node's segment are plain memcpys and one segment name (the
+    /// reference system's `get_hostname()`) identifies both.
+    pub async fn connect_with_engine(cfg: ClientConfig, engine: Engine) -> Result<Client> {
         let host = kvfs_transfer::host_id().to_string();
         let timeout = Duration::from_millis(cfg.rpc_timeout_ms);
         let master = MasterLink::new(
@@ -142,7 +188,8 @@ impl Client {
             timeout,
         );
         master.conn().await?;
-        let staging = StagingPool::new(engine.clone(), cfg.staging_cached_bytes_max);
+        let staging =
+            StagingPool::new(engine.clone(), cfg.staging_cached_bytes_max, cfg.staging_bytes_max);
         Ok(Client {
             inner: Arc::new(Inner {
                 cfg,
@@ -455,31 +502,50 @@ impl Client {
 
     /// Gets many objects' bytes.
     pub async fn get_batch<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<Vec<u8>>> {
+        self.get_batch_staged(keys).await.into_iter().map(|r| r.map(|s| s.to_vec_huge())).collect()
+    }
+
+    /// Gets many objects into staging buffers and lends them out: a binding copies each once,
+    /// straight into its own object, instead of through an intermediate `Vec`. Each buffer
+    /// goes back to the pool (and its bytes count against `staging_bytes_max`) until dropped.
+    pub async fn get_batch_staged<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<StagedBytes>> {
         let views = self.views("get", keys.iter().map(|k| k.as_ref())).await;
         let mut staged = Vec::with_capacity(views.len());
         let mut dsts = Vec::with_capacity(views.len());
         for v in &views {
             let size = v.as_ref().map(|v| v.size).unwrap_or(0) as usize;
-            match self.inner.staging.take(size) {
-                Ok(s) => {
+            match v.as_ref().map(|_| self.inner.staging.take(size)) {
+                Ok(Ok(s)) => {
                     dsts.push((s.buffer().addr(), size as u64));
-                    staged.push(Some(s));
+                    staged.push(Ok(s));
+                }
+                Ok(Err(e)) => {
+                    dsts.push((0, 0));
+                    staged.push(Err(e));
                 }
                 Err(_) => {
                     dsts.push((0, 0));
-                    staged.push(None);
+                    staged.push(Err(Error::new(ErrorKind::Internal, "get", "no staging buffer")));
                 }
             }
         }
+        // Objects without a staging buffer are not read (their error is reported instead).
+        let views: Vec<Result<ObjectView>> = views
+            .into_iter()
+            .zip(&staged)
+            .map(|(v, s)| match (v, s) {
+                (Ok(v), Ok(_)) => Ok(v),
+                (Ok(_), Err(e)) => Err(e.clone()),
+                (Err(e), _) => Err(e),
+            })
+            .collect();
         let got = self.read_views(views, &dsts).await;
         got.into_iter()
             .zip(staged)
             .zip(keys)
             .map(|((r, s), key)| {
-                let size = r.map_err(|e| e.with_key(key.as_ref()))? as usize;
-                let s =
-                    s.ok_or_else(|| Error::new(ErrorKind::Internal, "get", "no staging buffer"))?;
-                Ok(crate::staging::vec_from(s.buffer(), size))
+                let len = r.map_err(|e| e.with_key(key.as_ref()))? as usize;
+                Ok(StagedBytes { staged: s?, len })
             })
             .collect()
     }

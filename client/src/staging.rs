@@ -5,13 +5,20 @@
 //! system's local buffer). Buffers come in power-of-two size classes from 64 KiB; released
 //! buffers are kept for reuse up to `cached_bytes_max` in total, the rest are unregistered and
 //! freed. The zero-copy API (`put_from`, `get_into`) never stages.
+//!
+//! Policy: the bytes staged at once (the sum of the lengths on loan) never exceed
+//! `loaned_bytes_max`, the equivalent of the reference system's `local_buffer_size`. A request
+//! longer than the whole bound is `InvalidArgument`; one that does not fit next to the loans in
+//! flight is `NoSpace` at once (no waiting: the caller sees the back-pressure). Size classes
+//! round up, so the memory behind the loans can reach twice the bound.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvfs_transfer::{Buffer, BufferOptions, Engine};
 
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 
 const CLASS_MIN: usize = 64 << 10;
 
@@ -25,6 +32,8 @@ struct FreeList {
 pub(crate) struct StagingPool {
     engine: Engine,
     cached_bytes_max: usize,
+    loaned_bytes_max: usize,
+    loaned: AtomicUsize,
     free: Mutex<FreeList>,
 }
 
@@ -32,6 +41,7 @@ pub(crate) struct StagingPool {
 pub(crate) struct Staged {
     pool: Arc<StagingPool>,
     buf: Option<Arc<Buffer>>,
+    len: usize,
 }
 
 impl Staged {
@@ -42,6 +52,7 @@ impl Staged {
 
 impl Drop for Staged {
     fn drop(&mut self) {
+        self.pool.loaned.fetch_sub(self.len, Ordering::AcqRel);
         if let Some(buf) = self.buf.take() {
             self.pool.give_back(buf);
         }
@@ -49,11 +60,24 @@ impl Drop for Staged {
 }
 
 impl StagingPool {
-    pub fn new(engine: Engine, cached_bytes_max: usize) -> Arc<StagingPool> {
-        Arc::new(StagingPool { engine, cached_bytes_max, free: Mutex::new(FreeList::default()) })
+    pub fn new(
+        engine: Engine,
+        cached_bytes_max: usize,
+        loaned_bytes_max: usize,
+    ) -> Arc<StagingPool> {
+        Arc::new(StagingPool {
+            engine,
+            cached_bytes_max,
+            loaned_bytes_max,
+            loaned: AtomicUsize::new(0),
+            free: Mutex::new(FreeList::default()),
+        })
     }
 
     pub fn take(self: &Arc<Self>, len: usize) -> Result<Staged> {
+        self.reserve(len)?;
+        // From here on `Staged` owns the reservation: every early return releases it.
+        let mut staged = Staged { pool: self.clone(), buf: None, len };
         let class = len.max(1).next_power_of_two().max(CLASS_MIN);
         let reused = {
             let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
@@ -77,7 +101,44 @@ impl StagingPool {
                 b
             }
         };
-        Ok(Staged { pool: self.clone(), buf: Some(buf) })
+        staged.buf = Some(buf);
+        Ok(staged)
+    }
+
+    /// Counts `len` bytes against the loan bound, or says why it cannot.
+    fn reserve(&self, len: usize) -> Result<()> {
+        if len > self.loaned_bytes_max {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "staging",
+                format!(
+                    "{len} bytes exceed the staging bound of {} bytes (local buffer size)",
+                    self.loaned_bytes_max
+                ),
+            ));
+        }
+        let mut cur = self.loaned.load(Ordering::Acquire);
+        loop {
+            if cur + len > self.loaned_bytes_max {
+                return Err(Error::new(
+                    ErrorKind::NoSpace,
+                    "staging",
+                    format!(
+                        "{len} bytes do not fit next to {cur} bytes already staged (bound {})",
+                        self.loaned_bytes_max
+                    ),
+                ));
+            }
+            match self.loaned.compare_exchange_weak(
+                cur,
+                cur + len,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(now) => cur = now,
+            }
+        }
     }
 
     fn give_back(&self, buf: Arc<Buffer>) {
@@ -114,4 +175,25 @@ pub(crate) fn vec_from(src: &Buffer, len: usize) -> Vec<u8> {
         v.set_len(len);
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn loans_are_bounded_and_released() {
+        let engine = Engine::start(kvfs_transfer::EngineConfig::default()).await.unwrap();
+        let pool = StagingPool::new(engine, 1 << 20, 256 << 10);
+        assert_eq!(pool.take(300 << 10).err().map(|e| e.kind()), Some(ErrorKind::InvalidArgument));
+        let a = pool.take(200 << 10).unwrap();
+        assert_eq!(pool.take(100 << 10).err().map(|e| e.kind()), Some(ErrorKind::NoSpace));
+        let b = pool.take(56 << 10).unwrap();
+        drop(a);
+        let c = pool.take(200 << 10).unwrap();
+        drop((b, c));
+        assert_eq!(pool.loaned.load(Ordering::Acquire), 0);
+        let zero = StagingPool::new(pool.engine.clone(), 0, 0);
+        assert!(zero.take(1).is_err());
+    }
 }

@@ -28,6 +28,11 @@ enum Cmd {
     /// Run a whole cluster on this machine: master and one node (prints the master address).
     Up(cmd::cluster::UpArgs),
     /// Run the master: object directory, placement, leases, eviction (never on the data path).
+    ///
+    /// Also takes the reference (Mooncake) master's flags, gflags style (`--rpc_port=50051`,
+    /// `--default_kv_lease_ttl 5s`, `--config_path master.yaml`); invoked as `mooncake_master`
+    /// (a symlink) it is this command.
+    #[command(args_override_self = true)]
     Master(cmd::cluster::MasterArgs),
     /// Run a node: contribute DRAM to the pool and serve transfers.
     Node(cmd::cluster::NodeArgs),
@@ -146,7 +151,7 @@ fn run() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(cmd::mooncake_flags::translate(std::env::args_os().collect())?);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let master = cli.master;

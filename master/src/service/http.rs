@@ -108,7 +108,7 @@ async fn respond(
 }
 
 /// The percent-decoded value of `name` in a query string.
-fn query_param(query: &str, name: &str) -> Option<String> {
+pub(super) fn query_param(query: &str, name: &str) -> Option<String> {
     query.split('&').find_map(|kv| {
         let (k, v) = kv.split_once('=')?;
         (k == name).then(|| percent_decode(v))

@@ -19,7 +19,10 @@
 
 mod convert;
 mod http;
+mod metadata_http;
 mod metrics;
+
+pub use metadata_http::MetadataHttpConfig;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -44,6 +47,8 @@ pub struct ServiceConfig {
     pub listen: SocketAddr,
     /// Admin HTTP (`/metrics`, `/health`); `None` disables it.
     pub admin_listen: Option<SocketAddr>,
+    /// The reference's embedded HTTP metadata server (`/metadata?key=K`); `None` disables it.
+    pub metadata_http: Option<MetadataHttpConfig>,
     pub directory: Config,
     /// Period of the timer that expires puts and nodes and runs eviction.
     pub tick_ms: u64,
@@ -61,6 +66,7 @@ impl Default for ServiceConfig {
         ServiceConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
             admin_listen: None,
+            metadata_http: None,
             directory: Config::default(),
             tick_ms: 100,
             heartbeat_ms: 1_000,
@@ -157,6 +163,7 @@ pub struct MasterService {
     state: Arc<State>,
     rpc_addr: SocketAddr,
     admin_addr: Option<SocketAddr>,
+    metadata_addr: Option<SocketAddr>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -183,6 +190,11 @@ impl MasterService {
             None => None,
         };
         let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
+        let metadata = match &cfg.metadata_http {
+            Some(m) => Some((TcpListener::bind(m.listen).await?, m.clone())),
+            None => None,
+        };
+        let metadata_addr = metadata.as_ref().map(|(l, _)| l.local_addr()).transpose()?;
         let state = Arc::new(State {
             name: format!("kvfs-master@{rpc_addr}"),
             cfg,
@@ -197,8 +209,16 @@ impl MasterService {
         if let Some(l) = admin {
             tasks.push(tokio::spawn(http::serve(l, state.clone())));
         }
-        tracing::info!(rpc = %rpc_addr, admin = ?admin_addr, "master started");
-        Ok(MasterService { state, rpc_addr, admin_addr, tasks })
+        if let Some((l, m)) = metadata {
+            tasks.push(tokio::spawn(metadata_http::serve(l, m)));
+        }
+        tracing::info!(rpc = %rpc_addr, admin = ?admin_addr, metadata = ?metadata_addr, "master started");
+        Ok(MasterService { state, rpc_addr, admin_addr, metadata_addr, tasks })
+    }
+
+    /// Where the embedded HTTP metadata server listens, when enabled.
+    pub fn metadata_addr(&self) -> Option<SocketAddr> {
+        self.metadata_addr
     }
 
     pub fn rpc_addr(&self) -> SocketAddr {

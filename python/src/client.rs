@@ -1,0 +1,655 @@
+//! `kvfs.Client`: the native Python API, a thin and Pythonic face of the Rust client.
+//!
+//! Policy. Failures raise `kvfs.KvfsError` subclasses (`NotFoundError` is also a `KeyError`,
+//! `InvalidArgumentError` a `ValueError`, `TimeoutError` the builtin one); batch calls never
+//! raise for one item and return per-item results instead: `None` for a put that worked, the
+//! exception instance for one that did not, `None` for a missing key in `get_batch`. Every call
+//! releases the GIL and ends within the client's `timeout_ms`.
+//!
+//! Zero-copy calls take buffer-protocol objects (numpy arrays, bytearray, memoryview) or raw
+//! addresses with sizes; the memory must be registered first (`register`), as with the
+//! reference's `register_buffer`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use kvfs_client::{GetInto, Persistence, Pin, PutFrom, PutOptions, Strategy};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use crate::errors::Failure;
+use crate::memory::{Region, View};
+use crate::runtime;
+use crate::session::{Session, SessionOptions};
+
+type Shared = Mutex<Option<Arc<Session>>>;
+
+/// `([(key, size), ...], next_start_after)`, as `Client.list` returns it.
+type ListPage = (Vec<(String, u64)>, Option<String>);
+
+/// Takes the live session, or fails as not connected.
+pub fn live(slot: &Shared) -> Result<Arc<Session>, Failure> {
+    slot.lock().unwrap_or_else(|e| e.into_inner()).clone().ok_or_else(Failure::not_connected)
+}
+
+/// Closes the session in `slot` (idempotent).
+pub fn close_slot(py: Python<'_>, slot: &Shared) {
+    let taken = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(s) = taken {
+        py.detach(|| {
+            runtime::block_on_detached(async move {
+                // Other threads may still hold the session for a call in flight: wait for them
+                // briefly, then close what is left.
+                let mut s = s;
+                for _ in 0..200 {
+                    match Arc::try_unwrap(s) {
+                        Ok(owned) => return owned.close().await,
+                        Err(shared) => s = shared,
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                s.client.close().await;
+            })
+        });
+    }
+}
+
+/// A connection to a kvfs cluster.
+///
+/// `Client(master="127.0.0.1:50051", *, segment_bytes=0, local_hostname=None, timeout_ms=60000,
+/// rpc_timeout_ms=5000, staging_bytes_max=None, tcp_only=False)`; `segment_bytes > 0` also
+/// contributes that much of this process's DRAM to the pool (an embedded node).
+#[pyclass(module = "kvfs._native", name = "Client", frozen)]
+pub struct PyClient {
+    slot: Shared,
+    regs: Mutex<HashMap<u64, Option<View>>>,
+}
+
+fn put_options(
+    replicas: u8,
+    pin: &str,
+    persistence: &str,
+    strategy: &str,
+    preferred: Vec<String>,
+    upsert: bool,
+    checksum: bool,
+) -> Result<PutOptions, Failure> {
+    let pin = match pin {
+        "none" => Pin::None,
+        "soft" => Pin::Soft,
+        "hard" => Pin::Hard,
+        p => return Err(Failure::invalid(format!("pin {p:?}: one of none, soft, hard"))),
+    };
+    let persistence = match persistence {
+        "none" => Persistence::None,
+        "lazy" => Persistence::Lazy,
+        "eager" => Persistence::Eager,
+        p => return Err(Failure::invalid(format!("persistence {p:?}: one of none, lazy, eager"))),
+    };
+    let strategy = match strategy {
+        "random" => Strategy::Random,
+        "free_ratio_first" => Strategy::FreeRatioFirst,
+        "local_first" => Strategy::LocalFirst,
+        s => {
+            return Err(Failure::invalid(format!(
+                "strategy {s:?}: one of random, free_ratio_first, local_first"
+            )));
+        }
+    };
+    if replicas == 0 {
+        return Err(Failure::invalid("replicas must be at least 1"));
+    }
+    Ok(PutOptions {
+        replicas,
+        persistence,
+        pin,
+        strategy,
+        upsert,
+        preferred_endpoints: preferred,
+        checksum,
+    })
+}
+
+fn raise<T>(py: Python<'_>, r: Result<T, Failure>) -> PyResult<T> {
+    r.map_err(|f| f.to_pyerr(py))
+}
+
+/// Per-item put results: `None` or the exception instance.
+fn put_results(py: Python<'_>, r: Vec<Result<(), Failure>>) -> PyResult<Bound<'_, PyList>> {
+    let items: Vec<Py<PyAny>> = r
+        .into_iter()
+        .map(|r| match r {
+            Ok(()) => py.None(),
+            Err(f) => f.to_pyobject(py),
+        })
+        .collect();
+    PyList::new(py, items)
+}
+
+fn regions(
+    objs: &Bound<'_, PyAny>,
+    sizes: Option<Vec<u64>>,
+    n: usize,
+    writable: bool,
+) -> PyResult<Vec<Region>> {
+    let objs: Vec<Bound<'_, PyAny>> = objs.try_iter()?.collect::<PyResult<_>>()?;
+    if objs.len() != n || sizes.as_ref().is_some_and(|s| s.len() != n) {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "keys, buffers and sizes must have the same length",
+        ));
+    }
+    objs.iter()
+        .enumerate()
+        .map(|(i, o)| Region::resolve(o, sizes.as_ref().map(|s| s[i]), writable))
+        .collect()
+}
+
+#[pymethods]
+impl PyClient {
+    #[new]
+    #[pyo3(signature = (master="127.0.0.1:50051", *, segment_bytes=0, local_hostname=None,
+        timeout_ms=60_000, rpc_timeout_ms=5_000, staging_bytes_max=None, tcp_only=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        master: &str,
+        segment_bytes: u64,
+        local_hostname: Option<String>,
+        timeout_ms: u64,
+        rpc_timeout_ms: u64,
+        staging_bytes_max: Option<usize>,
+        tcp_only: bool,
+    ) -> PyResult<PyClient> {
+        let opts = SessionOptions {
+            master: master.to_string(),
+            // A named host gets a port from the reference's range, so the segment name is
+            // `host:port` like the reference's get_hostname().
+            port_range: local_hostname.as_ref().map(|_| (12300, 14300)),
+            local_hostname,
+            segment_bytes,
+            staging_bytes_max: staging_bytes_max.unwrap_or(usize::MAX),
+            tcp_only,
+            rpc_timeout_ms,
+            call_timeout_ms: timeout_ms,
+            ..SessionOptions::default()
+        };
+        let limit = std::time::Duration::from_millis(timeout_ms.max(rpc_timeout_ms) + 10_000);
+        let s = raise(py, runtime::call(py, "connect", limit, Session::open(opts)))?;
+        Ok(PyClient { slot: Mutex::new(Some(Arc::new(s))), regs: Mutex::new(HashMap::new()) })
+    }
+
+    /// This process's Transfer Engine segment name (`host:port`).
+    #[getter]
+    fn endpoint(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(raise(py, live(&self.slot))?.endpoint.clone())
+    }
+
+    /// The master address.
+    #[getter]
+    fn master(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(raise(py, live(&self.slot))?.client.master_addr().to_string())
+    }
+
+    /// Stores bytes (any buffer-protocol object); the first writer of a key wins unless
+    /// `upsert`.
+    #[pyo3(signature = (key, value, *, replicas=1, pin="none", persistence="none",
+        strategy="random", preferred=Vec::new(), upsert=false, checksum=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn put(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        value: &Bound<'_, PyAny>,
+        replicas: u8,
+        pin: &str,
+        persistence: &str,
+        strategy: &str,
+        preferred: Vec<String>,
+        upsert: bool,
+        checksum: bool,
+    ) -> PyResult<()> {
+        let opts = raise(
+            py,
+            put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum),
+        )?;
+        let s = raise(py, live(&self.slot))?;
+        let view = View::new(value, false)?;
+        let data = view.bytes();
+        raise(
+            py,
+            runtime::call(py, "put", s.call_timeout, async {
+                s.client.put(key, data, &opts).await.map_err(Failure::from)
+            }),
+        )
+    }
+
+    /// Stores many values; returns one result per key (`None` or the exception).
+    #[pyo3(signature = (keys, values, *, replicas=1, pin="none", persistence="none",
+        strategy="random", preferred=Vec::new(), upsert=false, checksum=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_batch<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        values: &Bound<'py, PyAny>,
+        replicas: u8,
+        pin: &str,
+        persistence: &str,
+        strategy: &str,
+        preferred: Vec<String>,
+        upsert: bool,
+        checksum: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let opts = raise(
+            py,
+            put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum),
+        )?;
+        let s = raise(py, live(&self.slot))?;
+        let views: Vec<View> =
+            values.try_iter()?.map(|v| View::new(&v?, false)).collect::<PyResult<_>>()?;
+        if views.len() != keys.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "keys and values must have the same length",
+            ));
+        }
+        let items: Vec<(&str, &[u8])> =
+            keys.iter().map(String::as_str).zip(views.iter().map(View::bytes)).collect();
+        let r = runtime::call(py, "put", s.call_timeout, async {
+            Ok(s.client.put_batch(&items, &opts).await)
+        });
+        let r = match r {
+            Ok(v) => v.into_iter().map(|r| r.map_err(Failure::from)).collect(),
+            Err(f) => vec![Err(f); keys.len()],
+        };
+        put_results(py, r)
+    }
+
+    /// Stores the memory of a registered buffer (object, or address with `size`) without a copy.
+    #[pyo3(signature = (key, src, size=None, *, replicas=1, pin="none", persistence="none",
+        strategy="random", preferred=Vec::new(), upsert=false, checksum=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_from(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        src: &Bound<'_, PyAny>,
+        size: Option<u64>,
+        replicas: u8,
+        pin: &str,
+        persistence: &str,
+        strategy: &str,
+        preferred: Vec<String>,
+        upsert: bool,
+        checksum: bool,
+    ) -> PyResult<()> {
+        let opts = raise(
+            py,
+            put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum),
+        )?;
+        let s = raise(py, live(&self.slot))?;
+        let r = Region::resolve(src, size, false)?;
+        raise(
+            py,
+            runtime::call(py, "put", s.call_timeout, async {
+                s.client.put_from(key, r.addr, r.len, &opts).await.map_err(Failure::from)
+            }),
+        )
+    }
+
+    /// Zero-copy puts of many objects; one result per key.
+    #[pyo3(signature = (keys, srcs, sizes=None, *, replicas=1, pin="none", persistence="none",
+        strategy="random", preferred=Vec::new(), upsert=false, checksum=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_from_batch<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        srcs: &Bound<'py, PyAny>,
+        sizes: Option<Vec<u64>>,
+        replicas: u8,
+        pin: &str,
+        persistence: &str,
+        strategy: &str,
+        preferred: Vec<String>,
+        upsert: bool,
+        checksum: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let opts = raise(
+            py,
+            put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum),
+        )?;
+        let s = raise(py, live(&self.slot))?;
+        let rs = regions(srcs, sizes, keys.len(), false)?;
+        let items: Vec<PutFrom> = keys
+            .iter()
+            .zip(&rs)
+            .map(|(k, r)| PutFrom { key: k, addr: r.addr, len: r.len })
+            .collect();
+        let r = runtime::call(py, "put", s.call_timeout, async {
+            Ok(s.client.put_from_batch(&items, &opts).await)
+        });
+        let r = match r {
+            Ok(v) => v.into_iter().map(|r| r.map_err(Failure::from)).collect(),
+            Err(f) => vec![Err(f); keys.len()],
+        };
+        put_results(py, r)
+    }
+
+    /// An object's bytes; raises `NotFoundError` (a `KeyError`) when it is missing.
+    fn get<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let s = raise(py, live(&self.slot))?;
+        let got = raise(
+            py,
+            runtime::call(py, "get", s.call_timeout, async {
+                let mut v = s.client.get_batch_staged(&[key]).await;
+                v.pop()
+                    .unwrap_or_else(|| {
+                        Err(kvfs_client::Error::new(
+                            kvfs_client::ErrorKind::Internal,
+                            "get",
+                            "no result",
+                        ))
+                    })
+                    .map_err(Failure::from)
+            }),
+        )?;
+        Ok(bytes_of(py, &got))
+    }
+
+    /// Many objects' bytes: `bytes`, `None` for a missing key, or the exception instance.
+    fn get_batch<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Bound<'py, PyList>> {
+        let s = raise(py, live(&self.slot))?;
+        let got = runtime::call(py, "get", s.call_timeout, async {
+            Ok(s.client.get_batch_staged(&keys).await)
+        });
+        let items: Vec<Py<PyAny>> = match got {
+            Ok(v) => v
+                .into_iter()
+                .map(|r| match r.map_err(Failure::from) {
+                    Ok(b) => bytes_of(py, &b).into_any().unbind(),
+                    Err(f) if f.is_not_found() => py.None(),
+                    Err(f) => f.to_pyobject(py),
+                })
+                .collect(),
+            Err(f) => keys.iter().map(|_| f.to_pyobject(py)).collect(),
+        };
+        PyList::new(py, items)
+    }
+
+    /// Reads an object into registered memory (object, or address with `size`); returns its size.
+    #[pyo3(signature = (key, dst, size=None))]
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        dst: &Bound<'_, PyAny>,
+        size: Option<u64>,
+    ) -> PyResult<u64> {
+        let s = raise(py, live(&self.slot))?;
+        let r = Region::resolve(dst, size, true)?;
+        raise(
+            py,
+            runtime::call(py, "get", s.call_timeout, async {
+                s.client.get_into(key, r.addr, r.len).await.map_err(Failure::from)
+            }),
+        )
+    }
+
+    /// Zero-copy reads of many objects: each item is the size read or the exception instance.
+    #[pyo3(signature = (keys, dsts, sizes=None))]
+    fn get_into_batch<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        dsts: &Bound<'py, PyAny>,
+        sizes: Option<Vec<u64>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let s = raise(py, live(&self.slot))?;
+        let rs = regions(dsts, sizes, keys.len(), true)?;
+        let items: Vec<GetInto> = keys
+            .iter()
+            .zip(&rs)
+            .map(|(k, r)| GetInto { key: k, addr: r.addr, cap: r.len })
+            .collect();
+        let got = runtime::call(py, "get", s.call_timeout, async {
+            Ok(s.client.get_into_batch(&items).await)
+        });
+        let out: Vec<Py<PyAny>> = match got {
+            Ok(v) => v
+                .into_iter()
+                .map(|r| match r {
+                    Ok(n) => {
+                        n.into_pyobject(py).map_or_else(|e| match e {}, |o| o.into_any().unbind())
+                    }
+                    Err(e) => Failure::from(e).to_pyobject(py),
+                })
+                .collect(),
+            Err(f) => keys.iter().map(|_| f.to_pyobject(py)).collect(),
+        };
+        PyList::new(py, out)
+    }
+
+    /// Registers memory for the zero-copy calls: a buffer-protocol object (kept exported, so
+    /// it cannot move, until `unregister`) or a raw address with `size` (the caller keeps it
+    /// valid). Returns the address.
+    #[pyo3(signature = (buf, size=None))]
+    fn register(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, size: Option<u64>) -> PyResult<u64> {
+        let s = raise(py, live(&self.slot))?;
+        let r = Region::resolve(buf, size, true).or_else(|_| Region::resolve(buf, size, false))?;
+        if r.len == 0 {
+            return Err(Failure::invalid("cannot register an empty buffer").to_pyerr(py));
+        }
+        // SAFETY: an exported object's memory stays valid while `r.view` is kept in `regs`
+        // (until unregister); a raw address is the caller's promise, as in the reference API.
+        let done = unsafe { s.client.engine().register_memory(r.addr, r.len, false) };
+        raise(py, done.map_err(|e| Failure::invalid(format!("register: {e}"))))?;
+        self.regs.lock().unwrap_or_else(|e| e.into_inner()).insert(r.addr, r.view);
+        Ok(r.addr)
+    }
+
+    /// Unregisters memory registered with `register` (by object or by address).
+    fn unregister(&self, py: Python<'_>, buf: &Bound<'_, PyAny>) -> PyResult<()> {
+        let s = raise(py, live(&self.slot))?;
+        let addr = match buf.extract::<u64>() {
+            Ok(a) => a,
+            Err(_) => View::new(buf, false)?.addr(),
+        };
+        let done = s.client.engine().unregister(addr);
+        raise(py, done.map_err(|e| Failure::invalid(format!("unregister: {e}"))))?;
+        self.regs.lock().unwrap_or_else(|e| e.into_inner()).remove(&addr);
+        Ok(())
+    }
+
+    /// Whether a key exists (grants a read lease when it does).
+    fn exists(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        let s = raise(py, live(&self.slot))?;
+        raise(
+            py,
+            runtime::call(py, "exists", s.call_timeout, async {
+                s.client.exists(key).await.map_err(Failure::from)
+            }),
+        )
+    }
+
+    fn exists_batch(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<bool>> {
+        let s = raise(py, live(&self.slot))?;
+        raise(
+            py,
+            runtime::call(py, "exists", s.call_timeout, async {
+                s.client
+                    .exists_batch(&keys)
+                    .await
+                    .into_iter()
+                    .collect::<Result<Vec<bool>, _>>()
+                    .map_err(Failure::from)
+            }),
+        )
+    }
+
+    /// Removes a key; a read lease or a hard pin refuses it unless `force`.
+    #[pyo3(signature = (key, force=false))]
+    fn remove(&self, py: Python<'_>, key: &str, force: bool) -> PyResult<()> {
+        let s = raise(py, live(&self.slot))?;
+        raise(
+            py,
+            runtime::call(py, "remove", s.call_timeout, async {
+                s.client.remove(key, force).await.map_err(Failure::from)
+            }),
+        )
+    }
+
+    #[pyo3(signature = (keys, force=false))]
+    fn remove_batch<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        force: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let s = raise(py, live(&self.slot))?;
+        let r = runtime::call(py, "remove", s.call_timeout, async {
+            Ok(s.client.remove_batch(&keys, force).await)
+        });
+        let r = match r {
+            Ok(v) => v.into_iter().map(|r| r.map_err(Failure::from)).collect(),
+            Err(f) => vec![Err(f); keys.len()],
+        };
+        put_results(py, r)
+    }
+
+    /// Removes every key matching a regular expression; returns the counts.
+    #[pyo3(signature = (pattern, force=false))]
+    fn remove_regex<'py>(
+        &self,
+        py: Python<'py>,
+        pattern: &str,
+        force: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let s = raise(py, live(&self.slot))?;
+        let c = raise(
+            py,
+            runtime::call(py, "remove", s.call_timeout, async {
+                s.client.remove_regex(pattern, force).await.map_err(Failure::from)
+            }),
+        )?;
+        counts(py, c)
+    }
+
+    /// Removes every object (leased and hard-pinned ones only with `force`).
+    #[pyo3(signature = (force=false))]
+    fn remove_all<'py>(&self, py: Python<'py>, force: bool) -> PyResult<Bound<'py, PyDict>> {
+        let s = raise(py, live(&self.slot))?;
+        let c = raise(
+            py,
+            runtime::call(py, "remove", s.call_timeout, async {
+                s.client.remove_all(force).await.map_err(Failure::from)
+            }),
+        )?;
+        counts(py, c)
+    }
+
+    /// One page of keys under `prefix`: `([(key, size), ...], next_start_after or None)`.
+    #[pyo3(signature = (prefix="", start_after=None, limit=1000))]
+    fn list(
+        &self,
+        py: Python<'_>,
+        prefix: &str,
+        start_after: Option<String>,
+        limit: u32,
+    ) -> PyResult<ListPage> {
+        let s = raise(py, live(&self.slot))?;
+        let page = raise(
+            py,
+            runtime::call(py, "list", s.call_timeout, async {
+                s.client.list(prefix, start_after.as_deref(), limit).await.map_err(Failure::from)
+            }),
+        )?;
+        Ok((page.entries.into_iter().map(|e| (e.key, e.size)).collect(), page.next_start_after))
+    }
+
+    /// What the master knows of an object (no lease is granted).
+    fn stat<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyDict>> {
+        let s = raise(py, live(&self.slot))?;
+        let v = raise(
+            py,
+            runtime::call(py, "stat", s.call_timeout, async {
+                s.client.stat(key).await.map_err(Failure::from)
+            }),
+        )?;
+        let d = PyDict::new(py);
+        d.set_item("size", v.size)?;
+        d.set_item("version", v.version)?;
+        d.set_item("persistence", format!("{:?}", v.persistence).to_lowercase())?;
+        d.set_item("pin", format!("{:?}", v.pin).to_lowercase())?;
+        d.set_item("lease_end_ms", v.lease_end_ms)?;
+        d.set_item(
+            "checksum",
+            v.checksum.map(|c| c.iter().map(|b| format!("{b:02x}")).collect::<String>()),
+        )?;
+        let reps = PyList::empty(py);
+        for r in &v.replicas {
+            let rd = PyDict::new(py);
+            rd.set_item("tier", format!("{:?}", r.tier).to_lowercase())?;
+            rd.set_item("endpoint", &r.endpoint)?;
+            rd.set_item("node", r.node)?;
+            rd.set_item("len", r.len)?;
+            reps.append(rd)?;
+        }
+        d.set_item("replicas", reps)?;
+        Ok(d)
+    }
+
+    /// Leaves the cluster (the embedded segment's objects are gone); idempotent.
+    fn close(&self, py: Python<'_>) {
+        self.regs.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        close_slot(py, &self.slot);
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) {
+        self.close(py);
+    }
+}
+
+impl Drop for PyClient {
+    fn drop(&mut self) {
+        drop_session(self.slot.get_mut().unwrap_or_else(|e| e.into_inner()).take());
+    }
+}
+
+/// Drops a session that was never closed, inside the runtime's context and without talking to
+/// the master (a garbage-collected client must not block): an embedded node then expires on
+/// the master after its TTL instead of leaving at once.
+pub fn drop_session(s: Option<Arc<Session>>) {
+    if let Some(s) = s
+        && let Ok(rt) = runtime::runtime()
+    {
+        let _in_runtime = rt.enter();
+        drop(s);
+    }
+}
+
+/// Copies staged bytes into a new `bytes` object, with the GIL released for the copy.
+pub fn bytes_of<'py>(py: Python<'py>, b: &[u8]) -> Bound<'py, PyBytes> {
+    let n = b.len();
+    PyBytes::new_with(py, n, |dst| {
+        if n >= 1 << 20 {
+            py.detach(|| dst.copy_from_slice(b));
+        } else {
+            dst.copy_from_slice(b);
+        }
+        Ok(())
+    })
+    .unwrap_or_else(|_| PyBytes::new(py, b))
+}
+
+fn counts(py: Python<'_>, c: kvfs_client::RemoveCounts) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("removed", c.removed)?;
+    d.set_item("skipped_leased", c.skipped_leased)?;
+    d.set_item("skipped_pinned", c.skipped_pinned)?;
+    Ok(d)
+}

@@ -1,0 +1,238 @@
+//! A connection to a kvfs cluster from Python: a kvfs client, and optionally an embedded node
+//! that contributes this process's DRAM to the pool (the reference's embedded mode,
+//! `global_segment_size > 0`).
+//!
+//! Mechanism. [`Session::open`] starts one Transfer Engine, listening on the caller's host and,
+//! when asked (the reference's `setup`), on a port drawn from a range (12300..14300 there);
+//! its segment name is `host:port`, which is what `get_hostname()` returns. With a segment the
+//! engine belongs to an embedded [`Node`] and the client shares it, so this process reads and
+//! writes its own segment by memcpy and other processes reach it like any node. The client
+//! connects to the master before the node is awaited, so an unreachable master fails `setup`
+//! quickly.
+//!
+//! Closing shuts the node down cleanly (the master forgets its segment, and the objects stored
+//! only there disappear, as the reference's `close` unmounts) and drops the client.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
+
+use kvfs_client::{Client, ClientConfig, Node, NodeConfig};
+use kvfs_transfer::{Engine, EngineConfig, Transports};
+use rand::Rng;
+
+use crate::errors::Failure;
+
+/// How to open a session.
+#[derive(Debug, Clone)]
+pub struct SessionOptions {
+    pub master: String,
+    /// `host` or `host:port` this process's engine listens on and names its segment after;
+    /// `None` listens on 127.0.0.1 with a port from the kernel and keeps the default name.
+    pub local_hostname: Option<String>,
+    /// Ports to draw from when `local_hostname` names no port.
+    pub port_range: Option<(u16, u16)>,
+    /// DRAM this process contributes to the pool (0: a pure client).
+    pub segment_bytes: u64,
+    /// Fault the segment's pages in at start.
+    pub populate: bool,
+    /// Bytes the bytes API may stage at once.
+    pub staging_bytes_max: usize,
+    pub tcp_only: bool,
+    pub rpc_timeout_ms: u64,
+    /// Deadline of every Python call.
+    pub call_timeout_ms: u64,
+    /// How long setup waits for the embedded node to register with the master.
+    pub register_timeout_ms: u64,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            master: "127.0.0.1:50051".into(),
+            local_hostname: None,
+            port_range: None,
+            segment_bytes: 0,
+            populate: false,
+            staging_bytes_max: usize::MAX,
+            tcp_only: false,
+            rpc_timeout_ms: 5_000,
+            call_timeout_ms: 60_000,
+            register_timeout_ms: 10_000,
+        }
+    }
+}
+
+pub struct Session {
+    pub client: Client,
+    node: Option<Node>,
+    pub endpoint: String,
+    pub call_timeout: Duration,
+}
+
+/// Ports tried before giving up on a range.
+const PORT_TRIES: usize = 32;
+
+impl Session {
+    pub async fn open(opts: SessionOptions) -> Result<Session, Failure> {
+        let (engine, node) = start_engine(&opts).await?;
+        let ccfg = ClientConfig {
+            master: opts.master.clone(),
+            rpc_timeout_ms: opts.rpc_timeout_ms,
+            staging_bytes_max: opts.staging_bytes_max,
+            staging_cached_bytes_max: opts.staging_bytes_max.min(256 << 20),
+            ..ClientConfig::default()
+        };
+        let client = Client::connect_with_engine(ccfg, engine.clone()).await;
+        let client = match client {
+            Ok(c) => c,
+            Err(e) => {
+                if let Some(n) = node {
+                    n.shutdown().await;
+                }
+                return Err(e.into());
+            }
+        };
+        if let Some(n) = &node {
+            let wait = Duration::from_millis(opts.register_timeout_ms);
+            if let Err(e) = n.wait_registered(wait).await {
+                client.close().await;
+                if let Some(n) = node {
+                    n.shutdown().await;
+                }
+                return Err(e.into());
+            }
+        }
+        Ok(Session {
+            client,
+            node,
+            endpoint: engine.name().to_string(),
+            call_timeout: Duration::from_millis(opts.call_timeout_ms),
+        })
+    }
+
+    pub fn has_segment(&self) -> bool {
+        self.node.is_some()
+    }
+
+    /// Leaves the cluster: the node's objects are gone from the pool afterwards.
+    pub async fn close(self) {
+        self.client.close().await;
+        if let Some(n) = self.node {
+            n.shutdown().await;
+        }
+    }
+}
+
+/// Starts the engine (inside an embedded node when there is a segment), drawing ports from the
+/// range until one binds.
+async fn start_engine(opts: &SessionOptions) -> Result<(Engine, Option<Node>), Failure> {
+    let (host, fixed_port) = split_host(opts.local_hostname.as_deref())?;
+    let ports: Vec<u16> = match (fixed_port, opts.port_range) {
+        (Some(p), _) => vec![p],
+        (None, Some((lo, hi))) if lo <= hi => {
+            let mut rng = rand::rng();
+            (0..PORT_TRIES).map(|_| rng.random_range(lo..=hi)).collect()
+        }
+        _ => vec![0],
+    };
+    let mut last = Failure::internal("no port to try");
+    for port in ports {
+        let listen = resolve(&host, port)?;
+        let mut ecfg = EngineConfig { listen, ..EngineConfig::default() };
+        if opts.local_hostname.is_some() && port != 0 {
+            ecfg.name = Some(format!("{host}:{port}"));
+        }
+        if opts.tcp_only {
+            ecfg.transports = Transports::tcp_only();
+        }
+        tune_from_env(&mut ecfg);
+        let started = if opts.segment_bytes > 0 {
+            let ncfg = NodeConfig {
+                master: opts.master.clone(),
+                engine: ecfg,
+                dram_bytes: opts.segment_bytes,
+                populate: opts.populate,
+                rpc_timeout_ms: opts.rpc_timeout_ms,
+                ..NodeConfig::default()
+            };
+            Node::start(ncfg).await.map(|n| (n.engine().clone(), Some(n))).map_err(Failure::from)
+        } else {
+            Engine::start(ecfg)
+                .await
+                .map(|e| (e, None))
+                .map_err(|e| Failure::internal(format!("starting the transfer engine: {e}")))
+        };
+        match started {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// Engine knobs a deployment may set without code: `KVFS_TCP_CONNS_PER_PEER`,
+/// `KVFS_TCP_SLICE_BYTES`, `KVFS_OP_TIMEOUT_MS` (invalid values are ignored with a warning).
+fn tune_from_env(cfg: &mut EngineConfig) {
+    fn var(name: &str) -> Option<u64> {
+        let v = std::env::var(name).ok()?;
+        match v.trim().parse::<u64>() {
+            Ok(n) if n > 0 => Some(n),
+            _ => {
+                tracing::warn!(name, value = %v, "ignoring: not a positive integer");
+                None
+            }
+        }
+    }
+    if let Some(n) = var("KVFS_TCP_CONNS_PER_PEER") {
+        cfg.tcp_conns_per_peer = n.min(64) as usize;
+    }
+    if let Some(n) = var("KVFS_TCP_SLICE_BYTES") {
+        cfg.slice_bytes = n;
+    }
+    if let Some(n) = var("KVFS_OP_TIMEOUT_MS") {
+        cfg.op_timeout_ms = n;
+    }
+}
+
+/// `host` or `host:port` (bracketed IPv6 allowed); `None` is 127.0.0.1.
+fn split_host(s: Option<&str>) -> Result<(String, Option<u16>), Failure> {
+    let Some(s) = s.map(str::trim).filter(|s| !s.is_empty()) else {
+        return Ok(("127.0.0.1".into(), None));
+    };
+    if let Some((h, p)) = s.rsplit_once(':')
+        && !h.is_empty()
+        && (!h.contains(':') || h.starts_with('['))
+    {
+        let port = p
+            .parse::<u16>()
+            .map_err(|_| Failure::invalid(format!("local_hostname {s:?}: bad port {p:?}")))?;
+        return Ok((h.to_string(), Some(port)));
+    }
+    Ok((s.to_string(), None))
+}
+
+fn resolve(host: &str, port: u16) -> Result<SocketAddr, Failure> {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    (bare, port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| {
+            a.find(|a| a.is_ipv4()).or_else(|| (bare, port).to_socket_addrs().ok()?.next())
+        })
+        .ok_or_else(|| Failure::invalid(format!("local_hostname {host:?} does not resolve")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hostnames_split() {
+        assert_eq!(split_host(None).unwrap(), ("127.0.0.1".into(), None));
+        assert_eq!(split_host(Some("localhost")).unwrap(), ("localhost".into(), None));
+        assert_eq!(split_host(Some("localhost:12345")).unwrap(), ("localhost".into(), Some(12345)));
+        assert_eq!(split_host(Some("[::1]:80")).unwrap(), ("[::1]".into(), Some(80)));
+        assert!(split_host(Some("localhost:x")).is_err());
+        assert_eq!(resolve("localhost", 5).unwrap().port(), 5);
+    }
+}
