@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 /// Version of the Transfer Engine protocol; peers with a different version are refused.
 /// Version 2 added the rdma fields of [`Hello`] and [`Welcome`].
-pub const TE_PROTOCOL_VERSION: u32 = 2;
+pub const TE_PROTOCOL_VERSION: u32 = 3;
 
 /// Largest handshake frame accepted.
 pub const HANDSHAKE_FRAME_MAX: usize = 1 << 20;
@@ -153,6 +153,40 @@ pub enum DataOp {
     Notify = 3,
     /// No payload; answered at once (liveness probe).
     Ping = 4,
+    /// Several reads in one request: a table of `ranges` (addr, len) entries follows the
+    /// header; the reply carries one status byte per range, then the bytes of every range
+    /// whose status is `Ok`, in table order.
+    ReadV = 5,
+    /// Several writes in one request: the range table, then the payload of every range in
+    /// table order; the reply carries one status byte per range.
+    WriteV = 6,
+}
+
+/// Bytes of one entry of a ReadV/WriteV range table: `addr` u64 and `len` u64, little endian.
+pub const RANGE_ENTRY_BYTES: usize = 16;
+
+/// Most ranges one ReadV/WriteV request may carry.
+pub const RANGES_PER_REQUEST_MAX: u32 = 1024;
+
+/// Encodes a range table.
+pub fn encode_ranges(ranges: impl Iterator<Item = (u64, u64)>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (addr, len) in ranges {
+        out.extend_from_slice(&addr.to_le_bytes());
+        out.extend_from_slice(&len.to_le_bytes());
+    }
+    out
+}
+
+/// Decodes a range table of exactly `bytes.len() / RANGE_ENTRY_BYTES` entries.
+pub fn decode_ranges(bytes: &[u8]) -> Result<Vec<(u64, u64)>, WireError> {
+    if !bytes.len().is_multiple_of(RANGE_ENTRY_BYTES) {
+        return Err(WireError::BadRanges);
+    }
+    Ok(bytes
+        .chunks_exact(RANGE_ENTRY_BYTES)
+        .map(|c| (u64::from_le_bytes(take8(c, 0)), u64::from_le_bytes(take8(c, 8))))
+        .collect())
 }
 
 impl DataOp {
@@ -162,6 +196,8 @@ impl DataOp {
             2 => DataOp::Read,
             3 => DataOp::Notify,
             4 => DataOp::Ping,
+            5 => DataOp::ReadV,
+            6 => DataOp::WriteV,
             _ => return None,
         })
     }
@@ -176,7 +212,11 @@ pub struct DataHeader {
     pub op: DataOp,
     pub id: u64,
     pub addr: u64,
+    /// Payload bytes that follow (writes, notifications) or are asked for (reads); for
+    /// ReadV/WriteV the sum of the ranges' lengths.
     pub len: u64,
+    /// Entries in the range table that follows a ReadV/WriteV header (0 otherwise).
+    pub ranges: u32,
 }
 
 impl DataHeader {
@@ -189,6 +229,7 @@ impl DataHeader {
         b[8..16].copy_from_slice(&self.id.to_le_bytes());
         b[16..24].copy_from_slice(&self.addr.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b[32..36].copy_from_slice(&self.ranges.to_le_bytes());
         b
     }
 
@@ -203,6 +244,7 @@ impl DataHeader {
             id: u64::from_le_bytes(take8(b, 8)),
             addr: u64::from_le_bytes(take8(b, 16)),
             len: u64::from_le_bytes(take8(b, 24)),
+            ranges: u32::from_le_bytes(take4(b, 32)),
         })
     }
 }
@@ -221,6 +263,11 @@ pub enum DataStatus {
 }
 
 impl DataStatus {
+    /// The status with this code (also the one-byte per-range codes of a pack reply).
+    pub fn from_code(v: u16) -> Option<DataStatus> {
+        DataStatus::from_u16(v)
+    }
+
     fn from_u16(v: u16) -> Option<DataStatus> {
         Some(match v {
             0 => DataStatus::Ok,
@@ -277,6 +324,8 @@ pub enum WireError {
     BadOp(u8),
     #[error("unknown status code {0}")]
     BadStatus(u16),
+    #[error("malformed range table")]
+    BadRanges,
 }
 
 fn take4(b: &[u8], at: usize) -> [u8; 4] {
@@ -297,10 +346,25 @@ mod tests {
 
     #[test]
     fn headers_round_trip() {
-        let h = DataHeader { op: DataOp::Read, id: 42, addr: 0xdead_beef_0000, len: 1 << 26 };
+        let h = DataHeader {
+            op: DataOp::ReadV,
+            id: 42,
+            addr: 0xdead_beef_0000,
+            len: 1 << 26,
+            ranges: 7,
+        };
         assert_eq!(DataHeader::decode(&h.encode()).unwrap(), h);
         let r = DataReply { status: DataStatus::OutOfRange, id: 9, len: 0 };
         assert_eq!(DataReply::decode(&r.encode()).unwrap(), r);
+    }
+
+    #[test]
+    fn range_tables_round_trip_and_reject_ragged_bytes() {
+        let ranges = vec![(0x1000, 7), (u64::MAX - 1, 1), (42, 1 << 20)];
+        let bytes = encode_ranges(ranges.iter().copied());
+        assert_eq!(bytes.len(), 3 * RANGE_ENTRY_BYTES);
+        assert_eq!(decode_ranges(&bytes).unwrap(), ranges);
+        assert_eq!(decode_ranges(&bytes[..20]), Err(WireError::BadRanges));
     }
 
     fn round_trip<T>(msg: &T) -> T
@@ -377,7 +441,7 @@ mod tests {
 
     #[test]
     fn corrupt_headers_are_rejected() {
-        let mut b = DataHeader { op: DataOp::Write, id: 1, addr: 2, len: 3 }.encode();
+        let mut b = DataHeader { op: DataOp::Write, id: 1, addr: 2, len: 3, ranges: 0 }.encode();
         b[4] = 99;
         assert_eq!(DataHeader::decode(&b), Err(WireError::BadOp(99)));
         b[0] = 0;

@@ -198,6 +198,104 @@ struct BatchState {
     done: Notify,
 }
 
+impl BatchState {
+    fn complete(&self, item: usize, r: Result<()>) {
+        self.results.lock().unwrap_or_else(|e| e.into_inner())[item] = Some(r);
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.done.notify_waiters();
+        }
+    }
+}
+
+/// Small tcp items of one batch, of one direction and one peer, sent as one request.
+struct Pack {
+    segment: SegmentHandle,
+    op: DataOp,
+    /// Batch indices, ranges and what keeps their memory alive, in the same order.
+    items: (Vec<usize>, Vec<tcp::Range>, Vec<Hold>),
+}
+
+/// Most items in one pack, and the largest item that is packed (larger ones are sliced).
+const PACK_ITEMS_MAX: usize = 256;
+const PACK_ITEM_BYTES_MAX: u64 = 256 << 10;
+
+/// Splits a batch into items that run on their own and packs of small items that can share one
+/// tcp request: remote peers reached only over tcp (no shm mapping, no rdma link), valid
+/// lengths, registered local memory. Everything else runs on its own, where its errors are
+/// reported. Packs hold at most `PACK_ITEMS_MAX` items and `slice_bytes` bytes.
+fn plan_batch(
+    shared: &Shared,
+    reqs: Vec<TransferRequest>,
+) -> (Vec<(usize, TransferRequest)>, Vec<Pack>) {
+    let mut singles = Vec::new();
+    let mut open: HashMap<(usize, bool), Pack> = HashMap::new();
+    let mut packs = Vec::new();
+    for (i, req) in reqs.into_iter().enumerate() {
+        let Some(hold) = packable(shared, &req) else {
+            singles.push((i, req));
+            continue;
+        };
+        let write = req.op == TransferOp::Write;
+        let key = (Arc::as_ptr(&req.segment.0) as usize, write);
+        let pack = open.entry(key).or_insert_with(|| Pack {
+            segment: req.segment.clone(),
+            op: if write { DataOp::Write } else { DataOp::Read },
+            items: (Vec::new(), Vec::new(), Vec::new()),
+        });
+        let bytes: u64 = pack.items.1.iter().map(|r| r.len).sum();
+        if pack.items.0.len() >= PACK_ITEMS_MAX || bytes + req.len > shared.cfg.slice_bytes {
+            let full = std::mem::take(&mut pack.items);
+            packs.push(Pack { segment: pack.segment.clone(), op: pack.op, items: full });
+        }
+        pack.items.0.push(i);
+        pack.items.1.push(tcp::Range {
+            remote: req.remote_addr,
+            local: req.local_addr,
+            len: req.len,
+        });
+        pack.items.2.push(hold);
+    }
+    for (_, pack) in open {
+        if !pack.items.0.is_empty() {
+            packs.push(pack);
+        }
+    }
+    // A pack of one item is just an item: no table needed.
+    let (ones, packs): (Vec<Pack>, Vec<Pack>) =
+        packs.into_iter().partition(|p| p.items.0.len() == 1);
+    for p in ones {
+        let r = p.items.1[0];
+        let op = if p.op == DataOp::Write { TransferOp::Write } else { TransferOp::Read };
+        singles.push((
+            p.items.0[0],
+            TransferRequest {
+                op,
+                segment: p.segment,
+                local_addr: r.local,
+                remote_addr: r.remote,
+                len: r.len,
+            },
+        ));
+    }
+    (singles, packs)
+}
+
+/// What keeps the local memory of `req` alive, when `req` can go into a tcp pack.
+fn packable(shared: &Shared, req: &TransferRequest) -> Option<Hold> {
+    let PeerKind::Remote { tcp: Some(_), shm: None, rdma } = &req.segment.0.kind else {
+        return None;
+    };
+    if rdma.is_some()
+        || req.len == 0
+        || req.len > PACK_ITEM_BYTES_MAX
+        || req.remote_addr.checked_add(req.len).is_none()
+    {
+        return None;
+    }
+    let local = shared.registry.find(req.local_addr, req.len)?;
+    Some(local.buffer.map(Hold::Buffer).unwrap_or(Hold::None))
+}
+
 /// A submitted batch: poll item statuses or wait for all of them.
 pub struct Batch {
     state: Arc<BatchState>,
@@ -462,17 +560,32 @@ impl Engine {
         let shared = self.inner.shared.clone();
         let st = state.clone();
         tokio::spawn(async move {
-            let runs = reqs.into_iter().enumerate().map(|(i, req)| {
-                let shared = shared.clone();
-                let st = st.clone();
-                async move {
+            let (singles, packs) = plan_batch(&shared, reqs);
+            let mut runs: Vec<
+                std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>>,
+            > = Vec::with_capacity(singles.len() + packs.len());
+            for (i, req) in singles {
+                let (shared, st) = (shared.clone(), st.clone());
+                runs.push(Box::pin(async move {
                     let r = run_item(&shared, &req, deadline).await;
-                    st.results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
-                    if st.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-                        st.done.notify_waiters();
+                    st.complete(i, r);
+                }));
+            }
+            for pack in packs {
+                let st = st.clone();
+                runs.push(Box::pin(async move {
+                    let PeerKind::Remote { tcp: Some(tcp), .. } = &pack.segment.0.kind else {
+                        return;
+                    };
+                    let (idx, ranges, holds) = pack.items;
+                    for (i, r) in idx
+                        .into_iter()
+                        .zip(tcp.request_pack(pack.op, ranges, holds, deadline).await)
+                    {
+                        st.complete(i, r);
                     }
-                }
-            });
+                }));
+            }
             futures_util::future::join_all(runs).await;
         });
         Ok(Batch { state, len })

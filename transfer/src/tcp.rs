@@ -1,32 +1,44 @@
-//! The tcp transport: several connections per peer, large requests striped across them, bytes
-//! received straight into the destination memory.
+//! The tcp transport: several connections per peer, large requests striped across them,
+//! small ones packed together, bytes received straight into the destination memory.
 //!
 //! Mechanism. Each peer has `tcp_conns_per_peer` connection slots. A request is cut into slices
-//! of `slice_bytes`; every slice becomes a [`Job`] queued on one connection (round robin). Each
-//! connection has three tasks:
+//! of `slice_bytes` (or, alone on an idle peer, striped over every connection); many small
+//! requests of one batch are packed into one ReadV/WriteV request carrying a table of ranges,
+//! so their per-request costs (a header, a reply, a wakeup) are paid once per pack instead of
+//! once per object. Every slice or pack becomes a [`Job`] queued on one connection (round
+//! robin). Each connection has three tasks:
 //! - the writer takes jobs from a bounded queue, records them as pending (in order) and writes
-//!   the 40-byte header, followed by the payload for writes, straight from the source memory;
-//! - the reader reads 24-byte replies in order, matches each to the oldest pending job, and
-//!   for reads receives the payload straight into the destination memory (no staging copy);
+//!   headers, range tables and write payloads with vectored writes straight from the source
+//!   memory, several queued jobs per system call;
+//! - the reader reads replies in order, matches each to the oldest pending job, and for reads
+//!   receives the payload straight into the destination memory (vectored reads spread one
+//!   receive over every range of a pack; no staging copy);
 //! - the watchdog resets the connection when the oldest pending job passes its deadline, which
 //!   turns a silent peer into `Timeout` errors and unblocks both other tasks.
 //!
+//! The acceptor serves each connection sequentially, reads request headers without a wait when
+//! they are already there, and sends replies with their payload in one vectored write, holding
+//! small replies back while more requests are queued behind them.
+//!
 //! Failure policy. A broken connection fails every job on it with a retryable error; the slice
-//! is retried on the next connection (reconnecting lazily, with a fresh handshake) up to
-//! `retries_max` times, never past the item's deadline. A reconnect that finds a different
+//! or pack is retried on the next connection (reconnecting lazily, with a fresh handshake) up
+//! to `retries_max` times, never past the items' deadline. A reconnect that finds a different
 //! engine instance at the address fails with `PeerGone`: a restarted peer is a new segment and
 //! its memory layout is not the one the caller addressed. Because connections are re-made on
 //! demand and there is no idle timer anywhere, the first transfer after a long idle gap either
-//! finds its connection alive or transparently replaces it.
+//! finds its connection alive or transparently replaces it. Within a pack every range has its
+//! own status: one range outside the peer's regions fails alone.
 //!
-//! Invariants: replies arrive in request order per connection (the acceptor serves each
-//! connection sequentially); a job's memory stays valid until its completion is sent (owned
-//! buffers are held by an `Arc` in the job; raw registrations are the caller's promise).
+//! Invariants: replies arrive in request order per connection; a job's memory stays valid until
+//! its completion is sent and its bytes are written (owned buffers are held by an `Arc` in the
+//! job; raw registrations are the caller's promise); a pack's range table is checked whole
+//! (count, lengths, total) before any byte moves, and a malformed one closes the connection.
 //!
 //! Not handled: encryption and authentication (peers are trusted cluster members on a private
 //! network, as in the reference system).
 
 use std::collections::VecDeque;
+use std::io::{IoSlice, IoSliceMut};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -34,18 +46,18 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use kvfs_proto::transfer::{
-    DataHeader, DataOp, DataReply, DataStatus, HANDSHAKE_FRAME_MAX, Hello, TE_PROTOCOL_VERSION,
-    Welcome,
+    DataHeader, DataOp, DataReply, DataStatus, HANDSHAKE_FRAME_MAX, Hello, RANGE_ENTRY_BYTES,
+    RANGES_PER_REQUEST_MAX, TE_PROTOCOL_VERSION, Welcome, decode_ranges, encode_ranges,
 };
 use kvfs_proto::{read_msg, write_msg};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::engine::Shared;
-use crate::memory::Buffer;
+use crate::memory::{Buffer, Region};
 use crate::{Error, ErrorKind, Result};
 
 /// Keeps the memory of a job alive until it completes (the fields are never read: holding them
@@ -58,26 +70,45 @@ pub(crate) enum Hold {
     Bytes(Arc<Vec<u8>>),
 }
 
-/// One slice of a request, queued on one connection.
-pub(crate) struct Job {
-    pub op: DataOp,
+/// `len` bytes between `local` (this process) and `remote` (the peer's segment).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Range {
     pub remote: u64,
     pub local: u64,
     pub len: u64,
-    pub deadline: Instant,
-    pub hold: Hold,
-    pub done: oneshot::Sender<Result<()>>,
+}
+
+/// What a finished job reports: nothing more for single operations, a status per range for
+/// packs.
+enum Outcome {
+    Done,
+    Ranges(Vec<DataStatus>),
+}
+
+/// One slice or pack, queued on one connection.
+struct Job {
+    op: DataOp,
+    ranges: Vec<Range>,
+    deadline: Instant,
+    holds: Vec<Hold>,
+    done: oneshot::Sender<Result<Outcome>>,
 }
 
 struct Pending {
     id: u64,
     op: DataOp,
-    local: u64,
-    len: u64,
+    ranges: Vec<Range>,
     deadline: Instant,
-    _hold: Hold,
-    done: oneshot::Sender<Result<()>>,
+    _holds: Vec<Hold>,
+    done: oneshot::Sender<Result<Outcome>>,
 }
+
+/// Jobs one vectored write may gather, and the io vectors it may use (the kernel's limit is
+/// 1024).
+const WRITE_GATHER_JOBS_MAX: usize = 64;
+const IOV_MAX: usize = 1000;
+/// Replies the acceptor holds back while more requests are queued, at most.
+const REPLY_BUFFER_BYTES_MAX: usize = 64 << 10;
 
 struct ConnState {
     dead: AtomicBool,
@@ -238,44 +269,88 @@ fn start_conn(stream: TcpStream, shared: &Arc<Shared>) -> Result<Conn> {
     Ok(Conn { tx, st })
 }
 
-async fn writer(wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Job>, st: Arc<ConnState>) {
-    let mut wr = BufWriter::with_capacity(64 << 10, wr);
+/// Whether the job's request carries payload bytes after its header (and table).
+fn sends_payload(op: DataOp) -> bool {
+    matches!(op, DataOp::Write | DataOp::Notify | DataOp::WriteV)
+}
+
+/// The bytes of a job's header and, for packs, its range table.
+fn request_head(job: &Job, id: u64) -> Vec<u8> {
+    let packed = matches!(job.op, DataOp::ReadV | DataOp::WriteV);
+    let total: u64 = job.ranges.iter().map(|r| r.len).sum();
+    let first = job.ranges.first().copied().unwrap_or(Range { remote: 0, local: 0, len: 0 });
+    let hdr = DataHeader {
+        op: job.op,
+        id,
+        addr: if packed { 0 } else { first.remote },
+        len: total,
+        ranges: if packed { job.ranges.len() as u32 } else { 0 },
+    };
+    let mut head = hdr.encode().to_vec();
+    if packed {
+        head.extend(encode_ranges(job.ranges.iter().map(|r| (r.remote, r.len))));
+    }
+    head
+}
+
+async fn writer(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Job>, st: Arc<ConnState>) {
     let mut next_id: u64 = 1;
-    while let Some(job) = rx.recv().await {
+    while let Some(first) = rx.recv().await {
+        // Gather what is already queued into one vectored write.
+        let mut jobs = vec![first];
+        let mut iovs = 1 + jobs[0].ranges.len();
+        while jobs.len() < WRITE_GATHER_JOBS_MAX && iovs < IOV_MAX / 2 {
+            match rx.try_recv() {
+                Ok(j) => {
+                    iovs += 1 + j.ranges.len();
+                    jobs.push(j);
+                }
+                Err(_) => break,
+            }
+        }
         if st.dead.load(Ordering::Acquire) {
-            let _ = job.done.send(Err(st.death()));
+            for j in jobs {
+                let _ = j.done.send(Err(st.death()));
+            }
             rx.close();
             continue;
         }
-        let id = next_id;
-        next_id += 1;
-        let hdr = DataHeader { op: job.op, id, addr: job.remote, len: job.len }.encode();
-        let (local, len, op, deadline) = (job.local, job.len, job.op, job.deadline);
-        st.pending.lock().unwrap_or_else(|e| e.into_inner()).push_back(Pending {
-            id,
-            op: job.op,
-            local: job.local,
-            len: job.len,
-            deadline: job.deadline,
-            _hold: job.hold.clone(),
-            done: job.done,
-        });
-        let carries_payload = matches!(op, DataOp::Write | DataOp::Notify);
-        let res = tokio::time::timeout_at(deadline, async {
-            wr.write_all(&hdr).await?;
-            if carries_payload {
-                // SAFETY: the job's memory is registered (and held) until its completion is
-                // sent, which happens only after this write finishes or the connection dies.
-                let src = unsafe { std::slice::from_raw_parts(local as *const u8, len as usize) };
-                wr.write_all(src).await?;
+        let deadline = jobs.iter().map(|j| j.deadline).min().unwrap_or_else(Instant::now);
+        let mut heads = Vec::with_capacity(jobs.len());
+        let mut payloads: Vec<Vec<Range>> = Vec::with_capacity(jobs.len());
+        let mut holds = Vec::new();
+        {
+            let mut pending = st.pending.lock().unwrap_or_else(|e| e.into_inner());
+            for job in jobs {
+                let id = next_id;
+                next_id += 1;
+                heads.push(request_head(&job, id));
+                payloads.push(if sends_payload(job.op) { job.ranges.clone() } else { Vec::new() });
+                holds.extend(job.holds.iter().cloned());
+                pending.push_back(Pending {
+                    id,
+                    op: job.op,
+                    ranges: job.ranges,
+                    deadline: job.deadline,
+                    _holds: job.holds,
+                    done: job.done,
+                });
             }
-            if rx.is_empty() {
-                wr.flush().await?;
+        }
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(iovs);
+        for (head, ranges) in heads.iter().zip(&payloads) {
+            slices.push(IoSlice::new(head));
+            for r in ranges.iter().filter(|r| r.len > 0) {
+                // SAFETY: the job's memory is registered (and held in `holds`) until this write
+                // has finished, even if the job completes meanwhile.
+                slices.push(IoSlice::new(unsafe {
+                    std::slice::from_raw_parts(r.local as *const u8, r.len as usize)
+                }));
             }
-            Ok::<_, std::io::Error>(())
-        })
-        .await;
-        drop(job.hold);
+        }
+        let res = tokio::time::timeout_at(deadline, write_all_vectored(&mut wr, &mut slices)).await;
+        drop(slices);
+        drop(holds);
         match res {
             Ok(Ok(())) => {}
             Ok(Err(e)) => st.kill(Error::io("tcp send", e)),
@@ -285,12 +360,45 @@ async fn writer(wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Job>, st: Arc<ConnSta
     let _ = wr.shutdown().await;
 }
 
+/// Writes every byte of `bufs`, in as few system calls as the kernel allows.
+async fn write_all_vectored(
+    w: &mut OwnedWriteHalf,
+    mut bufs: &mut [IoSlice<'_>],
+) -> std::io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        let n = w.write_vectored(bufs).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut bufs, n);
+    }
+    Ok(())
+}
+
+/// Fills every byte of `bufs` from the socket, in as few system calls as the data allows.
+async fn read_exact_vectored(
+    r: &OwnedReadHalf,
+    mut bufs: &mut [IoSliceMut<'_>],
+) -> std::io::Result<()> {
+    IoSliceMut::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        r.readable().await?;
+        match r.try_read_vectored(bufs) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 async fn reader(mut rd: OwnedReadHalf, st: Arc<ConnState>) {
     let mut hb = [0u8; DataReply::SIZE];
     loop {
         if let Err(e) = rd.read_exact(&mut hb).await {
-            st.kill(Error::io("tcp receive", e));
-            return;
+            return st.kill(Error::io("tcp receive", e));
         }
         let reply = match DataReply::decode(&hb) {
             Ok(r) => r,
@@ -300,32 +408,80 @@ async fn reader(mut rd: OwnedReadHalf, st: Arc<ConnState>) {
             return st.kill(Error::new(ErrorKind::Io, "tcp receive", "reply with no request"));
         };
         if p.id != reply.id {
-            let msg = format!("reply {} for request {}", reply.id, p.id);
-            st.kill(Error::new(ErrorKind::Io, "tcp receive", msg.clone()));
-            let _ = p.done.send(Err(Error::new(ErrorKind::Io, "tcp receive", msg)));
-            return;
+            let err = Error::new(
+                ErrorKind::Io,
+                "tcp receive",
+                format!("reply {} for request {}", reply.id, p.id),
+            );
+            let _ = p.done.send(Err(err.clone()));
+            return st.kill(err);
         }
-        let result = match reply.status {
-            DataStatus::Ok if p.op == DataOp::Read => {
-                if reply.len != p.len {
-                    let msg = format!("read reply of {} bytes for {}", reply.len, p.len);
-                    let _ = p.done.send(Err(Error::new(ErrorKind::Io, "tcp receive", msg.clone())));
-                    return st.kill(Error::new(ErrorKind::Io, "tcp receive", msg));
-                }
-                // SAFETY: the destination is registered and held until completion is sent.
-                let dst =
-                    unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
-                if let Err(e) = rd.read_exact(dst).await {
-                    let err = Error::io("tcp receive", e);
-                    let _ = p.done.send(Err(err.clone()));
-                    return st.kill(err);
-                }
-                Ok(())
+        match receive_reply(&mut rd, &p, &reply).await {
+            Ok(outcome) => {
+                let _ = p.done.send(outcome);
             }
-            DataStatus::Ok => Ok(()),
-            status => Err(status_error(status, p.op)),
-        };
-        let _ = p.done.send(result);
+            Err(err) => {
+                let _ = p.done.send(Err(err.clone()));
+                return st.kill(err);
+            }
+        }
+    }
+}
+
+/// Reads whatever follows a reply header; the outer `Err` means the stream is out of step.
+async fn receive_reply(
+    rd: &mut OwnedReadHalf,
+    p: &Pending,
+    reply: &DataReply,
+) -> Result<Result<Outcome>> {
+    let bad = |msg: String| Error::new(ErrorKind::Io, "tcp receive", msg);
+    if reply.status != DataStatus::Ok {
+        return Ok(Err(status_error(reply.status, p.op)));
+    }
+    match p.op {
+        DataOp::Read => {
+            let r = p.ranges[0];
+            if reply.len != r.len {
+                return Err(bad(format!("read reply of {} bytes for {}", reply.len, r.len)));
+            }
+            // SAFETY: the destination is registered and held until completion is sent.
+            let dst = unsafe { std::slice::from_raw_parts_mut(r.local as *mut u8, r.len as usize) };
+            rd.read_exact(dst).await.map_err(|e| Error::io("tcp receive", e))?;
+            Ok(Ok(Outcome::Done))
+        }
+        DataOp::ReadV | DataOp::WriteV => {
+            let mut codes = vec![0u8; p.ranges.len()];
+            rd.read_exact(&mut codes).await.map_err(|e| Error::io("tcp receive", e))?;
+            let statuses: Vec<DataStatus> = codes
+                .iter()
+                .map(|&c| {
+                    DataStatus::from_code(c.into())
+                        .ok_or_else(|| bad(format!("unknown range status {c}")))
+                })
+                .collect::<Result<_>>()?;
+            if p.op == DataOp::ReadV {
+                let ok = p.ranges.iter().zip(&statuses).filter(|(_, s)| **s == DataStatus::Ok);
+                let expect: u64 = ok.clone().map(|(r, _)| r.len).sum();
+                if reply.len != expect {
+                    return Err(bad(format!("pack reply of {} bytes for {expect}", reply.len)));
+                }
+                let mut dsts: Vec<IoSliceMut<'_>> = ok
+                    .filter(|(r, _)| r.len > 0)
+                    // SAFETY: each destination is registered and held until completion is sent;
+                    // the ranges of one pack never overlap (the engine packs distinct items).
+                    .map(|(r, _)| {
+                        IoSliceMut::new(unsafe {
+                            std::slice::from_raw_parts_mut(r.local as *mut u8, r.len as usize)
+                        })
+                    })
+                    .collect();
+                read_exact_vectored(rd, &mut dsts)
+                    .await
+                    .map_err(|e| Error::io("tcp receive", e))?;
+            }
+            Ok(Ok(Outcome::Ranges(statuses)))
+        }
+        DataOp::Write | DataOp::Notify | DataOp::Ping => Ok(Ok(Outcome::Done)),
     }
 }
 
@@ -351,8 +507,8 @@ async fn watchdog(st: Weak<ConnState>, tick: Duration) {
 
 fn status_error(status: DataStatus, op: DataOp) -> Error {
     let what = match op {
-        DataOp::Read => "remote read",
-        DataOp::Write => "remote write",
+        DataOp::Read | DataOp::ReadV => "remote read",
+        DataOp::Write | DataOp::WriteV => "remote write",
         DataOp::Notify => "notify",
         DataOp::Ping => "ping",
     };
@@ -363,7 +519,13 @@ fn status_error(status: DataStatus, op: DataOp) -> Error {
             ErrorKind::InvalidArgument
         }
     };
-    Error::new(kind, what, format!("peer answered {status:?}"))
+    let detail = if status == DataStatus::OutOfRange {
+        "remote range is not inside one region the peer registered as remotely accessible"
+            .to_string()
+    } else {
+        format!("peer answered {status:?}")
+    };
+    Error::new(kind, what, detail)
 }
 
 /// The tcp side of one remote segment.
@@ -432,7 +594,7 @@ impl TcpPeer {
         Ok(conn)
     }
 
-    /// Runs one request, striped over the connections, retrying broken slices.
+    /// Runs one request (Read or Write), striped over the connections, retrying broken slices.
     pub async fn request(
         &self,
         op: DataOp,
@@ -445,13 +607,14 @@ impl TcpPeer {
         let _busy = BusyGuard::new(&self.busy);
         let slice = self.slice_for(len);
         if len <= slice {
-            return self.slice(op, remote, local, len, &hold, deadline).await;
+            return self.single(op, Range { remote, local, len }, &hold, deadline).await;
         }
         let mut slices = Vec::with_capacity(len.div_ceil(slice) as usize);
         let mut off = 0;
         while off < len {
             let n = slice.min(len - off);
-            slices.push(self.slice(op, remote + off, local + off, n, &hold, deadline));
+            let r = Range { remote: remote + off, local: local + off, len: n };
+            slices.push(self.single(op, r, &hold, deadline));
             off += n;
         }
         let results = futures_util::future::join_all(slices).await;
@@ -472,19 +635,45 @@ impl TcpPeer {
             .clamp(STRIPE_SLICE_MIN, self.slice_bytes.max(STRIPE_SLICE_MIN))
     }
 
-    async fn slice(
+    /// Runs many small requests of one direction as one pack (`ReadV`/`WriteV`); one result
+    /// per range, in order. `op` is `Read` or `Write`.
+    pub async fn request_pack(
         &self,
         op: DataOp,
-        remote: u64,
-        local: u64,
-        len: u64,
-        hold: &Hold,
+        ranges: Vec<Range>,
+        holds: Vec<Hold>,
         deadline: Instant,
-    ) -> Result<()> {
+    ) -> Vec<Result<()>> {
+        let _busy = BusyGuard::new(&self.busy);
+        let n = ranges.len();
+        let packed = if op == DataOp::Read { DataOp::ReadV } else { DataOp::WriteV };
+        match self.with_retries(packed, &ranges, &holds, deadline).await {
+            Ok(Outcome::Ranges(st)) if st.len() == n => st
+                .into_iter()
+                .map(|s| if s == DataStatus::Ok { Ok(()) } else { Err(status_error(s, op)) })
+                .collect(),
+            Ok(_) => {
+                vec![Err(Error::new(ErrorKind::Io, "tcp pack", "reply without range statuses")); n]
+            }
+            Err(e) => vec![Err(e); n],
+        }
+    }
+
+    async fn single(&self, op: DataOp, r: Range, hold: &Hold, deadline: Instant) -> Result<()> {
+        self.with_retries(op, &[r], std::slice::from_ref(hold), deadline).await.map(|_| ())
+    }
+
+    async fn with_retries(
+        &self,
+        op: DataOp,
+        ranges: &[Range],
+        holds: &[Hold],
+        deadline: Instant,
+    ) -> Result<Outcome> {
         let mut attempt = 0;
         loop {
             let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
-            let res = self.try_slice(slot, op, remote, local, len, hold, deadline).await;
+            let res = self.try_job(slot, op, ranges, holds, deadline).await;
             match res {
                 Err(e)
                     if e.retryable()
@@ -493,27 +682,24 @@ impl TcpPeer {
                         && Instant::now() < deadline =>
                 {
                     attempt += 1;
-                    tracing::debug!(peer = %self.addr, attempt, error = %e, "retrying slice");
+                    tracing::debug!(peer = %self.addr, attempt, error = %e, "retrying on another connection");
                 }
                 other => return other,
             }
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn try_slice(
+    async fn try_job(
         &self,
         slot: usize,
         op: DataOp,
-        remote: u64,
-        local: u64,
-        len: u64,
-        hold: &Hold,
+        ranges: &[Range],
+        holds: &[Hold],
         deadline: Instant,
-    ) -> Result<()> {
+    ) -> Result<Outcome> {
         let conn = self.conn(slot, deadline).await?;
         let (done, wait) = oneshot::channel();
-        let job = Job { op, remote, local, len, deadline, hold: hold.clone(), done };
+        let job = Job { op, ranges: ranges.to_vec(), deadline, holds: holds.to_vec(), done };
         match tokio::time::timeout_at(deadline, conn.tx.send(job)).await {
             Ok(Ok(())) => {}
             Ok(Err(_)) => return Err(conn.st.death()),
@@ -533,14 +719,14 @@ impl TcpPeer {
 
     /// Sends a notification (a small message) to the peer.
     pub async fn notify(&self, msg: Arc<Vec<u8>>, deadline: Instant) -> Result<()> {
-        let local = msg.as_ptr() as u64;
-        let len = msg.len() as u64;
-        self.slice(DataOp::Notify, 0, local, len, &Hold::Bytes(msg), deadline).await
+        let r = Range { remote: 0, local: msg.as_ptr() as u64, len: msg.len() as u64 };
+        self.single(DataOp::Notify, r, &Hold::Bytes(msg), deadline).await
     }
 
     /// Round trip with no payload: is the peer alive and answering?
     pub async fn ping(&self, deadline: Instant) -> Result<()> {
-        self.slice(DataOp::Ping, 0, 0, 0, &Hold::None, deadline).await
+        self.single(DataOp::Ping, Range { remote: 0, local: 0, len: 0 }, &Hold::None, deadline)
+            .await
     }
 
     /// Connections currently alive (for status output).
@@ -614,35 +800,100 @@ pub(crate) async fn serve_conn(mut stream: TcpStream, shared: Arc<Shared>) {
     }
 }
 
+/// Replies of one accepted connection: small ones are held back while more requests are
+/// queued (one send for many), payloads leave with their header in one vectored write.
+struct Replies {
+    wr: OwnedWriteHalf,
+    buf: Vec<u8>,
+}
+
+impl Replies {
+    async fn push(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.buf.extend_from_slice(bytes);
+        if self.buf.len() >= REPLY_BUFFER_BYTES_MAX {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    /// Sends what is held back, then `payloads`, in one vectored write.
+    async fn send_with(&mut self, payloads: &[&[u8]]) -> std::io::Result<()> {
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(payloads.len() + 1);
+        if !self.buf.is_empty() {
+            slices.push(IoSlice::new(&self.buf));
+        }
+        slices.extend(payloads.iter().filter(|p| !p.is_empty()).map(|p| IoSlice::new(p)));
+        write_all_vectored(&mut self.wr, &mut slices).await?;
+        self.buf.clear();
+        Ok(())
+    }
+
+    async fn flush(&mut self) -> std::io::Result<()> {
+        if !self.buf.is_empty() {
+            self.wr.write_all(&self.buf).await?;
+            self.buf.clear();
+        }
+        Ok(())
+    }
+}
+
 async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::io::Result<()> {
     let (mut rd, wr) = stream.into_split();
-    let mut wr = BufWriter::with_capacity(64 << 10, wr);
+    let mut out = Replies { wr, buf: Vec::with_capacity(REPLY_BUFFER_BYTES_MAX) };
     let mut hb = [0u8; DataHeader::SIZE];
     loop {
-        // Flush replies before blocking on the next request.
-        if rd.peek(&mut [0u8; 1]).now_or_never_empty() {
-            wr.flush().await?;
+        if !next_header(&mut rd, &mut out, &mut hb).await? {
+            return Ok(());
         }
-        match rd.read_exact(&mut hb).await {
+        let hdr = DataHeader::decode(&hb).map_err(std::io::Error::other)?;
+        match hdr.op {
+            DataOp::Read => serve_read(&mut out, shared, &hdr).await?,
+            DataOp::ReadV => serve_read_pack(&mut rd, &mut out, shared, &hdr).await?,
+            DataOp::WriteV => serve_write_pack(&mut rd, &mut out, shared, &hdr).await?,
+            op => {
+                let status = match op {
+                    DataOp::Write => serve_write(&mut rd, shared, &hdr).await?,
+                    DataOp::Notify => serve_notify(&mut rd, shared, &hdr, from).await?,
+                    _ => DataStatus::Ok,
+                };
+                out.push(&DataReply { status, id: hdr.id, len: 0 }.encode()).await?;
+            }
+        }
+    }
+}
+
+/// Reads the next request header; takes it at once when it is already there, and sends the
+/// held-back replies before waiting for it. `false` at a clean end of stream.
+async fn next_header(
+    rd: &mut OwnedReadHalf,
+    out: &mut Replies,
+    hb: &mut [u8; DataHeader::SIZE],
+) -> std::io::Result<bool> {
+    let got = match rd.try_read(hb) {
+        Ok(0) => {
+            out.flush().await?;
+            return Ok(false);
+        }
+        Ok(n) => n,
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+        Err(e) => return Err(e),
+    };
+    if got < hb.len() {
+        out.flush().await?;
+        match rd.read_exact(&mut hb[got..]).await {
             Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                wr.flush().await?;
-                return Ok(());
+            Err(e) if got == 0 && e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Ok(false);
             }
             Err(e) => return Err(e),
         }
-        let hdr = DataHeader::decode(&hb).map_err(std::io::Error::other)?;
-        let status = match hdr.op {
-            DataOp::Write => serve_write(&mut rd, shared, &hdr).await?,
-            DataOp::Read => {
-                serve_read(&mut wr, shared, &hdr).await?;
-                continue;
-            }
-            DataOp::Notify => serve_notify(&mut rd, shared, &hdr, from).await?,
-            DataOp::Ping => DataStatus::Ok,
-        };
-        wr.write_all(&DataReply { status, id: hdr.id, len: 0 }.encode()).await?;
     }
+    Ok(true)
+}
+
+/// The region holding a remotely accessible range, if any.
+fn remote_region(shared: &Shared, addr: u64, len: u64) -> Option<Region> {
+    shared.registry.find(addr, len).filter(|r| r.remote)
 }
 
 async fn serve_write(
@@ -650,7 +901,7 @@ async fn serve_write(
     shared: &Shared,
     hdr: &DataHeader,
 ) -> std::io::Result<DataStatus> {
-    match shared.registry.find(hdr.addr, hdr.len).filter(|r| r.remote) {
+    match remote_region(shared, hdr.addr, hdr.len) {
         Some(region) => {
             // SAFETY: the range lies inside a region registered as remotely writable, and the
             // region's buffer (if owned) is held by `region` for the duration of the read.
@@ -667,27 +918,128 @@ async fn serve_write(
     }
 }
 
-async fn serve_read(
-    wr: &mut BufWriter<OwnedWriteHalf>,
-    shared: &Shared,
-    hdr: &DataHeader,
-) -> std::io::Result<()> {
-    match shared.registry.find(hdr.addr, hdr.len).filter(|r| r.remote) {
+async fn serve_read(out: &mut Replies, shared: &Shared, hdr: &DataHeader) -> std::io::Result<()> {
+    match remote_region(shared, hdr.addr, hdr.len) {
         Some(region) => {
-            wr.write_all(&DataReply { status: DataStatus::Ok, id: hdr.id, len: hdr.len }.encode())
-                .await?;
+            let head = DataReply { status: DataStatus::Ok, id: hdr.id, len: hdr.len }.encode();
+            out.buf.extend_from_slice(&head);
             // SAFETY: the range lies inside a region registered as remotely readable; held.
             let src =
                 unsafe { std::slice::from_raw_parts(hdr.addr as *const u8, hdr.len as usize) };
-            wr.write_all(src).await?;
+            out.send_with(&[src]).await?;
             drop(region);
         }
         None => {
             let reply = DataReply { status: DataStatus::OutOfRange, id: hdr.id, len: 0 };
-            wr.write_all(&reply.encode()).await?;
+            out.push(&reply.encode()).await?;
         }
     }
     Ok(())
+}
+
+/// Reads and checks a pack's range table; `Err` (closing the connection) when it is malformed.
+async fn read_table(
+    rd: &mut OwnedReadHalf,
+    shared: &Shared,
+    hdr: &DataHeader,
+) -> std::io::Result<Vec<(u64, u64)>> {
+    let malformed = |why: &str| std::io::Error::other(format!("malformed pack: {why}"));
+    if hdr.ranges == 0 || hdr.ranges > RANGES_PER_REQUEST_MAX {
+        return Err(malformed("range count out of bounds"));
+    }
+    let mut table = vec![0u8; hdr.ranges as usize * RANGE_ENTRY_BYTES];
+    rd.read_exact(&mut table).await?;
+    let ranges = decode_ranges(&table).map_err(std::io::Error::other)?;
+    let total = ranges.iter().try_fold(0u64, |acc, r| acc.checked_add(r.1));
+    if total != Some(hdr.len) {
+        return Err(malformed("lengths do not add up to the header's"));
+    }
+    if hdr.op == DataOp::WriteV
+        && hdr.len > shared.cfg.write_drain_bytes_max.max(shared.cfg.slice_bytes)
+    {
+        return Err(malformed("pack larger than a connection accepts"));
+    }
+    Ok(ranges)
+}
+
+fn range_status(shared: &Shared, addr: u64, len: u64) -> (DataStatus, Option<Region>) {
+    if len == 0 {
+        return (DataStatus::InvalidArgument, None);
+    }
+    match remote_region(shared, addr, len) {
+        Some(r) => (DataStatus::Ok, Some(r)),
+        None => (DataStatus::OutOfRange, None),
+    }
+}
+
+async fn serve_read_pack(
+    rd: &mut OwnedReadHalf,
+    out: &mut Replies,
+    shared: &Shared,
+    hdr: &DataHeader,
+) -> std::io::Result<()> {
+    let ranges = read_table(rd, shared, hdr).await?;
+    let checked: Vec<(DataStatus, Option<Region>)> =
+        ranges.iter().map(|&(a, l)| range_status(shared, a, l)).collect();
+    let ok_bytes: u64 =
+        ranges.iter().zip(&checked).filter(|(_, c)| c.0 == DataStatus::Ok).map(|(r, _)| r.1).sum();
+    out.buf.extend_from_slice(
+        &DataReply { status: DataStatus::Ok, id: hdr.id, len: ok_bytes }.encode(),
+    );
+    out.buf.extend(checked.iter().map(|c| c.0 as u16 as u8));
+    let payloads: Vec<&[u8]> = ranges
+        .iter()
+        .zip(&checked)
+        .filter(|(_, c)| c.0 == DataStatus::Ok)
+        // SAFETY: each range lies inside a region registered as remotely readable, held by
+        // `checked` until the write finishes.
+        .map(|(r, _)| unsafe { std::slice::from_raw_parts(r.0 as *const u8, r.1 as usize) })
+        .collect();
+    out.send_with(&payloads).await?;
+    drop(checked);
+    Ok(())
+}
+
+async fn serve_write_pack(
+    rd: &mut OwnedReadHalf,
+    out: &mut Replies,
+    shared: &Shared,
+    hdr: &DataHeader,
+) -> std::io::Result<()> {
+    let ranges = read_table(rd, shared, hdr).await?;
+    let checked: Vec<(DataStatus, Option<Region>)> =
+        ranges.iter().map(|&(a, l)| range_status(shared, a, l)).collect();
+    // Runs of accepted ranges are received with one vectored read; refused ones are drained.
+    let mut i = 0;
+    while i < ranges.len() {
+        if checked[i].0 != DataStatus::Ok {
+            drain(rd, ranges[i].1, u64::MAX).await?;
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < ranges.len() && checked[i].0 == DataStatus::Ok && i - start < IOV_MAX {
+            i += 1;
+        }
+        let mut dsts: Vec<IoSliceMut<'_>> = ranges[start..i]
+            .iter()
+            // SAFETY: each range lies inside a region registered as remotely writable, held by
+            // `checked` until the read finishes. Ranges of one pack may overlap only if the
+            // writer asked for it; the bytes then land in order, as sequential writes would.
+            .map(|r| {
+                IoSliceMut::new(unsafe {
+                    std::slice::from_raw_parts_mut(r.0 as *mut u8, r.1 as usize)
+                })
+            })
+            .collect();
+        read_exact_vectored(rd, &mut dsts).await?;
+    }
+    let mut reply = DataReply { status: DataStatus::Ok, id: hdr.id, len: ranges.len() as u64 }
+        .encode()
+        .to_vec();
+    reply.extend(checked.iter().map(|c| c.0 as u16 as u8));
+    drop(checked);
+    out.push(&reply).await
 }
 
 async fn serve_notify(
@@ -724,17 +1076,4 @@ async fn drain(rd: &mut OwnedReadHalf, len: u64, max: u64) -> std::io::Result<()
         left -= n;
     }
     Ok(())
-}
-
-/// Whether a non-blocking peek found nothing to read yet.
-trait PeekEmpty {
-    fn now_or_never_empty(self) -> bool;
-}
-
-impl<F: std::future::Future<Output = std::io::Result<usize>>> PeekEmpty for F {
-    fn now_or_never_empty(self) -> bool {
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        let mut fut = std::pin::pin!(self);
-        !matches!(fut.as_mut().poll(&mut cx), std::task::Poll::Ready(Ok(n)) if n > 0)
-    }
 }

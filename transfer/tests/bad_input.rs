@@ -5,7 +5,11 @@ use kvfs_transfer::{
 };
 
 async fn pair(transports: Transports) -> (Engine, Engine) {
-    let cfg = EngineConfig { transports, batch_items_max: 16, ..EngineConfig::default() };
+    pair_sized(transports, 16).await
+}
+
+async fn pair_sized(transports: Transports, batch_items_max: usize) -> (Engine, Engine) {
+    let cfg = EngineConfig { transports, batch_items_max, ..EngineConfig::default() };
     (Engine::start(cfg.clone()).await.unwrap(), Engine::start(cfg).await.unwrap())
 }
 
@@ -130,4 +134,67 @@ async fn local_segment_and_registration_rules() {
     assert_eq!(&got, b"abc");
     a.unregister(buf.addr()).unwrap();
     assert_eq!(a.transfer_one(&req).await.unwrap_err().kind(), ErrorKind::NotRegistered);
+}
+
+/// Small items of one batch travel together in one tcp request; each keeps its own status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn packed_small_items_keep_their_own_status() {
+    let (a, b) = pair_sized(Transports::tcp_only(), 1024).await;
+    let la = a.alloc_buffer(4 << 20, &BufferOptions::default()).unwrap();
+    let rb = b.alloc_buffer(4 << 20, &BufferOptions::default()).unwrap();
+    let pattern: Vec<u8> = (0..(4 << 20)).map(|i| (i % 251) as u8).collect();
+    rb.write_at(0, &pattern).unwrap();
+    let seg = a.open_segment(b.name()).await.unwrap();
+    let past = rb.addr() + rb.len() as u64;
+    // 200 reads of 1..=9000 bytes at distinct offsets, every 7th out of range; then writes back.
+    let mut reqs = Vec::new();
+    let mut expect = Vec::new();
+    for i in 0..200u64 {
+        let len = 1 + (i * 4447) % 9000;
+        let off = i * 16384;
+        let bad = i % 7 == 3;
+        reqs.push(TransferRequest {
+            op: TransferOp::Read,
+            segment: seg.clone(),
+            local_addr: la.addr() + off,
+            remote_addr: if bad { past + off } else { rb.addr() + off },
+            len,
+        });
+        expect.push((off as usize, len as usize, bad));
+    }
+    let results = a.transfer(reqs).await.unwrap();
+    for ((off, len, bad), r) in expect.iter().zip(&results) {
+        if *bad {
+            assert_eq!(r.as_ref().unwrap_err().kind(), ErrorKind::OutOfRange);
+        } else {
+            assert!(r.is_ok(), "{r:?}");
+            let mut got = vec![0u8; *len];
+            la.read_at(*off, &mut got).unwrap();
+            assert_eq!(got, pattern[*off..*off + *len]);
+        }
+    }
+    // Writes: a fresh pattern from a's buffer into b at shifted offsets.
+    let fresh: Vec<u8> = (0..(4 << 20)).map(|i| (i % 241) as u8 ^ 0x5a).collect();
+    la.write_at(0, &fresh).unwrap();
+    let writes: Vec<TransferRequest> = expect
+        .iter()
+        .map(|&(off, len, bad)| TransferRequest {
+            op: TransferOp::Write,
+            segment: seg.clone(),
+            local_addr: la.addr() + off as u64,
+            remote_addr: if bad { past + off as u64 } else { rb.addr() + off as u64 + 1 },
+            len: len as u64,
+        })
+        .collect();
+    let results = a.transfer(writes).await.unwrap();
+    for ((off, len, bad), r) in expect.iter().zip(&results) {
+        if *bad {
+            assert_eq!(r.as_ref().unwrap_err().kind(), ErrorKind::OutOfRange);
+        } else {
+            assert!(r.is_ok(), "{r:?}");
+            let mut got = vec![0u8; *len];
+            rb.read_at(*off + 1, &mut got).unwrap();
+            assert_eq!(got, fresh[*off..*off + *len]);
+        }
+    }
 }
