@@ -41,6 +41,8 @@ enum Cmd {
     Stat(cmd::objects::StatArgs),
     /// Remove objects.
     Rm(cmd::objects::RmArgs),
+    /// Serve the pool as files at a mount point (FUSE), with the ioctl fast path in /.kvfs/.
+    Mount(cmd::mount::MountCmd),
     /// Measure kvfs against the machine's own limits (memcpy, loopback TCP, raw disk).
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -124,6 +126,7 @@ fn run() -> anyhow::Result<()> {
             Cmd::Ls(a) => cmd::objects::ls(&master, a).await,
             Cmd::Stat(a) => cmd::objects::stat(&master, a).await,
             Cmd::Rm(a) => cmd::objects::rm(&master, a).await,
+            Cmd::Mount(a) => cmd::mount::mount(&master, a).await,
             Cmd::Bench(BenchCmd::Transfer(a)) => {
                 bench::transfer::run(bench::transfer::TransferBench {
                     sizes: a.sizes,

@@ -1,4 +1,5 @@
 //! Subcommands other than benchmarks: cluster daemons and object commands.
 
 pub mod cluster;
+pub mod mount;
 pub mod objects;
