@@ -64,5 +64,5 @@ mod write;
 
 pub use fastpath::FastPathConfig;
 pub use kvfs_fs_abi as abi;
-pub use mount::{Mount, MountConfig, lazy_unmount};
+pub use mount::{Mount, MountConfig, MountProbe, lazy_unmount};
 pub use passthrough::{DirSource, PassthroughSource};

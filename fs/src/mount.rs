@@ -41,6 +41,12 @@ pub struct MountConfig {
     pub staging_bytes_max: u64,
     /// Object bytes held for FUSE reads of open files (reads wait for room, then `ENOMEM`).
     pub fetch_bytes_max: u64,
+    /// Readahead of the mount's backing device (`/sys/class/bdi/0:N/read_ahead_kb`): the
+    /// kernel offers FUSE only 128 KiB, so sequential reads would arrive in 128 KiB requests;
+    /// the daemon raises it after mounting (best effort: needs root). 0 leaves it.
+    pub readahead_bytes: u64,
+    /// Idle fetch buffers kept registered for the next cold read.
+    pub fetch_cache_bytes_max: u64,
     /// No operation of the daemon runs longer (`ETIMEDOUT`).
     pub op_timeout_ms: u64,
     /// Longest key a create or mkdir may make (`ENAMETOOLONG`); the master's `key_len_max`.
@@ -65,6 +71,8 @@ impl Default for MountConfig {
             staging_file_bytes_max: 1 << 30,
             staging_bytes_max: 4 << 30,
             fetch_bytes_max: 4 << 30,
+            fetch_cache_bytes_max: 256 << 20,
+            readahead_bytes: 4 << 20,
             op_timeout_ms: 30_000,
             key_bytes_max: 4096,
             put: PutOptions::default(),
@@ -127,10 +135,14 @@ impl Mount {
         opts.acl = if cfg.allow_other { fuser::SessionACL::All } else { fuser::SessionACL::Owner };
         opts.n_threads = Some(cfg.threads);
         opts.clone_fd = true;
+        let readahead = cfg.readahead_bytes;
         let inner = Arc::new(Inner::new(cfg, client));
         let fs = KvFs { inner: inner.clone(), rt };
         let session = fuser::spawn_mount(fs, &mountpoint, &opts)?;
         let _ = inner.notifier.set(session.notifier());
+        if readahead > 0 {
+            raise_readahead(&mountpoint, readahead);
+        }
         tracing::info!(mountpoint = %mountpoint.display(), "mounted");
         Ok(Mount { session: Some(session), inner, mountpoint })
     }
@@ -142,6 +154,11 @@ impl Mount {
     /// This mount's figures (what `/.kvfs/status.json` shows under `counters`).
     pub fn counters(&self) -> serde_json::Value {
         self.inner.counters.to_json()
+    }
+
+    /// A cheap, clonable view of this mount's figures, usable from any thread.
+    pub fn probe(&self) -> MountProbe {
+        MountProbe { inner: self.inner.clone() }
     }
 
     /// Unmounts, lazily if the mount point is busy.
@@ -168,12 +185,40 @@ impl Drop for Mount {
     }
 }
 
+/// See [`Mount::probe`].
+#[derive(Clone)]
+pub struct MountProbe {
+    inner: Arc<Inner>,
+}
+
+impl MountProbe {
+    /// Files and directories open on the mount now (closes reach the daemon asynchronously).
+    pub fn open_handles(&self) -> usize {
+        crate::state::lock(&self.inner.handles).len()
+    }
+
+    /// The mount's counters (as in `/.kvfs/status.json`).
+    pub fn counters(&self) -> serde_json::Value {
+        self.inner.counters.to_json()
+    }
+}
+
 /// Detaches the mount at `path` (umount -l).
 pub fn lazy_unmount(path: &Path) {
     use std::os::unix::ffi::OsStrExt;
     let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else { return };
     // SAFETY: a valid NUL-terminated path; umount2 has no other preconditions.
     unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+}
+
+/// Sets the readahead of the mount's bdi so reads arrive in the largest requests (1 MiB).
+fn raise_readahead(mountpoint: &Path, bytes: u64) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(dev) = std::fs::metadata(mountpoint).map(|m| m.dev()) else { return };
+    let path = format!("/sys/class/bdi/{}:{}/read_ahead_kb", libc::major(dev), libc::minor(dev));
+    if let Err(e) = std::fs::write(&path, (bytes / 1024).to_string()) {
+        tracing::debug!(error = %e, path, "could not raise the mount's readahead");
+    }
 }
 
 /// A mount point whose daemon died answers ENOTCONN: detach it so it can be mounted again.

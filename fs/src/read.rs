@@ -6,7 +6,8 @@
 //! new version (an upsert) drops the cache instead. The bytes are fetched on the first read that
 //! reaches the daemon, whole, with one zero-copy get into a registered buffer (which takes a
 //! read lease), and shared by every handle of the inode until the last one closes; reads are
-//! slices of it. An object in a local file is opened in passthrough mode instead
+//! slices of it. Fetch buffers are pooled (registered and faulted in) for the next fetch.
+//! An object in a local file is opened in passthrough mode instead
 //! ([`crate::passthrough`]), and the daemon never sees its reads.
 //!
 //! Limits: fetched bytes held by open files are bounded by `fetch_bytes_max` (a read waits for
@@ -26,10 +27,10 @@ use crate::state::{Errno, FETCH_UNIT, Inner, bump, lock};
 
 /// An object's bytes, fetched for FUSE reads.
 pub struct Fetched {
-    buf: Arc<Buffer>,
+    buf: Option<Arc<Buffer>>,
     pub size: u64,
     pub version: u64,
-    engine: Engine,
+    pool: Arc<FetchPool>,
     _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
@@ -38,16 +39,64 @@ impl Fetched {
     pub fn slice(&self, offset: u64, len: u32) -> &[u8] {
         let start = offset.min(self.size) as usize;
         let end = offset.saturating_add(len as u64).min(self.size) as usize;
+        let Some(buf) = &self.buf else { return &[] };
         // SAFETY: the buffer is registered only with our own engine for the get that filled
-        // it, which completed; nothing writes it afterwards, and it lives as long as `self`.
-        let all = unsafe { self.buf.as_slice() };
+        // it, which completed; nothing writes it until it goes back to the pool (when `self`
+        // is dropped), and it lives as long as `self`.
+        let all = unsafe { buf.as_slice() };
         &all[start..end]
     }
 }
 
 impl Drop for Fetched {
     fn drop(&mut self) {
-        let _ = self.engine.unregister(self.buf.addr());
+        if let Some(b) = self.buf.take() {
+            self.pool.give(b);
+        }
+    }
+}
+
+/// Registered buffers for fetches, kept (faulted in and registered) for the next cold read:
+/// power-of-two size classes from 64 KiB, at most `cached_bytes_max` idle in total.
+pub struct FetchPool {
+    engine: Engine,
+    cached_bytes_max: u64,
+    free: std::sync::Mutex<FreeBuffers>,
+}
+
+/// Idle buffers by size class, and their total size.
+type FreeBuffers = (std::collections::BTreeMap<usize, Vec<Arc<Buffer>>>, u64);
+
+impl FetchPool {
+    pub fn new(engine: Engine, cached_bytes_max: u64) -> Arc<FetchPool> {
+        Arc::new(FetchPool { engine, cached_bytes_max, free: Default::default() })
+    }
+
+    fn take(&self, len: usize) -> Result<Arc<Buffer>, Errno> {
+        let class = len.max(1).next_power_of_two().max(64 << 10);
+        {
+            let mut free = lock(&self.free);
+            if let Some(b) = free.0.get_mut(&class).and_then(Vec::pop) {
+                free.1 -= class as u64;
+                return Ok(b);
+            }
+        }
+        let opts = BufferOptions { name: "kvfs-fuse-read".into(), ..BufferOptions::default() };
+        let buf = Arc::new(Buffer::new(class, &opts).map_err(|_| libc::ENOMEM)?);
+        self.engine.register_buffer(buf.clone(), false).map_err(|_| libc::ENOMEM)?;
+        Ok(buf)
+    }
+
+    fn give(&self, buf: Arc<Buffer>) {
+        let class = buf.len();
+        let mut free = lock(&self.free);
+        if free.1 + class as u64 <= self.cached_bytes_max {
+            free.1 += class as u64;
+            free.0.entry(class).or_default().push(buf);
+        } else {
+            drop(free);
+            let _ = self.engine.unregister(buf.addr());
+        }
     }
 }
 
@@ -172,16 +221,13 @@ impl Inner {
                 .await
                 .map_err(|_| libc::ENOMEM)?
                 .map_err(|_| libc::ENOMEM)?;
-        let opts = BufferOptions { name: "kvfs-fuse-read".into(), ..BufferOptions::default() };
-        let buf = Arc::new(Buffer::new(size as usize, &opts).map_err(|_| libc::ENOMEM)?);
-        let engine = self.client.engine().clone();
-        engine.register_buffer(buf.clone(), false).map_err(|_| libc::ENOMEM)?;
+        let buf = self.fetch_pool.take(size as usize)?;
         let got = self.client.get_into(&h.key, buf.addr(), buf.len() as u64).await;
         let f = Arc::new(Fetched {
             size: *got.as_ref().unwrap_or(&0),
-            buf,
+            buf: Some(buf),
             version: h.attr.version,
-            engine,
+            pool: self.fetch_pool.clone(),
             _permit: permit,
         });
         let size = got.map_err(|e| errno::of(&e))?;

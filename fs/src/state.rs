@@ -24,7 +24,7 @@ use crate::inode::{self, DirNode, Kind, ObjAttr, Table};
 use crate::mount::MountConfig;
 use crate::names::{self, Piece};
 use crate::passthrough::Backings;
-use crate::read::{Fetched, ReadHandle};
+use crate::read::{FetchPool, Fetched, ReadHandle};
 use crate::staging::Budget;
 use crate::write::Writer;
 use crate::{dir::DirStream, errno};
@@ -144,6 +144,7 @@ pub struct Inner {
     pub staging: Arc<Budget>,
     pub fetch_budget: Arc<tokio::sync::Semaphore>,
     pub fetched: Mutex<HashMap<u64, Weak<Fetched>>>,
+    pub fetch_pool: Arc<FetchPool>,
     pub backings: Mutex<Backings>,
     /// Open non-passthrough read handles per inode (passthrough must not start on them).
     pub cached_opens: Mutex<HashMap<u64, u32>>,
@@ -166,6 +167,7 @@ impl Inner {
             staging: Budget::new(cfg.staging_bytes_max),
             fetch_budget: Arc::new(tokio::sync::Semaphore::new(permits as usize)),
             fastpath: FastPath::new(cfg.fastpath.clone(), client.engine().clone()),
+            fetch_pool: FetchPool::new(client.engine().clone(), cfg.fetch_cache_bytes_max),
             cfg,
             client,
             table: Mutex::new(Table::new(STATUS_FILES.len())),
