@@ -56,6 +56,12 @@ enum BenchCmd {
     /// plain sockets, then GB/s and p50/p99 for one request at a time (qd1) and for batches,
     /// each as a ratio of its limit (tcp against raw TCP, shm against memcpy).
     Transfer(TransferArgs),
+    /// Reads through the mount: FUSE cold and warm, the ioctl fast path, and memcpy.
+    ///
+    /// Runs master, node and mount in this process (needs root and /dev/fuse), puts one object
+    /// per size, and prints GB/s and p50/p99 per mode, each as a ratio of single-thread memcpy
+    /// measured in the same run; the fast path also as a ratio of the FUSE cold read.
+    Fs(FsArgs),
     /// (internal) The peer process of `kvfs bench transfer`.
     #[command(hide = true)]
     TransferPeer {
@@ -85,6 +91,22 @@ struct TransferArgs {
     #[arg(long, default_value = "1M", value_parser = parse_bytes)]
     slice: u64,
     /// Bytes moved when measuring the limits (memcpy, raw TCP).
+    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
+    limit_bytes: u64,
+}
+
+#[derive(Args)]
+struct FsArgs {
+    /// Object sizes to measure (comma separated; K/M/G are binary units).
+    #[arg(long, value_delimiter = ',', default_value = "1M,16M,64M", value_parser = parse_bytes)]
+    sizes: Vec<u64>,
+    /// Minimum time per mode and size, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    min_ms: u64,
+    /// Print one JSON object per figure instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Bytes copied when measuring the memcpy limit.
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     limit_bytes: u64,
 }
@@ -135,6 +157,15 @@ fn run() -> anyhow::Result<()> {
                     json: a.json,
                     conns_per_peer: a.conns,
                     slice_bytes: a.slice,
+                    limit_bytes: a.limit_bytes as usize,
+                })
+                .await
+            }
+            Cmd::Bench(BenchCmd::Fs(a)) => {
+                bench::fs::run(bench::fs::FsBench {
+                    sizes: a.sizes,
+                    min_ms: a.min_ms,
+                    json: a.json,
                     limit_bytes: a.limit_bytes as usize,
                 })
                 .await
