@@ -19,7 +19,7 @@ use fuser::{
 use kvfs_fs_abi as abi;
 
 use crate::inode::{self, Kind};
-use crate::read::{OpenPlan, PASSTHROUGH_WORKS, ReadHandle};
+use crate::read::{OpenPlan, ReadHandle};
 use crate::state::{Found, Handle, Inner, STATUS_FILES, bump, lock};
 use crate::{errno, procfs};
 
@@ -101,7 +101,7 @@ impl Filesystem for KvFs {
                 tracing::warn!(
                     "the kernel offers no FUSE passthrough; objects in local files are read through the daemon"
                 );
-                PASSTHROUGH_WORKS.store(false, Ordering::Relaxed);
+                self.inner.passthrough_works.store(false, Ordering::Relaxed);
             }
         }
         Ok(())
@@ -703,7 +703,7 @@ fn finish_open(inner: &Arc<Inner>, ino: u64, plan: OpenPlan, reply: ReplyOpen) {
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "the kernel refused a passthrough backing file; reading through the daemon");
-                        PASSTHROUGH_WORKS.store(false, Ordering::Relaxed);
+                        inner.passthrough_works.store(false, Ordering::Relaxed);
                         None
                     }
                 },

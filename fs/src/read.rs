@@ -16,7 +16,7 @@
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use kvfs_transfer::{Buffer, BufferOptions, Engine};
@@ -127,9 +127,6 @@ pub enum OpenPlan {
     PassthroughNew { fd: OwnedFd, key: String, attr: ObjAttr },
 }
 
-/// Whether the kernel accepted backing files (cleared after the first refusal).
-pub static PASSTHROUGH_WORKS: AtomicBool = AtomicBool::new(true);
-
 impl Inner {
     pub async fn plan_open(&self, ino: u64, write: bool) -> Result<OpenPlan, Errno> {
         let kind = self.kind_of(ino)?;
@@ -170,7 +167,7 @@ impl Inner {
 
     async fn plan_passthrough(&self, ino: u64, key: &str, attr: ObjAttr) -> Option<OpenPlan> {
         let source = self.cfg.passthrough.clone()?;
-        if !PASSTHROUGH_WORKS.load(Ordering::Relaxed) {
+        if !self.passthrough_works.load(Ordering::Relaxed) {
             return None;
         }
         if let Some(id) = lock(&self.backings).reuse(ino) {

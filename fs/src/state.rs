@@ -151,6 +151,8 @@ pub struct Inner {
     pub fastpath: FastPath,
     pub counters: Counters,
     pub notifier: OnceLock<fuser::Notifier>,
+    /// Whether the kernel accepts passthrough backing files (cleared after a refusal).
+    pub passthrough_works: std::sync::atomic::AtomicBool,
     pub started: SystemTime,
     uid: u32,
     gid: u32,
@@ -180,6 +182,7 @@ impl Inner {
             cached_opens: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             notifier: OnceLock::new(),
+            passthrough_works: std::sync::atomic::AtomicBool::new(true),
             started: SystemTime::now(),
             // SAFETY: getuid/getgid cannot fail and have no preconditions.
             uid: unsafe { libc::getuid() },
