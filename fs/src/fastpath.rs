@@ -57,7 +57,8 @@ impl Default for FastPathConfig {
             buffers_per_process_max: 64,
             buffer_bytes_max: 1 << 40,
             key_bytes_max: 4096,
-            op_timeout_ms: 30_000,
+            // Below the mount's operation timeout, so items report -ETIMEDOUT themselves.
+            op_timeout_ms: 25_000,
             unmap_grace_ms: 15_000,
         }
     }

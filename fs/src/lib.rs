@@ -29,7 +29,7 @@
 //! | `EBUSY` | unlink of an object under a read lease (reading an object takes one, default 10 s); opening or unlinking a file another handle is still writing |
 //! | `EEXIST` | create with `O_EXCL` of an existing key; mkdir of an existing name; close of a new file when another writer's put of the same key completed first |
 //! | `EOPNOTSUPP` | rename (keys are identities; the store has no atomic move); xattrs outside `user.kvfs.` |
-//! | `EINVAL` | create/mkdir of a name that is not canonical (e.g. `%41`, a lone `%`) or of a `%+` name as a file; close of a new file with no bytes (the store holds no empty objects) |
+//! | `EINVAL` | create/mkdir of a name that is not canonical (e.g. `%41`, a lone `%`) or of a `%+` name as a file; close of a new file before any byte was written (the store holds no empty objects; the file stays open, as shells close duplicates before writing) |
 //! | `ENAMETOOLONG` | create/mkdir of a key longer than `key_bytes_max` (4096) |
 //! | `EISDIR` / `ENOTDIR` | a file operation on a directory, or the reverse |
 //! | `ENOTEMPTY` | rmdir of a directory keys are under |

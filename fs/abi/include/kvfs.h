@@ -39,6 +39,7 @@
  *   EFBIG    register: len exceeds buffer_bytes_max
  *   EMFILE   register: the process has buffers_max buffers registered
  *   E2BIG    submit: count exceeds batch_items_max
+ *   ESRCH    the calling process could not be identified (it is exiting)
  *   ETIMEDOUT the batch did not finish within the daemon's operation timeout
  *
  * Item status (negative errno):

@@ -212,10 +212,14 @@ fn read_whole(f: &mut std::fs::File, buf: &mut [u8]) -> anyhow::Result<()> {
 
 fn cold_reads(path: &Path, size: u64, min: Duration, probe: MountProbe) -> anyhow::Result<Samples> {
     let mut buf = vec![1u8; size as usize];
-    repeat(size, min, || {
+    // Handles open before the loop (the fast path's control file) stay open throughout.
+    let baseline = probe.open_handles();
+    let fetches = || probe.counters()["fetches"].as_u64().unwrap_or(0);
+    let before = fetches();
+    let s = repeat(size, min, || {
         // The daemon must have seen the last close, or it would still hold the bytes.
         let deadline = Instant::now() + Duration::from_secs(5);
-        while probe.open_handles() > 0 && Instant::now() < deadline {
+        while probe.open_handles() > baseline && Instant::now() < deadline {
             std::thread::sleep(Duration::from_micros(200));
         }
         let t = Instant::now();
@@ -225,7 +229,13 @@ fn cold_reads(path: &Path, size: u64, min: Duration, probe: MountProbe) -> anyho
         read_whole(&mut f, &mut buf)?;
         drop(f);
         Ok(t.elapsed())
-    })
+    })?;
+    // Every cold read must have fetched the object from the node again.
+    let fetched = fetches() - before;
+    if fetched < s.ops {
+        bail!("only {fetched} of {} cold reads fetched the object: not cold", s.ops);
+    }
+    Ok(s)
 }
 
 fn warm_reads(path: &Path, size: u64, min: Duration) -> anyhow::Result<Samples> {
