@@ -266,6 +266,15 @@ fn a_failed_commit_fails_close_and_leaves_nothing() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    // Nothing may hang the suite: the writer is killed after 60 s whatever happens.
+    let pid = child.id() as i32;
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if done_rx.recv_timeout(Duration::from_secs(60)).is_err() {
+            // SAFETY: kill(2) of the test's own child.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    });
     let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
     std::io::BufRead::read_line(&mut out, &mut line).unwrap();
@@ -276,6 +285,7 @@ fn a_failed_commit_fails_close_and_leaves_nothing() {
     line.clear();
     std::io::BufRead::read_line(&mut out, &mut line).unwrap();
     child.wait().unwrap();
+    let _ = done_tx.send(());
     assert_eq!(line.trim(), libc::EEXIST.to_string());
     assert_eq!(c.get("race").unwrap(), b"theirs");
 }
