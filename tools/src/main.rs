@@ -36,6 +36,8 @@ enum Cmd {
     Master(cmd::cluster::MasterArgs),
     /// Run a node: contribute DRAM to the pool and serve transfers.
     Node(cmd::cluster::NodeArgs),
+    /// Serve the pool as files at a mount point (FUSE), with the ioctl fast path in /.kvfs/.
+    Mount(cmd::mount::MountCmd),
     /// Store a file as an object.
     Put(cmd::objects::PutArgs),
     /// Read an object into a file.
@@ -66,6 +68,12 @@ enum BenchCmd {
     /// and remove rates; each figure as a ratio of raw loopback TCP (tcp mode) or memcpy (shm
     /// mode) measured right before it.
     Store(StoreArgs),
+    /// Reads through the mount: FUSE cold and warm, the ioctl fast path, and memcpy.
+    ///
+    /// Runs master, node and mount in this process (needs root and /dev/fuse), puts one object
+    /// per size, and prints GB/s and p50/p99 per mode, each as a ratio of single-thread memcpy
+    /// measured in the same run; the fast path also as a ratio of the FUSE cold read.
+    Fs(FsArgs),
     /// (internal) The peer process of `kvfs bench store`.
     #[command(hide = true)]
     StorePeer {
@@ -101,6 +109,22 @@ struct TransferArgs {
     #[arg(long, default_value = "1M", value_parser = parse_bytes)]
     slice: u64,
     /// Bytes moved when measuring the limits (memcpy, raw TCP).
+    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
+    limit_bytes: u64,
+}
+
+#[derive(Args)]
+struct FsArgs {
+    /// Object sizes to measure (comma separated; K/M/G are binary units).
+    #[arg(long, value_delimiter = ',', default_value = "1M,16M,64M", value_parser = parse_bytes)]
+    sizes: Vec<u64>,
+    /// Minimum time per mode and size, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    min_ms: u64,
+    /// Print one JSON object per figure instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Bytes copied when measuring the memcpy limit.
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     limit_bytes: u64,
 }
@@ -158,6 +182,7 @@ fn run() -> anyhow::Result<()> {
         match cli.cmd {
             Cmd::Up(a) => cmd::cluster::up(a).await,
             Cmd::Master(a) => cmd::cluster::master(a).await,
+            Cmd::Mount(a) => cmd::mount::mount(&master, a).await,
             Cmd::Node(a) => cmd::cluster::node(&master, a).await,
             Cmd::Put(a) => cmd::objects::put(&master, a).await,
             Cmd::Get(a) => cmd::objects::get(&master, a).await,
@@ -188,6 +213,15 @@ fn run() -> anyhow::Result<()> {
                 .await
             }
             Cmd::Bench(BenchCmd::StorePeer { dram }) => bench::store::serve_peer(dram).await,
+            Cmd::Bench(BenchCmd::Fs(a)) => {
+                bench::fs::run(bench::fs::FsBench {
+                    sizes: a.sizes,
+                    min_ms: a.min_ms,
+                    json: a.json,
+                    limit_bytes: a.limit_bytes as usize,
+                })
+                .await
+            }
             Cmd::Bench(BenchCmd::TransferPeer { buffer_bytes }) => {
                 bench::transfer::serve_peer(buffer_bytes).await
             }

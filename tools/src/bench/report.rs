@@ -144,7 +144,7 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 }
 
 /// Latency samples of one case, and the throughput they imply.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Samples {
     pub lat_us: Vec<f64>,
     pub bytes: u64,

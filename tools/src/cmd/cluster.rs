@@ -226,7 +226,7 @@ impl NodeArgs {
     }
 }
 
-async fn wait_for_signal() {
+pub(crate) async fn wait_for_signal() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
@@ -277,6 +277,9 @@ pub struct UpArgs {
     pub master: MasterArgs,
     #[command(flatten)]
     pub node: NodeArgs,
+    /// Also mount the pool here (master, node and mount in this one process).
+    #[arg(long)]
+    pub mount: Option<PathBuf>,
 }
 
 pub async fn up(args: UpArgs) -> anyhow::Result<()> {
@@ -299,10 +302,28 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         println!("  metrics http://{a}/metrics   health http://{a}/health");
     }
     println!("  data {}", args.data.display());
+    // TODO(lead): with the node in this process, give the mount the node's local object files
+    // for passthrough (see the TODO in kvfs_fs::Mount::start).
+    let mounted = match &args.mount {
+        Some(dir) => {
+            let m = super::mount::start(
+                &master,
+                dir.clone(),
+                &super::mount::MountArgs::default_for_up(),
+            )
+            .await?;
+            println!("  mounted at {}", dir.display());
+            Some(m)
+        }
+        None => None,
+    };
     println!(
         "try: kvfs put --master {master} hello ./README.md && kvfs get --master {master} hello -"
     );
     wait_for_signal().await;
+    if let Some(m) = mounted {
+        super::mount::stop(m).await;
+    }
     node.shutdown().await;
     drop(svc);
     Ok(())

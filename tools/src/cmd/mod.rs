@@ -2,4 +2,5 @@
 
 pub mod cluster;
 pub mod mooncake_flags;
+pub mod mount;
 pub mod objects;

@@ -1,0 +1,249 @@
+//! The inode table: which kernel inode number stands for which directory, object or control
+//! file, and how many kernel lookups keep each alive.
+//!
+//! Mechanism. An inode number is derived from what the node *is* (blake3 of its identity: the
+//! directory's key prefix, or the object's key), so the same key has the same number across
+//! lookups, readdir and remounts, and `du`/`find` see consistent identities. Collisions (2^-62
+//! per pair) are resolved by probing to the next free number. The kernel's lookup count is kept
+//! exactly: every `entry`/`created` reply adds one, `forget` subtracts, and a node with no
+//! lookups and no open handles is dropped, so the table is bounded by what the kernel caches.
+//!
+//! Not here: attributes that need the master (sizes, versions) are cached on the node only as
+//! the last value seen; the daemon refreshes them on getattr/open.
+
+use std::collections::HashMap;
+
+pub const ROOT: u64 = 1;
+pub const CONTROL_DIR: u64 = 2;
+pub const CONTROL: u64 = 3;
+/// Status files take `STATUS_FIRST + index`.
+pub const STATUS_FIRST: u64 = 4;
+/// Numbers below this are the fixed nodes above.
+const DERIVED_MIN: u64 = 16;
+
+/// A directory node: a real directory (`prefix` is "" or ends with `/`), or one piece of a long
+/// component cut into a chain of directories (`prefix` then also holds the raw text of the
+/// pieces so far, and `chain` their names).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DirNode {
+    pub prefix: String,
+    pub chain: Vec<String>,
+}
+
+impl DirNode {
+    pub fn root() -> DirNode {
+        DirNode { prefix: String::new(), chain: Vec::new() }
+    }
+
+    /// The directory of the keys starting with `prefix` ("" or ending with `/`).
+    pub fn dir(prefix: String) -> DirNode {
+        debug_assert!(prefix.is_empty() || prefix.ends_with('/'));
+        DirNode { prefix, chain: Vec::new() }
+    }
+
+    /// Raw text of the cut component so far ("" for a real directory).
+    pub fn partial(&self) -> &str {
+        if self.chain.is_empty() {
+            return "";
+        }
+        match self.prefix.rfind('/') {
+            Some(i) => &self.prefix[i + 1..],
+            None => &self.prefix,
+        }
+    }
+
+    /// The real directory the entries come from ("" or ending with `/`).
+    pub fn base(&self) -> &str {
+        &self.prefix[..self.prefix.len() - self.partial().len()]
+    }
+
+    /// Whether the component being named is the key's first.
+    pub fn first(&self) -> bool {
+        self.base().is_empty()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Kind {
+    Dir(DirNode),
+    /// An object, committed or being written by this mount.
+    Object {
+        key: String,
+    },
+    ControlDir,
+    Control,
+    Status(usize),
+}
+
+impl Kind {
+    fn identity(&self) -> Option<Vec<u8>> {
+        match self {
+            Kind::Dir(d) => Some([b"d\0", d.prefix.as_bytes()].concat()),
+            Kind::Object { key } => Some([b"o\0", key.as_bytes()].concat()),
+            _ => None,
+        }
+    }
+}
+
+/// What the daemon last saw of an object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ObjAttr {
+    pub size: u64,
+    pub version: u64,
+}
+
+#[derive(Debug)]
+pub struct Node {
+    pub kind: Kind,
+    pub lookups: u64,
+    pub opens: u32,
+    pub attr: Option<ObjAttr>,
+}
+
+#[derive(Debug, Default)]
+pub struct Table {
+    nodes: HashMap<u64, Node>,
+}
+
+impl Table {
+    pub fn new(status_files: usize) -> Table {
+        let mut t = Table::default();
+        let fixed = [
+            (ROOT, Kind::Dir(DirNode::root())),
+            (CONTROL_DIR, Kind::ControlDir),
+            (CONTROL, Kind::Control),
+        ];
+        for (ino, kind) in fixed
+            .into_iter()
+            .chain((0..status_files).map(|i| (STATUS_FIRST + i as u64, Kind::Status(i))))
+        {
+            t.nodes.insert(ino, Node { kind, lookups: 1, opens: 0, attr: None });
+        }
+        t
+    }
+
+    pub fn get(&self, ino: u64) -> Option<&Node> {
+        self.nodes.get(&ino)
+    }
+
+    pub fn get_mut(&mut self, ino: u64) -> Option<&mut Node> {
+        self.nodes.get_mut(&ino)
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// The number `kind` has (or would get), without remembering it.
+    pub fn ino_of(&self, kind: &Kind) -> u64 {
+        let Some(id) = kind.identity() else {
+            return self.nodes.iter().find(|(_, n)| n.kind == *kind).map(|(i, _)| *i).unwrap_or(0);
+        };
+        let h = blake3::hash(&id);
+        let mut ino = u64::from_le_bytes(h.as_bytes()[..8].try_into().unwrap_or([0; 8]));
+        ino = ino % (1 << 62) + DERIVED_MIN;
+        loop {
+            match self.nodes.get(&ino) {
+                Some(n) if n.kind != *kind => ino = ino.wrapping_add(1).max(DERIVED_MIN),
+                _ => return ino,
+            }
+        }
+    }
+
+    /// Records one kernel lookup of `kind` (an `entry` reply); returns its number.
+    pub fn remember(&mut self, kind: Kind, attr: Option<ObjAttr>) -> u64 {
+        let ino = self.ino_of(&kind);
+        let node = self.nodes.entry(ino).or_insert(Node { kind, lookups: 0, opens: 0, attr: None });
+        node.lookups += 1;
+        if attr.is_some() {
+            node.attr = attr;
+        }
+        ino
+    }
+
+    /// The kernel dropped `n` lookups; the node goes when nothing holds it.
+    pub fn forget(&mut self, ino: u64, n: u64) {
+        if ino < DERIVED_MIN {
+            return;
+        }
+        if let Some(node) = self.nodes.get_mut(&ino) {
+            node.lookups = node.lookups.saturating_sub(n);
+            if node.lookups == 0 && node.opens == 0 {
+                self.nodes.remove(&ino);
+            }
+        }
+    }
+
+    /// An open handle holds the node.
+    pub fn open(&mut self, ino: u64) {
+        if let Some(n) = self.nodes.get_mut(&ino) {
+            n.opens += 1;
+        }
+    }
+
+    pub fn close(&mut self, ino: u64) {
+        if let Some(n) = self.nodes.get_mut(&ino) {
+            n.opens = n.opens.saturating_sub(1);
+            if ino >= DERIVED_MIN && n.lookups == 0 && n.opens == 0 {
+                self.nodes.remove(&ino);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_are_stable_and_lookups_counted() {
+        let mut t = Table::new(2);
+        let obj = Kind::Object { key: "a/b".into() };
+        let ino = t.ino_of(&obj);
+        assert!(ino >= DERIVED_MIN);
+        assert_eq!(t.remember(obj.clone(), Some(ObjAttr { size: 3, version: 1 })), ino);
+        assert_eq!(t.remember(obj.clone(), None), ino);
+        assert_eq!(t.get(ino).unwrap().attr.unwrap().size, 3);
+        let dir = Kind::Dir(DirNode::dir("a/".into()));
+        assert_ne!(t.ino_of(&dir), ino, "a directory and an object never share a number");
+        t.open(ino);
+        t.forget(ino, 2);
+        assert!(t.get(ino).is_some(), "an open handle keeps the node");
+        t.close(ino);
+        assert!(t.get(ino).is_none());
+        t.forget(ROOT, 100);
+        assert!(t.get(ROOT).is_some());
+        assert_eq!(t.ino_of(&Kind::Status(1)), STATUS_FIRST + 1);
+    }
+
+    #[test]
+    fn collisions_probe_to_a_free_number() {
+        let mut t = Table::new(0);
+        let a = Kind::Object { key: "x".into() };
+        let ino = t.ino_of(&a);
+        // Squat a's number with another node: a must move on, deterministically.
+        t.nodes.insert(
+            ino,
+            Node { kind: Kind::Object { key: "y".into() }, lookups: 1, opens: 0, attr: None },
+        );
+        let moved = t.remember(a.clone(), None);
+        assert_ne!(moved, ino);
+        assert_eq!(t.ino_of(&a), moved);
+    }
+
+    #[test]
+    fn chunk_directories_know_their_base() {
+        let d = DirNode { prefix: "m/xxxx".into(), chain: vec!["xxxx%+".into()] };
+        assert_eq!(d.partial(), "xxxx");
+        assert_eq!(d.base(), "m/");
+        assert!(!d.first());
+        let r = DirNode { prefix: "yy".into(), chain: vec!["yy%+".into()] };
+        assert_eq!(r.base(), "");
+        assert!(r.first());
+        assert!(DirNode::root().first());
+    }
+}

@@ -1,0 +1,310 @@
+//! `kvfs bench fs`: reading objects through the mount against the machine's memcpy, all in the
+//! same run: FUSE cold (neither the page cache nor the daemon holds the object), FUSE warm
+//! (page cache), the ioctl fast path (one batch of one get into a registered buffer), and a
+//! plain memcpy of the same size.
+//!
+//! The bench runs a one-machine cluster in this process (master, node, mount at a temporary
+//! directory, as `kvfs up --mount` does), puts one object per size, and measures each mode for
+//! at least `min_ms`. A cold read opens the file, drops its page cache
+//! (`posix_fadvise(DONTNEED)`), reads it whole and closes it; between cold reads the bench waits
+//! for the daemon to see the close, so every cold read fetches the object from the node again.
+//! Throughput is bytes over the time spent inside the measured operations. Figures are held
+//! against single-thread memcpy of `limit_bytes` (1 GiB), and the fast path also against FUSE
+//! cold (limit `fuse-cold`). Needs root and /dev/fuse.
+
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use kvfs_client::{Client, ClientConfig, Node, NodeConfig, PutOptions};
+use kvfs_fs::abi::{self, sys};
+use kvfs_fs::{Mount, MountConfig, MountProbe};
+use kvfs_master::service::{MasterService, ServiceConfig};
+
+use super::limits::memcpy_gbps;
+use super::report::{Figure, Reporter, Samples};
+
+/// Options of `kvfs bench fs`.
+#[derive(Debug, Clone)]
+pub struct FsBench {
+    pub sizes: Vec<u64>,
+    pub min_ms: u64,
+    pub json: bool,
+    pub limit_bytes: usize,
+}
+
+const KEY_OFF: usize = 4096;
+const DATA_OFF: usize = 1 << 20;
+
+pub async fn run(opts: FsBench) -> anyhow::Result<()> {
+    if opts.sizes.is_empty() || opts.sizes.contains(&0) {
+        bail!("sizes must be positive");
+    }
+    let largest = *opts.sizes.iter().max().unwrap_or(&1);
+    let total: u64 = opts.sizes.iter().sum();
+    let mut cfg = ServiceConfig {
+        listen: "127.0.0.1:0".parse()?,
+        admin_listen: None,
+        ..ServiceConfig::default()
+    };
+    cfg.directory.object_size_max = largest.max(cfg.directory.object_size_max);
+    let master = MasterService::start(cfg).await.context("starting the master")?;
+    let addr = master.rpc_addr().to_string();
+    let node = Node::start(NodeConfig {
+        master: addr.clone(),
+        dram_bytes: total + (64 << 20),
+        ..NodeConfig::default()
+    })
+    .await
+    .context("starting the node")?;
+    node.wait_registered(Duration::from_secs(10)).await?;
+    let client =
+        Client::connect(ClientConfig { master: addr.clone(), ..ClientConfig::default() }).await?;
+    for &size in &opts.sizes {
+        let data = vec![0xa5u8; size as usize];
+        client.put(&key_of(size), &data, &PutOptions::default()).await?;
+    }
+    let dir = std::env::temp_dir().join(format!("kvfs-bench-fs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let mount_client =
+        Client::connect(ClientConfig { master: addr, ..ClientConfig::default() }).await?;
+    let (mcfg, rt) = (
+        MountConfig { mountpoint: dir.clone(), ..MountConfig::default() },
+        tokio::runtime::Handle::current(),
+    );
+    let mount = tokio::task::spawn_blocking(move || Mount::start(mcfg, mount_client, rt))
+        .await?
+        .context("mounting (the fs bench needs root and /dev/fuse)")?;
+    let result = measure(&opts, &mount, &dir, largest).await;
+    // Let the daemon see the last closes before unmounting.
+    let probe = mount.probe();
+    for _ in 0..200 {
+        if probe.open_handles() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _ = tokio::task::spawn_blocking(move || mount.unmount()).await;
+    let _ = std::fs::remove_dir(&dir);
+    node.shutdown().await;
+    drop(master);
+    result
+}
+
+fn key_of(size: u64) -> String {
+    format!("bench/obj-{size}")
+}
+
+async fn measure(opts: &FsBench, mount: &Mount, dir: &Path, largest: u64) -> anyhow::Result<()> {
+    let mut rep = Reporter::new(opts.json);
+    let limit_bytes = opts.limit_bytes;
+    let memcpy = tokio::task::spawn_blocking(move || memcpy_gbps(limit_bytes)).await?;
+    rep.emit(&Figure {
+        bench: "fs",
+        case: "limit 1 thread".into(),
+        mode: Some("memcpy".into()),
+        op: "memcpy".into(),
+        size_bytes: Some(limit_bytes as u64),
+        gbps: Some(memcpy),
+        limit: Some("memcpy".into()),
+        ..Default::default()
+    });
+    let fast = FastPath::open(dir, largest as usize)?;
+    let min = Duration::from_millis(opts.min_ms);
+    for &size in &opts.sizes {
+        let path = dir.join(kvfs_fs::names::key_to_path(&key_of(size)));
+        let cold = blocking({
+            let path = path.clone();
+            let probe = mount.probe();
+            move || cold_reads(&path, size, min, probe)
+        })
+        .await?;
+        let warm = blocking({
+            let path = path.clone();
+            move || warm_reads(&path, size, min)
+        })
+        .await?;
+        let fp = blocking({
+            let fast = fast.clone();
+            move || fast.gets(&key_of(size), size, min)
+        })
+        .await?;
+        let mc = blocking(move || memcpy_samples(size, min)).await?;
+        let mut emit = |mode: &str, mut s: Samples, limit: &str, limit_gbps: f64| {
+            rep.emit(&Figure {
+                bench: "fs",
+                case: mode.into(),
+                mode: Some(mode.into()),
+                op: "read".into(),
+                size_bytes: Some(size),
+                gbps: Some(s.gbps()),
+                ops_per_s: Some(s.ops_per_s()),
+                p50_us: s.percentile(0.5),
+                p99_us: s.percentile(0.99),
+                limit: Some(limit.into()),
+                limit_gbps: Some(limit_gbps),
+                ..Default::default()
+            })
+        };
+        let cold_gbps = cold.gbps();
+        emit("fuse-cold", cold, "memcpy", memcpy);
+        emit("fuse-warm", warm, "memcpy", memcpy);
+        emit("fastpath", fp.clone(), "memcpy", memcpy);
+        emit("memcpy", mc, "memcpy", memcpy);
+        let mut vs = fp;
+        rep.emit(&Figure {
+            bench: "fs",
+            case: "fastpath vs cold".into(),
+            mode: Some("fastpath".into()),
+            op: "read".into(),
+            size_bytes: Some(size),
+            gbps: Some(vs.gbps()),
+            ops_per_s: Some(vs.ops_per_s()),
+            p50_us: vs.percentile(0.5),
+            p99_us: vs.percentile(0.99),
+            limit: Some("fuse-cold".into()),
+            limit_gbps: Some(cold_gbps),
+            ..Default::default()
+        });
+    }
+    Ok(())
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> anyhow::Result<T> + Send + 'static,
+) -> anyhow::Result<T> {
+    tokio::task::spawn_blocking(f).await?
+}
+
+/// Runs `op` until `min` has passed (at least 5 times); time inside `op` only.
+fn repeat(
+    size: u64,
+    min: Duration,
+    mut op: impl FnMut() -> anyhow::Result<Duration>,
+) -> anyhow::Result<Samples> {
+    let mut s = Samples::default();
+    let start = Instant::now();
+    let mut inside = Duration::ZERO;
+    while s.ops < 5 || start.elapsed() < min {
+        let t = op()?;
+        inside += t;
+        s.lat_us.push(t.as_secs_f64() * 1e6);
+        s.ops += 1;
+        s.bytes += size;
+    }
+    s.elapsed_s = inside.as_secs_f64();
+    Ok(s)
+}
+
+fn read_whole(f: &mut std::fs::File, buf: &mut [u8]) -> anyhow::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let n = f.read(&mut buf[got..])?;
+        if n == 0 {
+            bail!("short read: {got} of {} bytes", buf.len());
+        }
+        got += n;
+    }
+    Ok(())
+}
+
+fn cold_reads(path: &Path, size: u64, min: Duration, probe: MountProbe) -> anyhow::Result<Samples> {
+    let mut buf = vec![1u8; size as usize];
+    // Handles open before the loop (the fast path's control file) stay open throughout.
+    let baseline = probe.open_handles();
+    let fetches = || probe.counters()["fetches"].as_u64().unwrap_or(0);
+    let before = fetches();
+    let s = repeat(size, min, || {
+        // The daemon must have seen the last close, or it would still hold the bytes.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while probe.open_handles() > baseline && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let t = Instant::now();
+        let mut f = std::fs::File::open(path)?;
+        // SAFETY: fadvise on our own open descriptor.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        read_whole(&mut f, &mut buf)?;
+        drop(f);
+        Ok(t.elapsed())
+    })?;
+    // Every cold read must have fetched the object from the node again.
+    let fetched = fetches() - before;
+    if fetched < s.ops {
+        bail!("only {fetched} of {} cold reads fetched the object: not cold", s.ops);
+    }
+    Ok(s)
+}
+
+fn warm_reads(path: &Path, size: u64, min: Duration) -> anyhow::Result<Samples> {
+    let mut buf = vec![1u8; size as usize];
+    read_whole(&mut std::fs::File::open(path)?, &mut buf)?;
+    repeat(size, min, || {
+        let t = Instant::now();
+        read_whole(&mut std::fs::File::open(path)?, &mut buf)?;
+        Ok(t.elapsed())
+    })
+}
+
+fn memcpy_samples(size: u64, min: Duration) -> anyhow::Result<Samples> {
+    let src = vec![0x5au8; size as usize];
+    let mut dst = vec![1u8; size as usize];
+    repeat(size, min, || {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&dst);
+        Ok(t.elapsed())
+    })
+}
+
+/// A registered buffer on the mount's control file.
+#[derive(Clone)]
+struct FastPath {
+    ctl: std::sync::Arc<sys::Control>,
+    buf: std::sync::Arc<sys::SealedMemfd>,
+    id: u64,
+}
+
+impl FastPath {
+    fn open(dir: &Path, largest: usize) -> anyhow::Result<FastPath> {
+        let ctl = sys::Control::open(&PathBuf::from(dir)).context("opening /.kvfs/control")?;
+        let buf = sys::SealedMemfd::new("kvfs-bench-fs", DATA_OFF + largest)?;
+        let id = ctl.register(buf.fd(), buf.len() as u64).context("registering the buffer")?;
+        Ok(FastPath { ctl: ctl.into(), buf: buf.into(), id })
+    }
+
+    fn gets(&self, key: &str, size: u64, min: Duration) -> anyhow::Result<Samples> {
+        self.buf.write_at(KEY_OFF, key.as_bytes());
+        let item = abi::Item {
+            key_offset: KEY_OFF as u64,
+            key_len: key.len() as u32,
+            data_offset: DATA_OFF as u64,
+            data_len: size,
+            ..Default::default()
+        };
+        let once = || -> anyhow::Result<Duration> {
+            self.buf.write_at(0, &item.to_bytes());
+            let mut s = abi::Submit {
+                abi_version: abi::ABI_VERSION,
+                op: abi::OP_GET,
+                buffer_id: self.id,
+                count: 1,
+                ..Default::default()
+            };
+            let t = Instant::now();
+            self.ctl.submit(&mut s)?;
+            let took = t.elapsed();
+            let mut back = [0u8; abi::Item::SIZE];
+            self.buf.read_at(0, &mut back);
+            let got = abi::Item::from_bytes(&back).context("item")?;
+            if s.ok != 1 || got.status != 0 || got.size != size {
+                bail!("fast path get of {key}: status {} size {}", got.status, got.size);
+            }
+            Ok(took)
+        };
+        once()?; // warm-up: the node's segment gets mapped in the daemon
+        repeat(size, min, once)
+    }
+}
