@@ -28,9 +28,9 @@ enum Cmd {
     /// Run a whole cluster on this machine: master and one node (prints the master address).
     Up(cmd::cluster::UpArgs),
     /// Run the master: object directory, placement, leases, eviction (never on the data path).
-    Master(cmd::cluster::MasterArgs),
-    /// Run a node: contribute DRAM to the pool and serve transfers.
-    Node(cmd::cluster::NodeArgs),
+    Master(cmd::cluster::MasterCmdArgs),
+    /// Run a node: contribute DRAM (and an NVMe tier) to the pool and serve transfers.
+    Node(cmd::cluster::NodeCmdArgs),
     /// Store a file as an object.
     Put(cmd::objects::PutArgs),
     /// Read an object into a file.

@@ -43,6 +43,9 @@ mod nodes;
 mod placement;
 #[cfg(test)]
 mod tests;
+mod tiers;
+
+pub use tiers::{LoadPlan, PendingView, PersistedObject, ReportOutcome};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroU32;
@@ -182,6 +185,8 @@ pub struct Directory {
     order: BTreeSet<Arc<str>>,
     pending: hashbrown::HashMap<Arc<str>, Pending, FixedState>,
     retired: Vec<Retired>,
+    /// DRAM ranges being filled by loads (see `tiers`), keyed by object key.
+    loading: hashbrown::HashMap<Arc<str>, tiers::Loading, FixedState>,
     nodes: BTreeMap<NodeId, Node>,
     /// Indexed by segment id; slot 0 is never used so that ids are `NonZeroU32`.
     segments: Vec<Option<Segment>>,
@@ -211,6 +216,7 @@ impl Directory {
             order: BTreeSet::new(),
             pending: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
             retired: Vec::new(),
+            loading: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
             nodes: BTreeMap::new(),
             segments: vec![None],
             free_seg_ids: Vec::new(),
