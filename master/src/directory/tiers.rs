@@ -393,3 +393,240 @@ impl Directory {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Config;
+
+    const MIB: u64 = 1 << 20;
+
+    /// Nodes 1 and 2, each with DRAM (segment 0, `dram` bytes) and NVMe (segment 1).
+    fn cluster(dram: u64) -> Directory {
+        let mut d = Directory::new(Config { seed: 3, ..Config::default() }).unwrap();
+        for n in 1..=2u64 {
+            let r = NodeRegistration {
+                node: NodeId(n),
+                host: format!("host{n}"),
+                endpoint: format!("10.0.0.{n}:7000"),
+                segments: vec![
+                    SegmentSpec { index: 0, tier: Tier::Dram, base_addr: 1 << 30, capacity: dram },
+                    SegmentSpec { index: 1, tier: Tier::Nvme, base_addr: 0, capacity: 64 * MIB },
+                ],
+                held: Vec::new(),
+            };
+            d.register_node(&r, 0, &mut Vec::new()).unwrap();
+        }
+        d
+    }
+
+    fn put(d: &mut Directory, key: &str, persistence: Persistence, now: u64) -> NodeLocation {
+        let mut fx = Vec::new();
+        let mut req = PutStart::new(key, MIB);
+        req.persistence = persistence;
+        let g = d.put_start(&req, now, &mut fx).unwrap();
+        d.put_end(&PutEnd::new(key, None), now, &mut fx).unwrap();
+        match g.replicas[0].location {
+            Location::Node(n) => n,
+            Location::ObjectStore => unreachable!(),
+        }
+    }
+
+    fn nvme_at(node: NodeId, offset: u64) -> Location {
+        Location::Node(NodeLocation { node, segment: 1, tier: Tier::Nvme, addr: 0, offset })
+    }
+
+    fn tiers_of(d: &Directory, key: &str) -> Vec<Tier> {
+        let mut t: Vec<Tier> = d.stat(key).unwrap().replicas.iter().map(|r| r.tier()).collect();
+        t.sort();
+        t
+    }
+
+    /// Demote (report add NVMe + remove DRAM), then a load brings a DRAM copy back on the
+    /// node that holds the NVMe copy; invariants hold at every step.
+    #[test]
+    fn demotion_then_load_round_trip() {
+        let mut d = cluster(8 * MIB);
+        let dram = put(&mut d, "k", Persistence::None, 0);
+        let o = d
+            .report_replica(
+                "k",
+                d.stat("k").unwrap().version,
+                Some([9; 32]),
+                Some(&nvme_at(dram.node, 0)),
+                Some(&Location::Node(dram)),
+                1,
+            )
+            .unwrap();
+        assert_eq!(o, ReportOutcome { added: true, removed: true, retry_after_ms: 0 });
+        assert_eq!(tiers_of(&d, "k"), [Tier::Nvme]);
+        assert_eq!(d.stat("k").unwrap().checksum, Some([9; 32]), "the node's checksum is kept");
+        d.verify().unwrap();
+        let mut fx = Vec::new();
+        let plan = d.begin_load("k", 2, &mut fx).unwrap().expect("a load is needed");
+        assert_eq!(plan.node, dram.node, "loaded where the NVMe copy is");
+        assert_eq!(plan.source, nvme_at(dram.node, 0));
+        assert_eq!(kind(d.begin_load("k", 2, &mut fx)), ErrorKind::PutInProgress);
+        d.verify().unwrap();
+        assert!(d.end_load(&plan, Some([9; 32]), 3, &mut fx));
+        assert_eq!(tiers_of(&d, "k"), [Tier::Dram, Tier::Nvme]);
+        assert!(d.stat("k").unwrap().lease_end_ms > 3, "the loaded copy is leased");
+        assert!(d.begin_load("k", 4, &mut fx).unwrap().is_none(), "a memory replica exists");
+        d.verify().unwrap();
+    }
+
+    fn kind<T: std::fmt::Debug>(r: Result<T>) -> ErrorKind {
+        r.expect_err("expected an error").kind()
+    }
+
+    #[test]
+    fn a_failed_or_stale_load_frees_its_range() {
+        let mut d = cluster(8 * MIB);
+        let dram = put(&mut d, "k", Persistence::Eager, 0);
+        let v = d.stat("k").unwrap().version;
+        d.report_replica("k", v, None, None, Some(&Location::Node(dram)), 1).unwrap();
+        assert_eq!(tiers_of(&d, "k"), [Tier::ObjectStore]);
+        let used = d.stats().tiers[Tier::Dram.index()].used_bytes;
+        let mut fx = Vec::new();
+        let plan = d.begin_load("k", 2, &mut fx).unwrap().unwrap();
+        assert_eq!(plan.source, Location::ObjectStore);
+        assert!(!d.end_load(&plan, None, 3, &mut fx));
+        assert_eq!(d.stats().tiers[Tier::Dram.index()].used_bytes, used);
+        // A load that finishes after the object was replaced is undone on the node too.
+        let plan = d.begin_load("k", 4, &mut fx).unwrap().unwrap();
+        d.remove("k", true, 5, &mut fx).unwrap();
+        fx.clear();
+        assert!(!d.end_load(&plan, Some([1; 32]), 6, &mut fx));
+        assert!(matches!(&fx[..], [NodeEffect::Drop { offset, .. }] if *offset == plan.offset));
+        assert_eq!(d.stats().tiers[Tier::Dram.index()].used_bytes, used);
+        d.verify().unwrap();
+    }
+
+    #[test]
+    fn loads_vanish_with_their_node() {
+        let mut d = cluster(8 * MIB);
+        put(&mut d, "k", Persistence::Eager, 0);
+        let v = d.stat("k").unwrap().version;
+        let at = d.stat("k").unwrap().replicas[0].location;
+        d.report_replica("k", v, None, None, Some(&at), 1).unwrap();
+        let mut fx = Vec::new();
+        let plan = d.begin_load("k", 2, &mut fx).unwrap().unwrap();
+        d.unregister_node(plan.node).unwrap();
+        d.verify().unwrap();
+        assert!(!d.end_load(&plan, Some([1; 32]), 3, &mut fx), "the range went with the node");
+        assert_eq!(tiers_of(&d, "k"), [Tier::ObjectStore]);
+        d.verify().unwrap();
+    }
+
+    #[test]
+    fn reports_keep_leased_and_last_copies_and_refuse_gone_sources() {
+        let mut d = cluster(8 * MIB);
+        let dram = put(&mut d, "k", Persistence::None, 0);
+        let v = d.stat("k").unwrap().version;
+        let lease_end = d.get("k", 100).unwrap().lease_end_ms;
+        let o = d
+            .report_replica(
+                "k",
+                v,
+                None,
+                Some(&nvme_at(dram.node, 0)),
+                Some(&Location::Node(dram)),
+                200,
+            )
+            .unwrap();
+        assert_eq!(
+            o,
+            ReportOutcome { added: true, removed: false, retry_after_ms: lease_end - 200 }
+        );
+        // The same report again is idempotent for the add.
+        let o = d.report_replica("k", v, None, Some(&nvme_at(dram.node, 0)), None, 200).unwrap();
+        assert!(o.added);
+        // Dropping the NVMe copy now leaves the DRAM one; dropping that too is refused.
+        let o = d.report_replica("k", v, None, None, Some(&nvme_at(dram.node, 0)), 200).unwrap();
+        assert!(o.removed);
+        let o = d
+            .report_replica("k", v, None, None, Some(&Location::Node(dram)), lease_end + 1)
+            .unwrap();
+        assert_eq!(
+            o,
+            ReportOutcome { added: false, removed: false, retry_after_ms: LAST_COPY_RETRY_MS }
+        );
+        assert_eq!(kind(d.report_replica("k", v + 1, None, None, None, 0)), ErrorKind::Conflict);
+        // A copy made from a range the master no longer counts is refused.
+        let mut fx = Vec::new();
+        d.remove("k", true, lease_end + 2, &mut fx).unwrap();
+        let dram = put(&mut d, "k2", Persistence::Eager, lease_end + 3);
+        let v = d.stat("k2").unwrap().version;
+        d.report_replica("k2", v, None, None, Some(&Location::Node(dram)), lease_end + 4).unwrap();
+        let e = d.report_replica(
+            "k2",
+            v,
+            None,
+            Some(&nvme_at(dram.node, 0)),
+            Some(&Location::Node(dram)),
+            lease_end + 5,
+        );
+        assert_eq!(kind(e), ErrorKind::Conflict);
+        assert_eq!(tiers_of(&d, "k2"), [Tier::ObjectStore]);
+        d.verify().unwrap();
+    }
+
+    #[test]
+    fn adoption_from_the_object_store_follows_versions() {
+        let mut d = cluster(8 * MIB);
+        let p = |key: &str, version| PersistedObject {
+            key: key.into(),
+            size: MIB,
+            checksum: [5; 32],
+            version,
+            persistence: Persistence::Lazy,
+            pin: Pin::Soft,
+        };
+        let mut fx = Vec::new();
+        assert!(d.adopt_persisted(&p("a", 10), &mut fx).unwrap());
+        assert!(!d.adopt_persisted(&p("a", 10), &mut fx).unwrap(), "idempotent");
+        assert_eq!(tiers_of(&d, "a"), [Tier::ObjectStore]);
+        assert_eq!(d.stat("a").unwrap().pin, Pin::Soft);
+        put(&mut d, "b", Persistence::None, 0);
+        let vb = d.stat("b").unwrap().version;
+        assert!(!d.adopt_persisted(&p("b", vb - 1), &mut fx).unwrap(), "an older copy loses");
+        assert!(
+            d.adopt_persisted(&p("b", vb), &mut fx).unwrap(),
+            "the same version gains a replica"
+        );
+        assert_eq!(tiers_of(&d, "b"), [Tier::Dram, Tier::ObjectStore]);
+        assert!(d.adopt_persisted(&p("b", vb + 1), &mut fx).unwrap(), "a newer copy wins");
+        assert_eq!(tiers_of(&d, "b"), [Tier::ObjectStore]);
+        assert_eq!(fx.len(), 1, "the replaced object's DRAM copy is dropped");
+        assert_eq!(
+            kind(d.adopt_persisted(&PersistedObject { size: 0, ..p("c", 1) }, &mut fx)),
+            ErrorKind::InvalidArgument
+        );
+        d.verify().unwrap();
+    }
+
+    #[test]
+    fn a_load_makes_room_on_the_nvme_node() {
+        let mut d = cluster(3 * MIB);
+        let a = put(&mut d, "a", Persistence::None, 0);
+        let v = d.stat("a").unwrap().version;
+        d.report_replica("a", v, None, Some(&nvme_at(a.node, 0)), Some(&Location::Node(a)), 1)
+            .unwrap();
+        // Fill that node's DRAM with other objects.
+        let mut n = 0;
+        while d.stats().tiers[Tier::Dram.index()].used_bytes < 6 * MIB {
+            let mut req = PutStart::new(format!("f{n}"), MIB);
+            req.preferred_segments = vec![SegmentRef { node: a.node, index: 0 }];
+            let mut fx = Vec::new();
+            d.put_start(&req, 2, &mut fx).unwrap();
+            d.put_end(&PutEnd::new(format!("f{n}"), None), 2, &mut fx).unwrap();
+            n += 1;
+        }
+        let mut fx = Vec::new();
+        let plan = d.begin_load("a", 3, &mut fx).unwrap().unwrap();
+        assert_eq!(plan.node, a.node);
+        assert!(fx.iter().any(|e| matches!(e, NodeEffect::Drop { .. })), "eviction made room");
+        assert!(d.end_load(&plan, Some([0; 32]), 4, &mut fx));
+        d.verify().unwrap();
+    }
+}
