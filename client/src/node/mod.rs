@@ -433,9 +433,10 @@ async fn run(inner: Arc<Inner>, link: Arc<MasterLink>) {
         match register(&inner, &link).await {
             Ok(heartbeat) => {
                 backoff = Duration::from_millis(50);
-                let _ = inner.registered.send(true);
+                // `send` would not store the value while nobody subscribes.
+                inner.registered.send_replace(true);
                 heartbeat_until_lost(&inner, &link, heartbeat).await;
-                let _ = inner.registered.send(false);
+                inner.registered.send_replace(false);
             }
             Err(e) => {
                 tracing::debug!(node = inner.id, error = %e, "registration failed; retrying");
