@@ -573,7 +573,7 @@ async fn a_lazy_queue_killed_loses_nothing_it_acknowledged() -> Result<()> {
     cl.ready(&c, 1).await?;
     for k in &acknowledged {
         let got = c.get(k).await.with_context(|| format!("acknowledged {k} after the kill"))?;
-        ensure!(&got == &objects[k], "{k} read back different");
+        ensure!(got == objects[k], "{k} read back different");
     }
     Ok(())
 }
