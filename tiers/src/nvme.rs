@@ -42,7 +42,7 @@
 //! plus reservations of puts in progress.
 //!
 //! Not handled: data-corruption scanning at `open` (headers and lengths only; data is verified
-//! on every read and on the first [`NvmeMedium::local_file`] of each object), durability of
+//! on every read and on the first [`NvmeMedium::local_file`] of each copy), durability of
 //! `remove` (a removed object may reappear after a crash; it is still a valid, verified
 //! object), quotas per namespace.
 
@@ -107,8 +107,7 @@ struct Entry {
     meta: ObjectMeta,
     generation: u64,
     file_bytes: u64,
-    /// The data file was hashed and matched since this medium opened it (written by this
-    /// process, or checked by `local_file`).
+    /// The data file was read back, hashed and matched by `local_file`.
     verified: bool,
 }
 
@@ -409,10 +408,11 @@ impl NvmeMedium {
     /// such as FUSE passthrough. The file holds exactly the object's bytes from offset 0, and
     /// the descriptor keeps them readable even if the object is removed or replaced later.
     ///
-    /// The first call per object since this medium opened it (unless this medium wrote it)
-    /// hashes the whole file and refuses a mismatch with `Corrupt` (counted); later calls do
-    /// not re-hash, so bit rot after that first check is not detected on this path (every
-    /// `get_into` still verifies). Blocking: it may read the whole file; call it from a
+    /// The first call per object (per write, and again after every open of the medium)
+    /// hashes the whole file through the page cache and refuses a mismatch with `Corrupt`
+    /// (counted); that read also warms the page cache the passthrough reads then hit. Later
+    /// calls do not re-hash, so bit rot after that first check is not detected on this path
+    /// (every `get_into` still verifies). Blocking: it may read the whole file; call it from a
     /// blocking thread (FUSE request threads are).
     pub fn local_file(&self, key: &str) -> Result<(File, ObjectMeta)> {
         validate_key(key)?;
@@ -670,7 +670,9 @@ impl Medium for NvmeMedium {
             .pool
             .run(move |ctx| write_object(ctx, &paths, &k, ptr, len, opts, generation))
             .await?;
-        let entry = Entry { meta, generation, file_bytes: fbytes, verified: true };
+        // Hashed on the way out of memory, not read back from disk: the first hand-out of the
+        // file still verifies it.
+        let entry = Entry { meta, generation, file_bytes: fbytes, verified: false };
         self.commit(key, guard.tmp.as_ref().expect("set above"), entry, opts.mode)?;
         guard.tmp = None;
         guard.bytes = 0;

@@ -310,9 +310,10 @@ impl Node {
     ///
     /// The file holds exactly the object's bytes from offset 0 (no header, no padding), and
     /// the descriptor stays readable if the node later drops or replaces the copy (the data
-    /// file is only unlinked). The first hand-out of a copy since the node started verifies
-    /// its blake3 by reading the whole file through the page cache (a corrupt copy gives
-    /// `None` and is counted in `corrupt_reads_nvme`); later hand-outs are not re-verified.
+    /// file is only unlinked). The first hand-out of a copy (since it was written, or since
+    /// the node started) verifies its blake3 by reading the whole file through the page cache,
+    /// which also warms the cache for the passthrough reads (a corrupt copy gives `None` and
+    /// is counted in `corrupt_reads_nvme`); later hand-outs are not re-verified.
     /// `None` also when the object is not on this node's NVMe tier (read it with a
     /// [`Client`](crate::Client) then: the master will load it into memory).
     ///
