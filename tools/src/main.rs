@@ -54,6 +54,15 @@ enum BenchCmd {
     /// plain sockets, then GB/s and p50/p99 for one request at a time (qd1) and for batches,
     /// each as a ratio of its limit (tcp against raw TCP, shm against memcpy).
     Transfer(TransferArgs),
+    /// The NVMe tier against raw O_DIRECT on the same disk, object-store write-back, and the
+    /// latency of gets that promote an object from NVMe into memory.
+    ///
+    /// Measures raw O_DIRECT writes and reads with the NVMe tier's ring shape, then the tier's
+    /// put and get of the same objects (rounds interleaved), blake3's own cost, lazy
+    /// write-back throughput against direct puts to the same object store, and p50/p99 of a
+    /// get that finds its object only on NVMe (in a master and node started in this process)
+    /// against raw reads of the same size.
+    Tiers(TiersArgs),
     /// (internal) The peer process of `kvfs bench transfer`.
     #[command(hide = true)]
     TransferPeer {
@@ -85,6 +94,45 @@ struct TransferArgs {
     /// Bytes moved when measuring the limits (memcpy, raw TCP).
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     limit_bytes: u64,
+}
+
+#[derive(Args)]
+struct TiersArgs {
+    /// A directory on the disk to measure (O_DIRECT: not tmpfs); a work directory is made
+    /// inside and removed after.
+    #[arg(long, default_value = "/var/tmp/kvfs-bench")]
+    dir: std::path::PathBuf,
+    /// Object size of the NVMe tier vs raw O_DIRECT case.
+    #[arg(long, default_value = "64M", value_parser = parse_bytes)]
+    object_size: u64,
+    /// Objects per round of that case.
+    #[arg(long, default_value_t = 8)]
+    objects: usize,
+    /// Interleaved rounds (raw, tier, raw, tier...).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// io_uring queue depth (I/Os in flight per object).
+    #[arg(long, default_value_t = 8)]
+    queue_depth: usize,
+    /// io_uring chunk size (bytes per I/O).
+    #[arg(long, default_value = "1M", value_parser = parse_bytes)]
+    chunk: u64,
+    /// Objects written back through the lazy queue.
+    #[arg(long, default_value_t = 32)]
+    writeback_objects: usize,
+    #[arg(long, default_value = "4M", value_parser = parse_bytes)]
+    writeback_size: u64,
+    /// Object size of the promotion case.
+    #[arg(long, default_value = "4M", value_parser = parse_bytes)]
+    promote_size: u64,
+    /// Gets that promote (one per object).
+    #[arg(long, default_value_t = 32)]
+    promotes: usize,
+    #[command(flatten)]
+    store: cmd::cluster::ObjectStoreArgs,
+    /// Print one JSON object per figure instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 fn parse_transport(s: &str) -> Result<TransportKind, String> {
@@ -133,6 +181,23 @@ fn run() -> anyhow::Result<()> {
                     conns_per_peer: a.conns,
                     slice_bytes: a.slice,
                     limit_bytes: a.limit_bytes as usize,
+                })
+                .await
+            }
+            Cmd::Bench(BenchCmd::Tiers(a)) => {
+                bench::tiers::run(bench::tiers::TiersBench {
+                    object_store: a.store.config(None)?,
+                    dir: a.dir,
+                    object_bytes: a.object_size as usize,
+                    objects: a.objects,
+                    rounds: a.rounds,
+                    queue_depth: a.queue_depth,
+                    chunk_bytes: a.chunk as usize,
+                    writeback_objects: a.writeback_objects,
+                    writeback_bytes: a.writeback_size as usize,
+                    promote_bytes: a.promote_size as usize,
+                    promotes: a.promotes,
+                    json: a.json,
                 })
                 .await
             }

@@ -612,3 +612,44 @@ async fn a_flipped_byte_on_nvme_is_detected_and_falls_back() -> Result<()> {
     .await?;
     Ok(())
 }
+
+/// `kvfs bench tiers` runs end to end (tiny sizes) and prints one JSON object per figure with
+/// the fields of DESIGN.md section 11.
+#[test]
+fn bench_tiers_prints_its_figures() -> Result<()> {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR"))?;
+    let out = Command::new(env!("CARGO_BIN_EXE_kvfs"))
+        .args([
+            "bench",
+            "tiers",
+            "--json",
+            "--object-size",
+            "1M",
+            "--objects",
+            "2",
+            "--rounds",
+            "1",
+        ])
+        .args(["--writeback-objects", "2", "--writeback-size", "64K", "--promote-size", "256K"])
+        .args(["--promotes", "3", "--dir"])
+        .arg(dir.path())
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(out.status.success(), "{}\n{}", stdout, String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> =
+        stdout.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
+    let find =
+        |case: &str, op: &str| lines.iter().find(|l| l["case"] == case && l["op"] == op).cloned();
+    let get = find("nvme tier", "get").context("nvme tier get")?;
+    ensure!(get["limit"] == "disk" && get["ratio"].as_f64().is_some_and(|r| r > 0.0), "{get}");
+    let promo = find("promotion", "get").context("promotion")?;
+    ensure!(promo["p50_us"].as_f64().is_some() && promo["p99_us"].as_f64().is_some(), "{promo}");
+    ensure!(find("write-back", "persist").is_some(), "write-back figure");
+    for l in &lines {
+        for field in ["bench", "case", "op", "size_bytes", "gbps", "limit", "limit_gbps", "ratio"] {
+            ensure!(l.get(field).is_some(), "{field} missing in {l}");
+        }
+    }
+    ensure!(std::fs::read_dir(dir.path())?.count() == 0, "the work directory was removed");
+    Ok(())
+}

@@ -3,4 +3,5 @@
 
 pub mod limits;
 pub mod report;
+pub mod tiers;
 pub mod transfer;
