@@ -479,9 +479,7 @@ impl Client {
                 let size = r.map_err(|e| e.with_key(key.as_ref()))? as usize;
                 let s =
                     s.ok_or_else(|| Error::new(ErrorKind::Internal, "get", "no staging buffer"))?;
-                let mut v = vec![0u8; size];
-                s.buffer().read_at(0, &mut v).map_err(|e| Error::from_transfer("get", &e))?;
-                Ok(v)
+                Ok(crate::staging::vec_from(s.buffer(), size))
             })
             .collect()
     }

@@ -4,6 +4,17 @@
 //! with [`Welcome`]. Both carry the engine's name and host identity so each side can pick the
 //! best transport (shm when the host matches). No metadata service is involved.
 //!
+//! RDMA: a `Welcome` says whether the acceptor serves RDMA (`rdma`). A connector that has RDMA
+//! too then opens one more TCP connection, the *rdma control connection*, whose `Hello` carries
+//! [`RdmaHello`] (the 40-byte `EndpointInfo` of a queue pair created for this peer); the
+//! acceptor creates its own queue pair, connects it, and answers with [`RdmaWelcome`] (its
+//! `EndpointInfo` and the first chunk of its region table). The connection then carries only
+//! [`RdmaRequest`] / [`RdmaRegions`] frames (table refreshes) and lives exactly as long as the
+//! queue pair pair: either side closing it tears the pair down.
+//!
+//! Versions: postcard is not self-describing and decoders refuse trailing bytes, so any layout
+//! change bumps [`TE_PROTOCOL_VERSION`]; engines of different versions fail the handshake.
+//!
 //! Data: after the handshake the connection carries [`DataHeader`] records from the initiator,
 //! each optionally followed by `len` payload bytes (writes, notifications), and [`DataReply`]
 //! records from the acceptor, each optionally followed by `len` payload bytes (successful
@@ -12,7 +23,8 @@
 use serde::{Deserialize, Serialize};
 
 /// Version of the Transfer Engine protocol; peers with a different version are refused.
-pub const TE_PROTOCOL_VERSION: u32 = 1;
+/// Version 2 added the rdma fields of [`Hello`] and [`Welcome`].
+pub const TE_PROTOCOL_VERSION: u32 = 2;
 
 /// Largest handshake frame accepted.
 pub const HANDSHAKE_FRAME_MAX: usize = 1 << 20;
@@ -25,6 +37,8 @@ pub struct Hello {
     pub name: String,
     /// Identity of the connecting engine's host (see `kvfs_transfer::host_id`).
     pub host_id: String,
+    /// Set only on an rdma control connection (see the module notes).
+    pub rdma: Option<RdmaHello>,
 }
 
 /// Answer to [`Hello`].
@@ -42,6 +56,62 @@ pub struct Welcome {
     pub shm_socket: Option<String>,
     /// Set when the engine refuses the connection (version mismatch, overload).
     pub refused: Option<String>,
+    /// The engine has an RDMA device and accepts rdma control connections.
+    pub rdma: bool,
+    /// The answer to a [`Hello`] carrying [`RdmaHello`] (unless refused).
+    pub rdma_endpoint: Option<RdmaWelcome>,
+}
+
+/// Length of an encoded `kvfs_rdma::EndpointInfo` (version 1).
+pub const RDMA_ENDPOINT_INFO_LEN: usize = 40;
+
+/// Most regions in one [`RdmaRegions`] message (about 26 bytes each, well under
+/// [`HANDSHAKE_FRAME_MAX`]).
+pub const RDMA_REGIONS_PER_MESSAGE_MAX: usize = 16_384;
+
+/// The connector's half of an rdma control connection handshake.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaHello {
+    /// `EndpointInfo::to_bytes()` of the queue pair the connector created for this peer
+    /// ([`RDMA_ENDPOINT_INFO_LEN`] bytes; validated by `EndpointInfo::from_bytes`).
+    pub endpoint: Vec<u8>,
+}
+
+/// The acceptor's half of an rdma control connection handshake.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaWelcome {
+    /// `EndpointInfo::to_bytes()` of the acceptor's queue pair, already connected to the
+    /// connector's.
+    pub endpoint: Vec<u8>,
+    /// The first chunk of the acceptor's remotely accessible regions.
+    pub regions: RdmaRegions,
+}
+
+/// One remotely accessible region as RDMA sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaRegion {
+    /// Start address in the owner's address space (what requests name).
+    pub addr: u64,
+    pub len: u64,
+    /// The region's remote key; `None` when the owner could not register it with its NIC
+    /// (requests for it go over tcp).
+    pub rkey: Option<u32>,
+}
+
+/// Request on an rdma control connection after its handshake.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RdmaRequest {
+    /// Ask for the remotely accessible regions from index `start` on (answered by
+    /// [`RdmaRegions`], at most [`RDMA_REGIONS_PER_MESSAGE_MAX`] of them).
+    Regions { start: u32 },
+}
+
+/// A chunk of an engine's region table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaRegions {
+    pub regions: Vec<RdmaRegion>,
+    /// More regions exist past this chunk: ask again with `start` advanced.
+    pub more: bool,
 }
 
 /// Request on the shm side channel (a Unix socket between engines of one host).
@@ -231,6 +301,78 @@ mod tests {
         assert_eq!(DataHeader::decode(&h.encode()).unwrap(), h);
         let r = DataReply { status: DataStatus::OutOfRange, id: 9, len: 0 };
         assert_eq!(DataReply::decode(&r.encode()).unwrap(), r);
+    }
+
+    fn round_trip<T>(msg: &T) -> T
+    where
+        T: Serialize + serde::de::DeserializeOwned,
+    {
+        let frame = crate::encode_frame(msg).unwrap();
+        crate::decode_body(&frame[4..]).unwrap()
+    }
+
+    #[test]
+    fn handshakes_round_trip_with_and_without_rdma() {
+        let mut hello = Hello {
+            version: TE_PROTOCOL_VERSION,
+            name: "a:1".into(),
+            host_id: "h".into(),
+            rdma: None,
+        };
+        assert_eq!(round_trip(&hello), hello);
+        hello.rdma = Some(RdmaHello { endpoint: (0..40).collect() });
+        assert_eq!(round_trip(&hello), hello);
+        let regions = RdmaRegions {
+            regions: vec![
+                RdmaRegion { addr: 0x7f00_0000_0000, len: 64 << 20, rkey: Some(0x1234) },
+                RdmaRegion { addr: u64::MAX - 1, len: 1, rkey: None },
+            ],
+            more: true,
+        };
+        let mut welcome = Welcome {
+            version: TE_PROTOCOL_VERSION,
+            name: "b:2".into(),
+            host_id: "h".into(),
+            instance: 7,
+            shm_socket: None,
+            refused: None,
+            rdma: true,
+            rdma_endpoint: None,
+        };
+        assert_eq!(round_trip(&welcome), welcome);
+        welcome.rdma_endpoint =
+            Some(RdmaWelcome { endpoint: vec![9; 40], regions: regions.clone() });
+        assert_eq!(round_trip(&welcome), welcome);
+        assert_eq!(
+            round_trip(&RdmaRequest::Regions { start: 16_384 }),
+            RdmaRequest::Regions { start: 16_384 }
+        );
+        assert_eq!(round_trip(&regions), regions);
+    }
+
+    #[test]
+    fn a_full_region_chunk_fits_a_handshake_frame() {
+        let worst = RdmaRegion { addr: u64::MAX, len: u64::MAX, rkey: Some(u32::MAX) };
+        let chunk = RdmaRegions { regions: vec![worst; RDMA_REGIONS_PER_MESSAGE_MAX], more: true };
+        let welcome = Welcome {
+            version: TE_PROTOCOL_VERSION,
+            name: "n".repeat(255),
+            host_id: "h".repeat(255),
+            instance: u64::MAX,
+            shm_socket: Some("s".repeat(255)),
+            refused: None,
+            rdma: true,
+            rdma_endpoint: Some(RdmaWelcome { endpoint: vec![0xff; 40], regions: chunk }),
+        };
+        let frame = crate::encode_frame(&welcome).unwrap();
+        assert!(frame.len() - 4 <= HANDSHAKE_FRAME_MAX, "{} bytes", frame.len());
+    }
+
+    #[test]
+    fn a_hello_of_another_layout_is_not_misread() {
+        // A version-1 Hello (no rdma field) must not decode as this version's Hello.
+        let v1 = crate::encode_frame(&(1u32, "a:1".to_string(), "h".to_string())).unwrap();
+        assert!(crate::decode_body::<Hello>(&v1[4..]).is_err());
     }
 
     #[test]

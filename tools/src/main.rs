@@ -63,6 +63,19 @@ enum BenchCmd {
     /// get that finds its object only on NVMe (in a master and node started in this process)
     /// against raw reads of the same size.
     Tiers(TiersArgs),
+    /// The store's client calls against a node in another process, over tcp and on one host.
+    ///
+    /// Starts a peer process with a master and a node, then measures put/get (bytes API),
+    /// put_from/get_into (zero-copy) one at a time and in batches, per object size, plus exists
+    /// and remove rates; each figure as a ratio of raw loopback TCP (tcp mode) or memcpy (shm
+    /// mode) measured right before it.
+    Store(StoreArgs),
+    /// (internal) The peer process of `kvfs bench store`.
+    #[command(hide = true)]
+    StorePeer {
+        #[arg(long, default_value_t = 2 << 30)]
+        dram: u64,
+    },
     /// (internal) The peer process of `kvfs bench transfer`.
     #[command(hide = true)]
     TransferPeer {
@@ -135,6 +148,28 @@ struct TiersArgs {
     json: bool,
 }
 
+#[derive(Args)]
+struct StoreArgs {
+    /// Object sizes to measure (comma separated; K/M/G are binary units).
+    #[arg(long, value_delimiter = ',', default_value = "4K,64K,1M,16M,64M", value_parser = parse_bytes)]
+    sizes: Vec<u64>,
+    /// Modes: tcp (bytes cross loopback sockets), shm (same host, shared memory).
+    #[arg(long, value_delimiter = ',', default_value = "tcp,shm")]
+    modes: Vec<String>,
+    /// Minimum time per case, in milliseconds.
+    #[arg(long, default_value_t = 300)]
+    min_ms: u64,
+    /// Print one JSON object per figure instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// DRAM of the node holding the data.
+    #[arg(long, default_value = "2G", value_parser = parse_bytes)]
+    node_dram: u64,
+    /// Bytes moved when measuring each limit.
+    #[arg(long, default_value = "512M", value_parser = parse_bytes)]
+    limit_bytes: u64,
+}
+
 fn parse_transport(s: &str) -> Result<TransportKind, String> {
     match s {
         "tcp" => Ok(TransportKind::Tcp),
@@ -201,6 +236,18 @@ fn run() -> anyhow::Result<()> {
                 })
                 .await
             }
+            Cmd::Bench(BenchCmd::Store(a)) => {
+                bench::store::run(bench::store::StoreBench {
+                    sizes: a.sizes,
+                    modes: a.modes,
+                    min_ms: a.min_ms,
+                    json: a.json,
+                    node_dram: a.node_dram,
+                    limit_bytes: a.limit_bytes as usize,
+                })
+                .await
+            }
+            Cmd::Bench(BenchCmd::StorePeer { dram }) => bench::store::serve_peer(dram).await,
             Cmd::Bench(BenchCmd::TransferPeer { buffer_bytes }) => {
                 bench::transfer::serve_peer(buffer_bytes).await
             }

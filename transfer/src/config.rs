@@ -4,8 +4,10 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 /// Which transports the engine may choose from. Selection is automatic among the enabled ones:
-/// the local segment is a memcpy, same-host peers use shm, others rdma (when built and a device
-/// exists) or tcp.
+/// the local segment is a memcpy, same-host peers use shm, others rdma (when built with the
+/// `rdma` feature, both sides have a device, and the range is registered with the NIC) or tcp.
+/// `Transports { shm: false, rdma: true, tcp: true }` makes same-host peers use rdma (tests,
+/// and NIC loopback measurements).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Transports {
     pub shm: bool,
@@ -56,11 +58,22 @@ pub struct EngineConfig {
     /// A refused write's payload up to this size is drained to keep the connection; a larger
     /// one closes it.
     pub write_drain_bytes_max: u64,
-    /// Shm copies up to this size run inline on the calling task; larger ones on a blocking
-    /// thread so the async runtime keeps serving other work.
-    pub shm_inline_bytes_max: u64,
+    /// Shm copies from this size up are spread over several threads (smaller ones run inline
+    /// on the calling task).
+    pub shm_parallel_bytes_min: u64,
+    /// Most threads one shm copy is spread over (also capped by the CPUs available).
+    pub shm_copy_threads_max: usize,
     /// TCP socket buffer size to request (0 keeps the kernel's auto-tuning).
     pub socket_buffer_bytes: usize,
+    /// RDMA device to open (`mlx5_0`, `rxe0`); `None` takes the first with an active port. A
+    /// named device that does not exist while others do fails `Engine::start` (a machine with
+    /// none runs without rdma). Ignored without the `rdma` feature.
+    pub rdma_device: Option<String>,
+    /// GID table index of the RDMA port; `None` chooses one (RoCE v2 IPv4-mapped first).
+    pub rdma_gid_index: Option<u32>,
+    /// Most rdma ops waiting in the queue to one peer's worker, which keeps at most as many
+    /// again submitted to the endpoint; more wait, then fail with `Busy` at their deadline.
+    pub rdma_queue_depth_max: usize,
 }
 
 impl Default for EngineConfig {
@@ -79,8 +92,12 @@ impl Default for EngineConfig {
             notify_bytes_max: 64 << 10,
             notify_queue_max: 1024,
             write_drain_bytes_max: 64 << 20,
-            shm_inline_bytes_max: 4 << 20,
+            shm_parallel_bytes_min: 2 << 20,
+            shm_copy_threads_max: 4,
             socket_buffer_bytes: 0,
+            rdma_device: None,
+            rdma_gid_index: None,
+            rdma_queue_depth_max: 1024,
         }
     }
 }
@@ -106,7 +123,11 @@ impl EngineConfig {
         if self.op_timeout_ms == 0 || self.connect_timeout_ms == 0 {
             return bad("timeouts must be positive");
         }
-        if self.batch_items_max == 0 || self.queue_depth_max == 0 || self.notify_queue_max == 0 {
+        if self.batch_items_max == 0
+            || self.queue_depth_max == 0
+            || self.notify_queue_max == 0
+            || self.rdma_queue_depth_max == 0
+        {
             return bad("queue bounds must be positive");
         }
         if !(self.transports.tcp || self.transports.shm || self.transports.rdma) {

@@ -2,9 +2,11 @@
 //! memory, its listeners and its connections to peers.
 //!
 //! A segment is addressed by name (`host:port` of the peer's listener by default). Opening one
-//! performs the peer-to-peer handshake and picks transports: the engine's own segment is a
-//! local memcpy, a peer on the same host is reached over shm when its buffers are shareable,
-//! anything else over tcp (rdma joins here when the feature and a device exist). A batch is
+//! performs the peer-to-peer handshake and picks transports per request: the engine's own
+//! segment is a local memcpy; a peer on the same host is reached over shm when the remote range
+//! is in a shareable buffer; otherwise over rdma when both engines have a device (feature
+//! `rdma`) and both ranges are registered with it; otherwise over tcp. An rdma request that fails
+//! on the wire is retried over tcp within its deadline (see `rdma.rs`). A batch is
 //! a list of reads and writes between registered local memory and remote addresses; it runs
 //! asynchronously, every item reports its own status, and every item finishes — successfully
 //! or with a typed error — within `op_timeout_ms` of its submission.
@@ -26,6 +28,7 @@ use tokio::time::Instant;
 
 use crate::config::EngineConfig;
 use crate::memory::{Buffer, BufferOptions, Region, Registry};
+use crate::rdma::{self, RdmaPeer};
 use crate::shm::{self, ShmPeer};
 use crate::tcp::{self, Hold, TcpPeer};
 use crate::{Error, ErrorKind, Result};
@@ -74,6 +77,8 @@ pub(crate) struct Shared {
     pub instance: u64,
     pub shm_socket: Option<String>,
     pub registry: Registry,
+    /// The opened RDMA device, when the feature is built, enabled and a device exists.
+    pub rdma: Option<rdma::Nic>,
     notify_tx: mpsc::Sender<Notification>,
 }
 
@@ -88,7 +93,7 @@ impl Shared {
 #[allow(clippy::large_enum_variant)] // one per peer, never moved around in bulk
 enum PeerKind {
     Local,
-    Remote { tcp: Option<TcpPeer>, shm: Option<ShmPeer> },
+    Remote { tcp: Option<TcpPeer>, shm: Option<ShmPeer>, rdma: Option<RdmaPeer> },
 }
 
 struct Peer {
@@ -112,11 +117,12 @@ impl SegmentHandle {
     }
 
     pub fn status(&self) -> SegmentStatus {
-        let (tcp, shm) = match &self.0.kind {
-            PeerKind::Local => (None, None),
-            PeerKind::Remote { tcp, shm } => (
+        let (tcp, shm, rdma) = match &self.0.kind {
+            PeerKind::Local => (None, None, None),
+            PeerKind::Remote { tcp, shm, rdma } => (
                 tcp.as_ref().map(TcpPeer::live_connections),
                 shm.as_ref().map(ShmPeer::mapped_buffers),
+                rdma.as_ref().map(RdmaPeer::status),
             ),
         };
         SegmentStatus {
@@ -124,6 +130,7 @@ impl SegmentHandle {
             local: matches!(self.0.kind, PeerKind::Local),
             tcp_connections: tcp,
             shm_buffers: shm,
+            rdma,
             dead: self.is_dead(),
         }
     }
@@ -132,9 +139,11 @@ impl SegmentHandle {
     pub fn transport_for(&self, remote_addr: u64, len: u64) -> Option<TransportKind> {
         match &self.0.kind {
             PeerKind::Local => Some(TransportKind::Local),
-            PeerKind::Remote { tcp, shm } => {
+            PeerKind::Remote { tcp, shm, rdma } => {
                 if shm.as_ref().is_some_and(|s| s.translate(remote_addr, len).is_some()) {
                     Some(TransportKind::Shm)
+                } else if rdma.as_ref().is_some_and(|r| r.covers(remote_addr, len)) {
+                    Some(TransportKind::Rdma)
                 } else {
                     tcp.as_ref().map(|_| TransportKind::Tcp)
                 }
@@ -152,7 +161,27 @@ pub struct SegmentStatus {
     pub tcp_connections: Option<usize>,
     /// Peer buffers mapped over shm, when shm is in use.
     pub shm_buffers: Option<usize>,
+    /// The rdma side, when both engines have rdma and the first link came up at open.
+    pub rdma: Option<RdmaStatus>,
     pub dead: bool,
+}
+
+/// What the rdma side of an opened segment is doing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RdmaStatus {
+    /// A queue pair to the peer is connected and not failed (a failed one is rebuilt on the
+    /// next request).
+    pub connected: bool,
+    /// Remotely accessible regions of the peer in the local copy of its table.
+    pub peer_regions: usize,
+    /// Requests carried over rdma successfully, and their bytes.
+    pub ops: u64,
+    pub bytes: u64,
+    /// Requests the rdma path handed to another transport (no NIC registration, link down,
+    /// failed op).
+    pub fallbacks: u64,
+    /// Queue pair connections made to the peer (the first, then one per rebuild).
+    pub links_built: u64,
 }
 
 /// Status of one item of a submitted batch.
@@ -256,6 +285,7 @@ impl Engine {
         } else {
             (None, None)
         };
+        let nic = rdma::Nic::open(&cfg)?;
         let (notify_tx, notify_rx) = mpsc::channel(cfg.notify_queue_max);
         let shared = Arc::new(Shared {
             cfg,
@@ -264,6 +294,7 @@ impl Engine {
             instance,
             shm_socket,
             registry: Registry::default(),
+            rdma: nic,
             notify_tx,
         });
         let mut tasks = vec![tokio::spawn(accept_loop(listener, shared.clone()))];
@@ -295,6 +326,12 @@ impl Engine {
         &self.inner.shared.cfg
     }
 
+    /// The RDMA device this engine opened (`None`: built without the `rdma` feature, rdma
+    /// disabled in the configuration, or no usable device here).
+    pub fn rdma_device(&self) -> Option<&str> {
+        self.inner.shared.rdma.as_ref().map(rdma::Nic::device_name)
+    }
+
     /// Allocates a shareable buffer and registers it as remotely accessible.
     pub fn alloc_buffer(&self, len: usize, opts: &BufferOptions) -> Result<Arc<Buffer>> {
         let buf = Arc::new(Buffer::new(len, opts)?);
@@ -302,10 +339,15 @@ impl Engine {
         Ok(buf)
     }
 
-    /// Registers an owned buffer; `remote` makes it readable and writable by peers.
+    /// Registers an owned buffer; `remote` makes it readable and writable by peers. With rdma,
+    /// the buffer is registered with the NIC too (a failure there is logged, and the buffer is
+    /// then reached over the other transports).
     pub fn register_buffer(&self, buf: Arc<Buffer>, remote: bool) -> Result<()> {
-        let region = Region { addr: buf.addr(), len: buf.len() as u64, remote, buffer: Some(buf) };
-        self.inner.shared.registry.insert(region)
+        let (addr, len) = (buf.addr(), buf.len() as u64);
+        // SAFETY: the region holds `buf` (an owned mapping of `len` bytes at `addr`) for as long
+        // as it holds the memory region, and drops the memory region first.
+        let mr = self.inner.shared.rdma.as_ref().and_then(|nic| unsafe { nic.register(addr, len) });
+        self.inner.shared.registry.insert(Region { addr, len, remote, mr, buffer: Some(buf) })
     }
 
     /// Registers raw memory (not shareable over shm; reachable over tcp/rdma when `remote`).
@@ -314,7 +356,11 @@ impl Engine {
     /// `[addr, addr+len)` must stay valid, readable and writable memory until it is
     /// unregistered and no transfer that uses it is still running.
     pub unsafe fn register_memory(&self, addr: u64, len: u64, remote: bool) -> Result<()> {
-        self.inner.shared.registry.insert(Region { addr, len, remote, buffer: None })
+        // SAFETY: this function's contract: the memory stays valid until it is unregistered and
+        // no transfer uses it; the memory region lives in the registry entry and in the entry's
+        // clones held by running transfers, so it is gone by then.
+        let mr = self.inner.shared.rdma.as_ref().and_then(|nic| unsafe { nic.register(addr, len) });
+        self.inner.shared.registry.insert(Region { addr, len, remote, mr, buffer: None })
     }
 
     /// Unregisters the region starting at `addr`.
@@ -349,7 +395,8 @@ impl Engine {
             })));
         }
         let addr = resolve(name).await?;
-        if !shared.cfg.transports.tcp && !shared.cfg.transports.shm {
+        let rdma_on = shared.rdma.is_some();
+        if !shared.cfg.transports.tcp && !shared.cfg.transports.shm && !rdma_on {
             return Err(Error::new(
                 ErrorKind::Unsupported,
                 "open segment",
@@ -376,16 +423,23 @@ impl Engine {
             }
             _ => None,
         };
+        let rdma = RdmaPeer::open(shared, addr, &info).await;
         let tcp = shared.cfg.transports.tcp.then_some(tcp);
-        if tcp.is_none() && shm.is_none() {
+        if tcp.is_none() && shm.is_none() && rdma.is_none() {
             return Err(Error::new(
                 ErrorKind::Unsupported,
                 "open segment",
-                format!("{name} is on another host and tcp is disabled"),
+                format!("{name} is not reachable over shm or rdma, and tcp is disabled"),
             ));
         }
-        tracing::debug!(segment = %info.name, shm = shm.is_some(), "segment opened");
-        Ok(SegmentHandle(Arc::new(Peer { name: info.name, kind: PeerKind::Remote { tcp, shm } })))
+        tracing::debug!(
+            segment = %info.name,
+            shm = shm.is_some(),
+            rdma = rdma.is_some(),
+            "segment opened"
+        );
+        let kind = PeerKind::Remote { tcp, shm, rdma };
+        Ok(SegmentHandle(Arc::new(Peer { name: info.name, kind })))
     }
 
     /// Submits a batch; items run concurrently and report individually.
@@ -528,10 +582,9 @@ async fn run_item(shared: &Shared, req: &TransferRequest, deadline: Instant) -> 
             ),
         )
     })?;
-    let hold = local.buffer.map(Hold::Buffer).unwrap_or(Hold::None);
     match &req.segment.0.kind {
         PeerKind::Local => local_copy(shared, req),
-        PeerKind::Remote { tcp, shm } => {
+        PeerKind::Remote { tcp, shm, rdma } => {
             if let Some(shm) = shm {
                 if shm.is_dead() {
                     return Err(Error::new(
@@ -544,13 +597,23 @@ async fn run_item(shared: &Shared, req: &TransferRequest, deadline: Instant) -> 
                     return done;
                 }
             }
+            let mut rdma_failed = None;
+            if let Some(rdma) = rdma {
+                match rdma.request(req, &local, deadline).await {
+                    rdma::Outcome::Done(r) => return r,
+                    rdma::Outcome::Fallback(e) => rdma_failed = Some(e),
+                }
+            }
             let Some(tcp) = tcp else {
-                return Err(Error::new(
-                    ErrorKind::OutOfRange,
-                    "transfer",
-                    "remote range is not in a shared buffer and tcp is disabled",
-                ));
+                return Err(rdma_failed.unwrap_or_else(|| {
+                    Error::new(
+                        ErrorKind::OutOfRange,
+                        "transfer",
+                        "remote range is not in a shared buffer and tcp is disabled",
+                    )
+                }));
             };
+            let hold = local.buffer.map(Hold::Buffer).unwrap_or(Hold::None);
             let op = match req.op {
                 TransferOp::Read => DataOp::Read,
                 TransferOp::Write => DataOp::Write,
@@ -586,20 +649,60 @@ async fn shm_copy(shared: &Shared, shm: &ShmPeer, req: &TransferRequest) -> Opti
         }
     };
     let (mapping, offset) = found?;
-    let (op, local, len) = (req.op, req.local_addr as usize, req.len as usize);
-    if req.len <= shared.cfg.shm_inline_bytes_max {
+    Some(
+        parallel_copy(shared, req.op, req.local_addr as usize, mapping, offset, req.len as usize)
+            .await,
+    )
+}
+
+/// Copies between local memory and a peer's mapped buffer. Small copies run inline on the
+/// calling task; from `shm_parallel_bytes_min` up, the copy is cut into as many parts as there
+/// are copy threads (at most `shm_copy_threads_max`): one part inline, the others on blocking
+/// threads, so a large transfer uses every core instead of one.
+async fn parallel_copy(
+    shared: &Shared,
+    op: TransferOp,
+    local: usize,
+    mapping: Arc<Buffer>,
+    offset: usize,
+    len: usize,
+) -> Result<()> {
+    let parts = copy_threads(shared.cfg.shm_copy_threads_max);
+    if (len as u64) < shared.cfg.shm_parallel_bytes_min || parts < 2 {
         // SAFETY: offset+len lies inside the mapping (translate checked it).
         let remote = unsafe { mapping.as_ptr().add(offset) };
         copy(op, local as *mut u8, remote, len);
-        return Some(Ok(()));
+        return Ok(());
     }
-    let r = tokio::task::spawn_blocking(move || {
-        // SAFETY: as above; the Arc keeps the mapping alive during the copy.
-        let remote = unsafe { mapping.as_ptr().add(offset) };
-        copy(op, local as *mut u8, remote, len);
-    })
-    .await;
-    Some(r.map_err(|e| Error::new(ErrorKind::Io, "shm copy", e.to_string())))
+    let chunk = len.div_ceil(parts).next_multiple_of(64 << 10);
+    let mut helpers = Vec::with_capacity(parts - 1);
+    let mut at = chunk;
+    while at < len {
+        let n = chunk.min(len - at);
+        let m = mapping.clone();
+        helpers.push(tokio::task::spawn_blocking(move || {
+            // SAFETY: [offset+at, offset+at+n) lies inside the mapping, which `m` keeps alive;
+            // the local range was checked by the caller; parts do not overlap.
+            let remote = unsafe { m.as_ptr().add(offset + at) };
+            copy(op, (local + at) as *mut u8, remote, n);
+        }));
+        at += n;
+    }
+    // SAFETY: as above, for the first part.
+    let remote = unsafe { mapping.as_ptr().add(offset) };
+    copy(op, local as *mut u8, remote, chunk.min(len));
+    for h in helpers {
+        h.await.map_err(|e| Error::new(ErrorKind::Io, "shm copy", e.to_string()))?;
+    }
+    Ok(())
+}
+
+/// Threads a large copy is spread over: the CPUs this process may use, capped.
+fn copy_threads(max: usize) -> usize {
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cpus =
+        *CPUS.get_or_init(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    cpus.min(max).max(1)
 }
 
 fn copy(op: TransferOp, local: *mut u8, remote: *mut u8, len: usize) {

@@ -10,9 +10,10 @@
 //!   same-host peers can map, or raw memory the application promises to keep valid;
 //! - a **batch** of reads and writes between local registered memory and remote segment
 //!   addresses is submitted asynchronously, and every item reports its own status;
-//! - **transports** are chosen per peer: a memcpy for the engine's own segment, `shm` for a
-//!   peer on the same host, `tcp` (several connections, striped slices, received straight into
-//!   the destination) otherwise, `rdma` behind the cargo feature of that name;
+//! - **transports** are chosen per request: a memcpy for the engine's own segment, `shm` for a
+//!   peer on the same host, `rdma` (one-sided READ/WRITE on an RC queue pair per peer; cargo
+//!   feature `rdma`) when both engines have a device, `tcp` (several connections, striped
+//!   slices, received straight into the destination) otherwise and as the fallback;
 //! - **notifications** are small messages on the same connections (prefill/decode handshakes).
 //!
 //! Endpoint metadata is exchanged peer to peer when a segment is opened; no service is needed.
@@ -24,13 +25,18 @@ mod engine;
 mod error;
 mod hostid;
 mod memory;
+#[cfg(feature = "rdma")]
+mod rdma;
+#[cfg(not(feature = "rdma"))]
+#[path = "rdma_off.rs"]
+mod rdma;
 mod shm;
 mod tcp;
 pub mod testing;
 
 pub use config::{EngineConfig, Transports};
 pub use engine::{
-    Batch, Engine, ItemStatus, Notification, SegmentHandle, SegmentStatus, TransferOp,
+    Batch, Engine, ItemStatus, Notification, RdmaStatus, SegmentHandle, SegmentStatus, TransferOp,
     TransferRequest, TransportKind,
 };
 pub use error::{Error, ErrorKind, Result};

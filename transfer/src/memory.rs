@@ -11,9 +11,12 @@
 //! whole requested range lies inside it; an owned buffer stays mapped while any transfer that
 //! found it in the registry still runs (the lookup hands out an `Arc`).
 //!
+//! With the `rdma` feature and a device, every region (owned or raw, remote or local-only) is
+//! also registered with the NIC when it is registered with the engine; the [`Region`] keeps the
+//! memory region, so it is deregistered when the last user of the region lets go.
+//!
 //! Not handled: device (HBM) memory, which is registered by the tiers crate through
-//! [`crate::Engine::register_memory`] once it has a host-visible mapping; pinning for NICs,
-//! which the rdma transport does at registration.
+//! [`crate::Engine::register_memory`] once it has a host-visible mapping.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -35,11 +38,21 @@ pub struct BufferOptions {
     pub populate: bool,
     /// Name shown in /proc/PID/maps for the memfd.
     pub name: String,
+    /// Back the buffer with a memfd that same-host peers can map (the shm transport). A buffer
+    /// only ever used as the local side of transfers can be private anonymous memory instead,
+    /// which gets transparent huge pages where shared memory does not (first-touch page
+    /// faults cost about 4 us per 4 KiB page in a VM).
+    pub shareable: bool,
 }
 
 impl Default for BufferOptions {
     fn default() -> Self {
-        BufferOptions { huge_pages: true, populate: false, name: "kvfs-buffer".to_string() }
+        BufferOptions {
+            huge_pages: true,
+            populate: false,
+            name: "kvfs-buffer".to_string(),
+            shareable: true,
+        }
     }
 }
 
@@ -48,7 +61,7 @@ impl Default for BufferOptions {
 pub enum PageKind {
     /// hugetlbfs pages (MFD_HUGETLB).
     HugeTlb,
-    /// Regular pages with transparent huge pages requested.
+    /// Private anonymous memory with transparent huge pages requested (not shareable).
     TransparentHuge,
     /// Regular pages.
     Regular,
@@ -63,7 +76,8 @@ pub enum PageKind {
 pub struct Buffer {
     ptr: NonNull<u8>,
     len: usize,
-    fd: OwnedFd,
+    /// The memfd behind a shareable buffer; `None` for private anonymous memory.
+    fd: Option<OwnedFd>,
     pages: PageKind,
 }
 
@@ -79,6 +93,9 @@ impl Buffer {
         if len == 0 {
             return Err(Error::new(ErrorKind::InvalidArgument, "alloc buffer", "zero length"));
         }
+        if !opts.shareable {
+            return Buffer::anonymous(len, opts);
+        }
         if opts.huge_pages {
             let huge_len = len.div_ceil(HUGE_PAGE) * HUGE_PAGE;
             if let Ok(fd) = memfd(&opts.name, libc::MFD_HUGETLB)
@@ -89,8 +106,47 @@ impl Buffer {
         }
         let fd = memfd(&opts.name, 0)?;
         let len = len.div_ceil(PAGE) * PAGE;
-        let kind = if opts.huge_pages { PageKind::TransparentHuge } else { PageKind::Regular };
-        Buffer::map_new(fd, len, kind, opts.populate)
+        Buffer::map_new(fd, len, PageKind::Regular, opts.populate)
+    }
+
+    fn anonymous(len: usize, opts: &BufferOptions) -> Result<Buffer> {
+        let (len, pages) = if opts.huge_pages {
+            (len.div_ceil(HUGE_PAGE) * HUGE_PAGE, PageKind::TransparentHuge)
+        } else {
+            (len.div_ceil(PAGE) * PAGE, PageKind::Regular)
+        };
+        // SAFETY: a fresh private anonymous mapping; the kernel picks the address.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::io("alloc buffer", std::io::Error::last_os_error()));
+        }
+        let ptr = NonNull::new(p.cast::<u8>())
+            .ok_or_else(|| Error::new(ErrorKind::Io, "alloc buffer", "mmap returned null"))?;
+        let buf = Buffer { ptr, len, fd: None, pages };
+        if pages == PageKind::TransparentHuge {
+            // SAFETY: advice on exactly our mapping; failure only means small pages.
+            unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
+        }
+        if opts.populate {
+            buf.touch_pages();
+        }
+        Ok(buf)
+    }
+
+    fn touch_pages(&self) {
+        for off in (0..self.len).step_by(PAGE) {
+            // SAFETY: off < len, inside the mapping.
+            unsafe { self.ptr.as_ptr().add(off).write_volatile(0) };
+        }
     }
 
     fn map_new(fd: OwnedFd, len: usize, pages: PageKind, populate: bool) -> Result<Buffer> {
@@ -106,16 +162,11 @@ impl Buffer {
             return Err(Error::io("seal buffer", std::io::Error::last_os_error()));
         }
         let buf = Buffer::map_fd(fd, len, pages)?;
-        if pages == PageKind::TransparentHuge {
-            // SAFETY: the range is exactly our mapping; advice failures are harmless.
-            unsafe { libc::madvise(buf.ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
-        }
+        // Shared memory gets huge pages only where the kernel allows it for shmem; ask anyway.
+        // SAFETY: the range is exactly our mapping; advice failures are harmless.
+        unsafe { libc::madvise(buf.ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
         if populate {
-            // Write one byte per page: MAP_POPULATE on a shared mapping only reads pages in.
-            for off in (0..len).step_by(PAGE) {
-                // SAFETY: off < len, inside the mapping.
-                unsafe { buf.ptr.as_ptr().add(off).write_volatile(0) };
-            }
+            buf.touch_pages();
         }
         Ok(buf)
     }
@@ -159,7 +210,7 @@ impl Buffer {
         }
         let ptr = NonNull::new(p.cast::<u8>())
             .ok_or_else(|| Error::new(ErrorKind::Io, "map buffer", "mmap returned null"))?;
-        Ok(Buffer { ptr, len, fd, pages })
+        Ok(Buffer { ptr, len, fd: Some(fd), pages })
     }
 
     /// Address of the first byte: what peers name in remote requests.
@@ -183,8 +234,9 @@ impl Buffer {
         self.pages
     }
 
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+    /// The memfd of a shareable buffer.
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(|f| f.as_fd())
     }
 
     /// Copies `data` into the buffer at `offset`.
@@ -270,6 +322,10 @@ pub(crate) struct Region {
     pub len: u64,
     /// Peers may read and write it.
     pub remote: bool,
+    /// The region's registration with the NIC (rdma feature, device present, registration
+    /// succeeded). Declared before `buffer` so that it is deregistered before the buffer unmaps.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub mr: Option<Arc<crate::rdma::Mr>>,
     /// The owned buffer behind the region, when the engine can share it (memfd).
     pub buffer: Option<Arc<Buffer>>,
 }
@@ -332,10 +388,24 @@ impl Registry {
         r.contains(addr, len).then(|| r.clone())
     }
 
+    /// Up to `max` remotely accessible regions from the `start`-th on (in address order), and
+    /// whether more follow.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub fn remote_regions(&self, start: usize, max: usize) -> (Vec<Region>, bool) {
+        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let mut it = map.values().filter(|r| r.remote).skip(start);
+        let chunk: Vec<Region> = it.by_ref().take(max).cloned().collect();
+        (chunk, it.next().is_some())
+    }
+
     /// Every remotely accessible region backed by a shareable buffer.
     pub fn shareable(&self) -> Vec<Arc<Buffer>> {
         let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
-        map.values().filter(|r| r.remote).filter_map(|r| r.buffer.clone()).collect()
+        map.values()
+            .filter(|r| r.remote)
+            .filter_map(|r| r.buffer.clone())
+            .filter(|b| b.fd().is_some())
+            .collect()
     }
 }
 
@@ -360,7 +430,7 @@ mod tests {
     #[test]
     fn registry_refuses_overlap_and_finds_whole_ranges() {
         let r = Registry::default();
-        let region = |addr, len| Region { addr, len, remote: true, buffer: None };
+        let region = |addr, len| Region { addr, len, remote: true, mr: None, buffer: None };
         r.insert(region(1000, 100)).unwrap();
         r.insert(region(1100, 100)).unwrap();
         assert!(r.insert(region(1050, 10)).is_err());
@@ -371,6 +441,10 @@ mod tests {
         assert!(r.find(1050, 100).is_none(), "a range spanning two regions is not one region");
         assert!(r.find(999, 1).is_none());
         assert!(r.find(1199, 2).is_none());
+        let (first, more) = r.remote_regions(0, 1);
+        assert_eq!((first[0].addr, more), (1000, true));
+        let (rest, more) = r.remote_regions(1, 10);
+        assert_eq!((rest.len(), rest[0].addr, more), (1, 1100, false));
         r.remove(1000).unwrap();
         assert!(r.find(1000, 1).is_none());
         assert_eq!(r.remove(1000).unwrap_err().kind(), ErrorKind::NotRegistered);

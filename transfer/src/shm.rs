@@ -94,7 +94,8 @@ async fn send_buffers(
         more: start + chunk.len() < all.len(),
     };
     let frame = kvfs_proto::encode_frame(&msg).map_err(std::io::Error::other)?;
-    let fds: Vec<RawFd> = chunk.iter().map(|b| b.fd().as_raw_fd()).collect();
+    // `shareable()` only lists buffers that have a memfd.
+    let fds: Vec<RawFd> = chunk.iter().filter_map(|b| b.fd()).map(|f| f.as_raw_fd()).collect();
     let raw = stream.as_raw_fd();
     let mut sent = stream.async_io(Interest::WRITABLE, || sendmsg_fds(raw, &frame, &fds)).await?;
     while sent < frame.len() {

@@ -136,6 +136,9 @@ pub(crate) struct PeerInfo {
     pub host_id: String,
     pub instance: u64,
     pub shm_socket: Option<String>,
+    /// The peer serves rdma control connections.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub rdma: bool,
 }
 
 /// Connects and performs the handshake, within the connect timeout.
@@ -149,6 +152,7 @@ async fn connect(addr: SocketAddr, shared: &Shared) -> Result<(TcpStream, Welcom
             version: TE_PROTOCOL_VERSION,
             name: shared.name.clone(),
             host_id: shared.host_id.clone(),
+            rdma: None,
         };
         write_msg(&mut stream, &hello)
             .await
@@ -370,7 +374,12 @@ pub(crate) struct TcpPeer {
     next: AtomicUsize,
     instance: u64,
     slice_bytes: u64,
+    /// Requests in flight to this peer (decides whether a mid-sized request is striped).
+    busy: AtomicUsize,
 }
+
+/// Smallest slice a request is cut into when it is striped over idle connections.
+const STRIPE_SLICE_MIN: u64 = 256 << 10;
 
 impl TcpPeer {
     /// Connects the first connection and learns who the peer is.
@@ -381,6 +390,7 @@ impl TcpPeer {
             host_id: welcome.host_id,
             instance: welcome.instance,
             shm_socket: welcome.shm_socket,
+            rdma: welcome.rdma,
         };
         let n = shared.cfg.tcp_conns_per_peer;
         let first = start_conn(stream, &shared)?;
@@ -395,6 +405,7 @@ impl TcpPeer {
             next: AtomicUsize::new(0),
             instance: info.instance,
             slice_bytes,
+            busy: AtomicUsize::new(0),
         };
         Ok((peer, info))
     }
@@ -431,18 +442,34 @@ impl TcpPeer {
         hold: Hold,
         deadline: Instant,
     ) -> Result<()> {
-        if len <= self.slice_bytes {
+        let _busy = BusyGuard::new(&self.busy);
+        let slice = self.slice_for(len);
+        if len <= slice {
             return self.slice(op, remote, local, len, &hold, deadline).await;
         }
-        let mut slices = Vec::with_capacity(len.div_ceil(self.slice_bytes) as usize);
+        let mut slices = Vec::with_capacity(len.div_ceil(slice) as usize);
         let mut off = 0;
         while off < len {
-            let n = self.slice_bytes.min(len - off);
+            let n = slice.min(len - off);
             slices.push(self.slice(op, remote + off, local + off, n, &hold, deadline));
             off += n;
         }
         let results = futures_util::future::join_all(slices).await;
         results.into_iter().find(|r| r.is_err()).unwrap_or(Ok(()))
+    }
+
+    /// Slice size for a request of `len` bytes: `slice_bytes`, except that a request alone on an
+    /// otherwise idle peer is striped over every connection (slices of at least
+    /// `STRIPE_SLICE_MIN`), so one mid-sized transfer still uses them all; when other requests
+    /// are in flight the connections are busy anyway and bigger slices cost less per byte.
+    fn slice_for(&self, len: u64) -> u64 {
+        if self.busy.load(Ordering::Relaxed) > 1 {
+            return self.slice_bytes;
+        }
+        let conns = self.slots.len() as u64;
+        len.div_ceil(conns)
+            .next_multiple_of(4096)
+            .clamp(STRIPE_SLICE_MIN, self.slice_bytes.max(STRIPE_SLICE_MIN))
     }
 
     async fn slice(
@@ -527,6 +554,22 @@ impl TcpPeer {
     }
 }
 
+/// Counts a request as in flight for as long as it lives.
+struct BusyGuard<'a>(&'a AtomicUsize);
+
+impl<'a> BusyGuard<'a> {
+    fn new(c: &'a AtomicUsize) -> Self {
+        c.fetch_add(1, Ordering::Relaxed);
+        BusyGuard(c)
+    }
+}
+
+impl Drop for BusyGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Serves one accepted connection: handshake, then requests in order until the peer leaves.
 pub(crate) async fn serve_conn(mut stream: TcpStream, shared: Arc<Shared>) {
     tune_socket(&stream, shared.cfg.socket_buffer_bytes);
@@ -541,12 +584,18 @@ pub(crate) async fn serve_conn(mut stream: TcpStream, shared: Arc<Shared>) {
         Ok(Err(e)) => return tracing::debug!(error = %e, "bad handshake"),
         Err(_) => return tracing::debug!("handshake timed out"),
     };
-    let refused = (hello.version != TE_PROTOCOL_VERSION).then(|| {
-        format!(
+    let version_ok = hello.version == TE_PROTOCOL_VERSION;
+    if version_ok && hello.rdma.is_some() && shared.rdma.is_some() {
+        return crate::rdma::serve_control(stream, shared, hello).await;
+    }
+    let refused = if !version_ok {
+        Some(format!(
             "protocol version {} not supported (this engine speaks {})",
             hello.version, TE_PROTOCOL_VERSION
-        )
-    });
+        ))
+    } else {
+        hello.rdma.is_some().then(|| "this engine does not serve rdma".to_string())
+    };
     let welcome = Welcome {
         version: TE_PROTOCOL_VERSION,
         name: shared.name.clone(),
@@ -554,6 +603,8 @@ pub(crate) async fn serve_conn(mut stream: TcpStream, shared: Arc<Shared>) {
         instance: shared.instance,
         shm_socket: shared.shm_socket.clone(),
         refused: refused.clone(),
+        rdma: shared.rdma.is_some(),
+        rdma_endpoint: None,
     };
     if write_msg(&mut stream, &welcome).await.is_err() || refused.is_some() {
         return;

@@ -173,9 +173,90 @@ impl TcpLimits {
             streams,
         })
     }
+}
 
-    /// The best plain sockets reached, over one stream or several.
-    pub fn best(&self) -> f64 {
-        self.send_1.max(self.receive_1).max(self.send_n).max(self.receive_n)
+/// What a figure is held against, measured on demand (so it can be measured next to the
+/// figure, round by round).
+#[derive(Debug, Clone)]
+pub enum Limit {
+    /// Single-thread memcpy of `bytes`.
+    Memcpy { bytes: usize },
+    /// Plain loopback TCP to the peer's raw server: the best of one stream and `streams`
+    /// streams, in `dir` (both directions when `None`).
+    Tcp { addr: SocketAddr, bytes: usize, streams: usize, dir: Option<Direction> },
+}
+
+impl Limit {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Limit::Memcpy { .. } => "memcpy",
+            Limit::Tcp { .. } => "tcp",
+        }
     }
+
+    /// Measures the limit once, in GB/s (on a blocking thread).
+    pub async fn measure(&self) -> anyhow::Result<f64> {
+        let me = self.clone();
+        Ok(tokio::task::spawn_blocking(move || me.measure_blocking()).await??)
+    }
+
+    fn measure_blocking(&self) -> std::io::Result<f64> {
+        match *self {
+            Limit::Memcpy { bytes } => Ok(memcpy_gbps(bytes)),
+            Limit::Tcp { addr, bytes, streams, dir } => {
+                let dirs: &[Direction] = match dir {
+                    Some(Direction::Send) => &[Direction::Send],
+                    Some(Direction::Receive) => &[Direction::Receive],
+                    None => &[Direction::Send, Direction::Receive],
+                };
+                let mut best = 0.0f64;
+                for &d in dirs {
+                    for n in [1, streams] {
+                        best = best.max(raw_tcp_gbps(addr, bytes, n, d)?);
+                    }
+                }
+                Ok(best)
+            }
+        }
+    }
+}
+
+/// One timed call of a case: how long the timed part took and what it moved.
+pub struct Timed {
+    pub took: std::time::Duration,
+    pub bytes: u64,
+    pub ops: u64,
+}
+
+/// Runs `rounds` rounds of (measure the limit, run the case for `per_round`), and a last limit
+/// measurement after them; returns the median limit and the case's samples over all rounds.
+/// Interleaving keeps a busy neighbour from moving the figure without moving its limit.
+pub async fn interleaved<F, Fut>(
+    limit: &Limit,
+    rounds: usize,
+    per_round: std::time::Duration,
+    mut one: F,
+) -> anyhow::Result<(f64, super::report::Samples)>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Timed>>,
+{
+    let mut limits = Vec::with_capacity(rounds + 1);
+    let mut s = super::report::Samples::default();
+    for _ in 0..rounds.max(1) {
+        limits.push(limit.measure().await?);
+        let start = Instant::now();
+        let mut calls = 0;
+        while calls < 3 || start.elapsed() < per_round {
+            let t = one().await?;
+            s.lat_us.push(t.took.as_secs_f64() * 1e6);
+            s.bytes += t.bytes;
+            s.ops += t.ops;
+            s.elapsed_s += t.took.as_secs_f64();
+            calls += 1;
+        }
+    }
+    limits.push(limit.measure().await?);
+    limits.sort_by(|a, b| a.total_cmp(b));
+    Ok((limits[limits.len() / 2], s))
 }

@@ -3,5 +3,6 @@
 
 pub mod limits;
 pub mod report;
+pub mod store;
 pub mod tiers;
 pub mod transfer;

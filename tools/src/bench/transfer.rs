@@ -9,7 +9,11 @@
 //! - `batch`: batches of up to 256 requests over disjoint ranges (at most 32 MiB per batch):
 //!   the throughput an engine sees when it submits a layer's worth of blocks at once.
 //!
-//! tcp figures are held against raw loopback TCP, shm figures against memcpy.
+//! tcp figures are held against raw loopback TCP in the same direction (the best of one plain
+//! stream and as many streams as the engine uses connections), shm figures against
+//! single-thread memcpy. Each figure runs in three rounds, each preceded by a measurement of
+//! its limit (and one after the last): the ratio uses the median limit, so a neighbour that
+//! slows the machine down slows both sides of the ratio.
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -22,8 +26,11 @@ use kvfs_transfer::{
 };
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use super::limits::{TcpLimits, memcpy_gbps, serve_raw_tcp};
+use super::limits::{Direction, Limit, TcpLimits, Timed, interleaved, memcpy_gbps, serve_raw_tcp};
 use super::report::{Figure, Reporter, Samples, human_bytes};
+
+/// Rounds of (limit, case) per figure: the limit is measured next to the figure it divides.
+const ROUNDS: usize = 3;
 
 /// Size of the buffer on each side; every request fits inside it.
 const BUF_BYTES: usize = 64 << 20;
@@ -107,14 +114,24 @@ pub async fn run(opts: TransferBench) -> anyhow::Result<()> {
     emit_limits(&mut rep, memcpy, &tcp);
     for &kind in &opts.transports {
         let side = open_side(&opts, kind, &peer).await?;
-        let (limit, limit_gbps) = match kind {
-            TransportKind::Tcp => ("tcp", tcp.best()),
-            _ => ("memcpy", memcpy),
-        };
         for op in [TransferOp::Read, TransferOp::Write] {
+            let limit = match kind {
+                TransportKind::Tcp => Limit::Tcp {
+                    addr: peer.raw_addr,
+                    bytes: opts.limit_bytes / 4,
+                    streams: opts.conns_per_peer,
+                    dir: Some(if op == TransferOp::Read {
+                        Direction::Receive
+                    } else {
+                        Direction::Send
+                    }),
+                },
+                _ => Limit::Memcpy { bytes: opts.limit_bytes / 4 },
+            };
             for &size in &opts.sizes {
                 for case in ["qd1", "batch"] {
-                    let mut s = run_case(&side, &peer, op, size, case, opts.min_ms).await?;
+                    let (limit_gbps, mut s) =
+                        run_case(&side, &peer, op, size, case, &limit, opts.min_ms).await?;
                     rep.emit(&Figure {
                         bench: "transfer",
                         case: case.into(),
@@ -125,7 +142,7 @@ pub async fn run(opts: TransferBench) -> anyhow::Result<()> {
                         ops_per_s: Some(s.ops_per_s()),
                         p50_us: s.percentile(0.5),
                         p99_us: s.percentile(0.99),
-                        limit: Some(limit.into()),
+                        limit: Some(limit.name().into()),
                         limit_gbps: Some(limit_gbps),
                         ..Default::default()
                     });
@@ -187,8 +204,9 @@ async fn run_case(
     op: TransferOp,
     size: u64,
     case: &str,
+    limit: &Limit,
     min_ms: u64,
-) -> anyhow::Result<Samples> {
+) -> anyhow::Result<(f64, Samples)> {
     if size == 0 || size as usize > BUF_BYTES {
         bail!("block size {} must be between 1 byte and {}", size, human_bytes(BUF_BYTES as u64));
     }
@@ -212,6 +230,7 @@ async fn run_case(
     let once = |round: u64| {
         let batch = reqs(round);
         async move {
+            let t = Instant::now();
             if batch.len() == 1 {
                 side.engine.transfer_one(&batch[0]).await?;
             } else {
@@ -219,24 +238,22 @@ async fn run_case(
                     r?;
                 }
             }
-            Ok::<_, kvfs_transfer::Error>(())
+            Ok::<_, kvfs_transfer::Error>(Timed {
+                took: t.elapsed(),
+                bytes: items * size,
+                ops: items,
+            })
         }
     };
     once(0).await?; // warm-up: connections, mappings
-    let mut s = Samples::default();
-    let min = Duration::from_millis(min_ms);
-    let start = Instant::now();
-    let mut round = 1;
-    while s.ops < 5 || start.elapsed() < min {
-        let t = Instant::now();
-        once(round).await?;
-        s.lat_us.push(t.elapsed().as_secs_f64() * 1e6);
-        s.ops += items;
-        s.bytes += items * size;
-        round += 1;
-    }
-    s.elapsed_s = start.elapsed().as_secs_f64();
-    Ok(s)
+    let round = std::cell::Cell::new(1u64);
+    let per_round = Duration::from_millis(min_ms.div_ceil(ROUNDS as u64));
+    interleaved(limit, ROUNDS, per_round, || {
+        let r = round.get();
+        round.set(r + 1);
+        async move { Ok(once(r).await?) }
+    })
+    .await
 }
 
 fn op_name(op: TransferOp) -> &'static str {

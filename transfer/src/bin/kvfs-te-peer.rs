@@ -5,18 +5,22 @@
 //! - `fill SEED` fills the buffer with the deterministic test pattern of SEED, answers `OK`;
 //! - `hash OFFSET LEN` answers the blake3 hex digest of that range of the buffer;
 //! - `notes` answers `NOTES n msg1,msg2,...` with the notifications received so far (utf-8);
+//! - `reregister` unregisters the buffer and registers it again (same address; with rdma, a new
+//!   memory region and rkey, so peers holding the old one fail and must refresh), answers `OK`;
 //! - `quit` (or end of input) exits.
 //!
 //! The two-process tests of kvfs-transfer use it as the peer; it is also a quick way to check
-//! that two machines' engines can talk (`kvfs-te-peer --listen 0.0.0.0:7000`).
+//! that two machines' engines can talk (`kvfs-te-peer --listen 0.0.0.0:7000`). Built with the
+//! `rdma` feature it serves rdma too (`--no-shm` makes a same-host peer use it; `--no-rdma`
+//! turns it off; `--rdma-device`, `--rdma-gid-index` pick the port).
 
 use std::net::SocketAddr;
 
 use kvfs_transfer::{BufferOptions, Engine, EngineConfig, Transports};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
-const USAGE: &str =
-    "usage: kvfs-te-peer [--listen ADDR] [--buffer-bytes N] [--tcp-only] [--timeout-ms N]";
+const USAGE: &str = "usage: kvfs-te-peer [--listen ADDR] [--buffer-bytes N] [--tcp-only] \
+     [--no-shm] [--no-rdma] [--rdma-device NAME] [--rdma-gid-index N] [--timeout-ms N]";
 
 fn parse() -> Result<(EngineConfig, usize), String> {
     let mut cfg = EngineConfig::default();
@@ -35,6 +39,13 @@ fn parse() -> Result<(EngineConfig, usize), String> {
                 cfg.op_timeout_ms = val("--timeout-ms")?.parse().map_err(|e| format!("{e}"))?
             }
             "--tcp-only" => cfg.transports = Transports::tcp_only(),
+            "--no-shm" => cfg.transports.shm = false,
+            "--no-rdma" => cfg.transports.rdma = false,
+            "--rdma-device" => cfg.rdma_device = Some(val("--rdma-device")?),
+            "--rdma-gid-index" => {
+                cfg.rdma_gid_index =
+                    Some(val("--rdma-gid-index")?.parse().map_err(|e| format!("{e}"))?)
+            }
             "-h" | "--help" => return Err(USAGE.to_string()),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
@@ -96,6 +107,15 @@ async fn main() {
                     notes.push(String::from_utf8_lossy(&n.msg).into_owned());
                 }
                 format!("NOTES {} {}", notes.len(), notes.join(","))
+            }
+            ["reregister"] => {
+                match engine
+                    .unregister(buf.addr())
+                    .and_then(|_| engine.register_buffer(buf.clone(), true))
+                {
+                    Ok(()) => "OK".to_string(),
+                    Err(e) => format!("ERR {e}"),
+                }
             }
             ["quit"] => break,
             _ => format!("ERR unknown command: {line}"),

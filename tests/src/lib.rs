@@ -1,0 +1,211 @@
+//! Harness for integration tests that run real kvfs processes: a master and nodes started from
+//! the `kvfs` binary, on loopback, with ephemeral ports, killed with real signals.
+//!
+//! The binary is found through `KVFS_BIN`, or next to the test executable in the cargo target
+//! directory (`target/<profile>/kvfs`, built by `cargo build --bin kvfs`; `scripts/test`
+//! builds it before running the suite). Every process is killed when its handle drops, so a
+//! failing test leaves nothing running.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvfs_client::{Client, ClientConfig};
+
+/// Path of the `kvfs` binary under test.
+pub fn kvfs_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVFS_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test> -> target/<profile>/kvfs
+    let candidate = exe.parent().and_then(|d| d.parent()).map(|d| d.join("kvfs"));
+    match candidate {
+        Some(p) if p.exists() => p,
+        _ => panic!(
+            "the kvfs binary was not found next to {}: run `cargo build --bin kvfs` (scripts/test does) or set KVFS_BIN",
+            exe.display()
+        ),
+    }
+}
+
+/// A free loopback port (bound and released: another process could take it meanwhile, which
+/// only makes a test fail loudly, never pass wrongly).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// One kvfs process; killed (SIGKILL) when dropped.
+pub struct Proc {
+    child: Child,
+    pub first_line: String,
+}
+
+impl Proc {
+    /// Starts `kvfs ARGS` and waits (at most 20 s) for its first line on stdout.
+    pub fn start(args: &[String]) -> Proc {
+        let mut child = Command::new(kvfs_bin())
+            .args(args)
+            .env("KVFS_LOG", std::env::var("KVFS_LOG").unwrap_or_else(|_| "warn".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting kvfs {args:?}: {e}"));
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(l)) = lines.next() {
+                let _ = tx.send(l);
+            }
+            // Keep draining so the child never blocks on a full pipe.
+            for _ in lines {}
+        });
+        let first_line = rx
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|_| panic!("kvfs {args:?} printed nothing within 20 s"));
+        Proc { child, first_line }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: signalling our own child process.
+        unsafe { libc::kill(self.pid(), sig) };
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(mut self) {
+        self.signal(libc::SIGKILL);
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Options of a test cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterOpts {
+    pub nodes: usize,
+    pub dram: String,
+    pub master_args: Vec<String>,
+    pub node_args: Vec<String>,
+}
+
+impl Default for ClusterOpts {
+    fn default() -> Self {
+        ClusterOpts {
+            nodes: 3,
+            dram: "256MiB".into(),
+            master_args: vec![
+                "--node-ttl-ms".into(),
+                "3000".into(),
+                "--heartbeat-ms".into(),
+                "200".into(),
+                "--recovery-grace-ms".into(),
+                "1500".into(),
+            ],
+            node_args: vec!["--no-populate".into()],
+        }
+    }
+}
+
+/// A master and its nodes, each a separate `kvfs` process.
+pub struct Cluster {
+    pub opts: ClusterOpts,
+    pub master_addr: String,
+    pub master: Option<Proc>,
+    pub nodes: Vec<Option<Proc>>,
+}
+
+impl Cluster {
+    /// Starts the master and `opts.nodes` nodes and waits until every node is registered.
+    pub async fn start(opts: ClusterOpts) -> Cluster {
+        let master_addr = format!("127.0.0.1:{}", free_port());
+        let mut c = Cluster { opts, master_addr, master: None, nodes: Vec::new() };
+        c.start_master();
+        for _ in 0..c.opts.nodes {
+            c.start_node();
+        }
+        c.wait_nodes(c.opts.nodes).await;
+        c
+    }
+
+    pub fn start_master(&mut self) {
+        let mut args = vec![
+            "master".into(),
+            "--listen".into(),
+            self.master_addr.clone(),
+            "--admin".into(),
+            "off".into(),
+        ];
+        args.extend(self.opts.master_args.iter().cloned());
+        self.master = Some(Proc::start(&args));
+    }
+
+    /// Starts one more node; returns its index.
+    pub fn start_node(&mut self) -> usize {
+        let mut args = vec![
+            "node".into(),
+            "--master".into(),
+            self.master_addr.clone(),
+            "--dram".into(),
+            self.opts.dram.clone(),
+        ];
+        args.extend(self.opts.node_args.iter().cloned());
+        self.nodes.push(Some(Proc::start(&args)));
+        self.nodes.len() - 1
+    }
+
+    pub fn kill_node(&mut self, i: usize) {
+        if let Some(p) = self.nodes[i].take() {
+            p.kill();
+        }
+    }
+
+    pub fn kill_master(&mut self) {
+        if let Some(p) = self.master.take() {
+            p.kill();
+        }
+    }
+
+    pub fn client_config(&self) -> ClientConfig {
+        ClientConfig { master: self.master_addr.clone(), ..ClientConfig::default() }
+    }
+
+    pub async fn client(&self) -> Client {
+        Client::connect(self.client_config()).await.expect("client connects")
+    }
+
+    /// Waits (at most 30 s) until the master reports `n` registered nodes.
+    pub async fn wait_nodes(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(c) = Client::connect(self.client_config()).await
+                && let Ok(s) = c.stats().await
+                && s.nodes as usize == n
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the master never reported {n} nodes");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Deterministic, distinct content for an object.
+pub fn content(seed: u64, len: usize) -> Vec<u8> {
+    kvfs_transfer::testing::pattern(seed, 0, len)
+}

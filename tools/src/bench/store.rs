@@ -1,0 +1,350 @@
+//! `kvfs bench store`: the store's client calls against a node in another process, per mode,
+//! call and object size, each figure held against the machine's limit measured next to it.
+//!
+//! The bench starts a peer process (`kvfs bench store-peer`, this same binary) running a master
+//! and a node that holds the data, plus a raw TCP server. This process is the client, in two
+//! modes: `tcp` (its engine uses tcp only, so bytes cross loopback sockets between the two
+//! processes) and `shm` (same host: the node's segment is mapped and a transfer is a memcpy).
+//! Per mode and size it measures put/get (bytes API, staged), put_from/get_into (zero-copy,
+//! registered memory) one object at a time (latency percentiles), and their batch forms
+//! (up to 256 objects or 128 MiB per call), then exists and remove rates on 10 000-key
+//! batches. Put keys are fresh every round (first writer wins would make repeats no-ops) and
+//! are removed between rounds, outside the timed region, so the node never fills up.
+//!
+//! Limits: raw loopback TCP in the same direction (plain sockets to the peer process, the best
+//! of one and four streams) for tcp mode, single-thread memcpy for shm mode, measured before
+//! each of three rounds of every figure and after the last (`limits::interleaved`): the ratio
+//! uses the median, so a busy neighbour moves figure and limit together.
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use kvfs_client::{Client, ClientConfig, GetInto, Node, NodeConfig, PutFrom, PutOptions};
+use kvfs_master::service::{MasterService, ServiceConfig};
+use kvfs_transfer::{Buffer, BufferOptions, EngineConfig, Transports};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use super::limits::{Direction, Limit, Timed, interleaved, serve_raw_tcp};
+
+/// Rounds of (limit, case) per figure; see `limits::interleaved`.
+const ROUNDS: usize = 3;
+use super::report::{Figure, Reporter, Samples};
+
+const BATCH_BYTES_MAX: u64 = 128 << 20;
+const BATCH_ITEMS_MAX: u64 = 256;
+const META_KEYS: usize = 10_000;
+
+/// Options of `kvfs bench store`.
+#[derive(Debug, Clone)]
+pub struct StoreBench {
+    pub sizes: Vec<u64>,
+    pub modes: Vec<String>,
+    pub min_ms: u64,
+    pub json: bool,
+    pub node_dram: u64,
+    pub limit_bytes: usize,
+}
+
+/// The peer: master + node + raw TCP server; prints `READY <master> <raw tcp>`.
+pub async fn serve_peer(dram: u64) -> anyhow::Result<()> {
+    let cfg = ServiceConfig { listen: "127.0.0.1:0".parse()?, ..ServiceConfig::default() };
+    let master = MasterService::start(cfg).await?;
+    let addr = master.rpc_addr().to_string();
+    let node =
+        Node::start(NodeConfig { master: addr.clone(), dram_bytes: dram, ..NodeConfig::default() })
+            .await?;
+    node.wait_registered(Duration::from_secs(120)).await?;
+    let raw = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let raw_addr = raw.local_addr()?;
+    std::thread::spawn(move || serve_raw_tcp(raw));
+    println!("READY {addr} {raw_addr}");
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    while let Ok(Some(_)) = lines.next_line().await {}
+    drop(node);
+    drop(master);
+    Ok(())
+}
+
+async fn start_peer(
+    dram: u64,
+) -> anyhow::Result<(tokio::process::Child, String, std::net::SocketAddr)> {
+    let exe = std::env::current_exe().context("locating the kvfs binary")?;
+    let mut child = tokio::process::Command::new(exe)
+        .args(["bench", "store-peer", "--dram", &dram.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting the bench peer")?;
+    let stdout = child.stdout.take().context("peer stdout")?;
+    let mut line = String::new();
+    tokio::time::timeout(Duration::from_secs(180), BufReader::new(stdout).read_line(&mut line))
+        .await
+        .context("the bench peer did not start within 180 s")??;
+    let w: Vec<&str> = line.split_whitespace().collect();
+    if w.len() != 3 || w[0] != "READY" {
+        bail!("unexpected answer from the bench peer: {line:?}");
+    }
+    Ok((child, w[1].to_string(), w[2].parse()?))
+}
+
+struct Ctx {
+    client: Client,
+    src: Arc<Buffer>,
+    dst: Arc<Buffer>,
+    mode: String,
+    raw: std::net::SocketAddr,
+    limit_bytes: usize,
+    min: Duration,
+    round: u64,
+}
+
+impl Ctx {
+    /// tcp mode: raw loopback TCP in the op's direction; shm mode: memcpy.
+    fn limit_for(&self, op: &str) -> Limit {
+        if self.mode == "tcp" {
+            let dir = if op.starts_with("put") { Direction::Send } else { Direction::Receive };
+            Limit::Tcp { addr: self.raw, bytes: self.limit_bytes, streams: 4, dir: Some(dir) }
+        } else {
+            Limit::Memcpy { bytes: self.limit_bytes }
+        }
+    }
+}
+
+pub async fn run(opts: StoreBench) -> anyhow::Result<()> {
+    let (_peer, master, raw) = start_peer(opts.node_dram).await?;
+    let mut rep = Reporter::new(opts.json);
+    let max_size = opts.sizes.iter().copied().max().unwrap_or(1 << 20);
+    let buf_bytes = (max_size.max(BATCH_BYTES_MAX.min(max_size * BATCH_ITEMS_MAX))) as usize;
+    for mode in &opts.modes {
+        let transports = match mode.as_str() {
+            "tcp" => Transports::tcp_only(),
+            "shm" => Transports::default(),
+            other => bail!("unknown mode {other:?} (tcp, shm)"),
+        };
+        let cfg = ClientConfig {
+            master: master.clone(),
+            engine: EngineConfig { transports, ..EngineConfig::default() },
+            ..ClientConfig::default()
+        };
+        let client = Client::connect(cfg).await.context("connecting to the bench peer's master")?;
+        let bopts = BufferOptions { populate: true, ..BufferOptions::default() };
+        let src = client.engine().alloc_buffer(buf_bytes, &bopts)?;
+        let dst = client.engine().alloc_buffer(buf_bytes, &bopts)?;
+        let mut ctx = Ctx {
+            client,
+            src,
+            dst,
+            mode: mode.clone(),
+            raw,
+            limit_bytes: opts.limit_bytes,
+            min: Duration::from_millis(opts.min_ms),
+            round: 0,
+        };
+        for &size in &opts.sizes {
+            for op in [
+                "put",
+                "get",
+                "put_from",
+                "get_into",
+                "put_batch",
+                "get_batch",
+                "put_from_batch",
+                "get_into_batch",
+            ] {
+                let (limit_gbps, mut s) = run_op(&mut ctx, op, size)
+                    .await
+                    .with_context(|| format!("{mode} {op} {size} B"))?;
+                let limit = ctx.limit_for(op);
+                rep.emit(&figure(&ctx, op, Some(size), &mut s, Some((limit.name(), limit_gbps))));
+            }
+        }
+        for op in ["exists_batch", "remove_batch"] {
+            let mut s = run_meta(&mut ctx, op).await.with_context(|| format!("{mode} {op}"))?;
+            rep.emit(&figure(&ctx, op, None, &mut s, None));
+        }
+    }
+    Ok(())
+}
+
+fn figure(
+    ctx: &Ctx,
+    op: &str,
+    size: Option<u64>,
+    s: &mut Samples,
+    limit: Option<(&str, f64)>,
+) -> Figure {
+    let moves_bytes = size.is_some();
+    Figure {
+        bench: "store",
+        case: if op.ends_with("_batch") { "batch".into() } else { "qd1".into() },
+        mode: Some(ctx.mode.clone()),
+        op: op.into(),
+        size_bytes: size,
+        gbps: moves_bytes.then(|| s.gbps()),
+        ops_per_s: Some(s.ops_per_s()),
+        p50_us: s.percentile(0.5),
+        p99_us: s.percentile(0.99),
+        limit: limit.map(|l| l.0.to_string()),
+        limit_gbps: limit.map(|l| l.1),
+        ..Default::default()
+    }
+}
+
+fn batch_items(op: &str, size: u64) -> u64 {
+    if op.ends_with("_batch") { (BATCH_BYTES_MAX / size).clamp(1, BATCH_ITEMS_MAX) } else { 1 }
+}
+
+/// Runs one operation for at least the minimum time; every round is one timed call.
+async fn run_op(ctx: &mut Ctx, op: &str, size: u64) -> anyhow::Result<(f64, Samples)> {
+    let n = batch_items(op, size);
+    let is_put = op.starts_with("put");
+    let prefix = format!("bench/{}/{op}/{size}", ctx.mode);
+    let fixed: Vec<String> = (0..n).map(|i| format!("{prefix}/{i}")).collect();
+    // Gets read a fixed set of objects, put once up front.
+    if !is_put {
+        put_keys(ctx, &fixed, size).await?;
+    }
+    let limit = ctx.limit_for(op);
+    let round = std::cell::Cell::new(ctx.round);
+    let ctx_ref = &*ctx;
+    let one = || {
+        let r = round.get() + 1;
+        round.set(r);
+        let keys: Vec<String> = if is_put {
+            (0..n).map(|i| format!("{prefix}/{r}/{i}")).collect()
+        } else {
+            fixed.clone()
+        };
+        async move {
+            let t = Instant::now();
+            call(ctx_ref, op, &keys, size).await?;
+            let took = t.elapsed();
+            if is_put {
+                // Untimed: keep the node from filling up.
+                for r in ctx_ref.client.remove_batch(&keys, true).await {
+                    r?;
+                }
+            }
+            Ok(Timed { took, bytes: n * size, ops: n })
+        }
+    };
+    one().await?; // warm-up
+    let per_round = ctx.min.div_f64(ROUNDS as f64);
+    let out = interleaved(&limit, ROUNDS, per_round, one).await?;
+    ctx.round = round.get();
+    if !is_put {
+        for r in ctx.client.remove_batch(&fixed, true).await {
+            r?;
+        }
+    }
+    Ok(out)
+}
+
+async fn put_keys(ctx: &Ctx, keys: &[String], size: u64) -> anyhow::Result<()> {
+    let items: Vec<PutFrom> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| PutFrom { key: k, addr: ctx.src.addr() + i as u64 * size, len: size })
+        .collect();
+    for r in ctx.client.put_from_batch(&items, &PutOptions::default()).await {
+        r?;
+    }
+    Ok(())
+}
+
+async fn call(ctx: &Ctx, op: &str, keys: &[String], size: u64) -> anyhow::Result<()> {
+    let c = &ctx.client;
+    let opts = PutOptions::default();
+    match op {
+        "put" => {
+            // SAFETY: no transfer writes the source buffer during the bench.
+            let data = unsafe { &ctx.src.as_slice()[..size as usize] };
+            c.put(&keys[0], data, &opts).await?;
+        }
+        "get" => {
+            let v = c.get(&keys[0]).await?;
+            anyhow::ensure!(v.len() as u64 == size, "short read");
+        }
+        "put_from" => c.put_from(&keys[0], ctx.src.addr(), size, &opts).await?,
+        "get_into" => {
+            c.get_into(&keys[0], ctx.dst.addr(), size).await?;
+        }
+        "put_batch" => {
+            // SAFETY: as above.
+            let all = unsafe { ctx.src.as_slice() };
+            let items: Vec<(&str, &[u8])> = keys
+                .iter()
+                .enumerate()
+                .map(|(i, k)| (k.as_str(), &all[i * size as usize..(i + 1) * size as usize]))
+                .collect();
+            for r in c.put_batch(&items, &opts).await {
+                r?;
+            }
+        }
+        "get_batch" => {
+            for r in c.get_batch(keys).await {
+                anyhow::ensure!(r?.len() as u64 == size, "short read");
+            }
+        }
+        "put_from_batch" => put_keys(ctx, keys, size).await?,
+        "get_into_batch" => {
+            let items: Vec<GetInto> = keys
+                .iter()
+                .enumerate()
+                .map(|(i, k)| GetInto { key: k, addr: ctx.dst.addr() + i as u64 * size, cap: size })
+                .collect();
+            for r in c.get_into_batch(&items).await {
+                r?;
+            }
+        }
+        other => bail!("unknown op {other}"),
+    }
+    Ok(())
+}
+
+/// exists and remove rates on batches of 10 000 small objects.
+async fn run_meta(ctx: &mut Ctx, op: &str) -> anyhow::Result<Samples> {
+    let mut s = Samples::default();
+    let start = Instant::now();
+    while s.ops < (5 * META_KEYS) as u64 || start.elapsed() < ctx.min {
+        ctx.round += 1;
+        let keys: Vec<String> =
+            (0..META_KEYS).map(|i| format!("bench/meta/{}/{:064x}", ctx.round, i)).collect();
+        let t = Instant::now();
+        let took = if op == "exists_batch" {
+            // Half hits, half misses, as a prefix lookup of an engine sees them.
+            put_keys_small(ctx, &keys[..META_KEYS / 2]).await?;
+            let t = Instant::now();
+            for r in ctx.client.exists_batch(&keys).await {
+                r?;
+            }
+            let took = t.elapsed();
+            ctx.client.remove_batch(&keys[..META_KEYS / 2], true).await;
+            took
+        } else {
+            put_keys_small(ctx, &keys).await?;
+            let t = Instant::now();
+            for r in ctx.client.remove_batch(&keys, true).await {
+                r?;
+            }
+            t.elapsed()
+        };
+        let _ = t;
+        s.lat_us.push(took.as_secs_f64() * 1e6);
+        s.ops += META_KEYS as u64;
+        s.elapsed_s += took.as_secs_f64();
+    }
+    Ok(s)
+}
+
+async fn put_keys_small(ctx: &Ctx, keys: &[String]) -> anyhow::Result<()> {
+    let items: Vec<PutFrom> =
+        keys.iter().map(|k| PutFrom { key: k, addr: ctx.src.addr(), len: 64 }).collect();
+    for r in ctx.client.put_from_batch(&items, &PutOptions::default()).await {
+        r?;
+    }
+    Ok(())
+}
