@@ -452,8 +452,9 @@ async fn a_restarted_node_serves_its_nvme_objects_again() -> Result<()> {
 
 /// Eager objects survive the loss of everything but the object store: every node and the
 /// master are SIGKILLed and started empty (new data directories), and every object reads back
-/// from the object store, byte for byte; objects without persistence are gone. A byte flipped
-/// in the object store is detected on that read (an error, counted).
+/// from the object store, byte for byte; objects without persistence are gone, and so are
+/// persisted objects removed before the crash (an upserted one comes back with its new value).
+/// A byte flipped in the object store is detected on that read (an error, counted).
 async fn eager_survives_total_loss(store: impl FnOnce(&Path) -> Store) -> Result<()> {
     let mut cl = Cluster::new(store)?;
     let roomy = NodeOpts { demote_high: 0.95, demote_low: 0.9, ..NodeOpts::default() };
@@ -474,6 +475,11 @@ async fn eager_survives_total_loss(store: impl FnOnce(&Path) -> Store) -> Result
     }
     c.put("volatile", &pattern(4096, 1), &opts(Persistence::None)).await?;
     ensure!(cl.metric("kvfs_master_eager_persisted_total")? == 12.0);
+    // A removed persisted object must not come back; an upserted one comes back new.
+    c.remove("eager/11", true).await?;
+    let newer = pattern(5000, 77);
+    c.put("eager/10", &newer, &PutOptions { upsert: true, ..opts(Persistence::Eager) }).await?;
+    cl.wait_metric("kvfs_master_object_store_deletes_total", 2.0).await?;
     drop(c);
     cl.kill_all();
     cl.start_master()?;
@@ -486,7 +492,9 @@ async fn eager_survives_total_loss(store: impl FnOnce(&Path) -> Store) -> Result
         let d = blake3::hash(damaged.as_bytes()).to_hex().to_string();
         flip_byte(&root.join("objects").join(&d[..2]).join(&d), 200 + 5000)?;
     }
-    for (k, v) in &eager {
+    ensure!(c.get("eager/11").await.unwrap_err().kind() == ErrorKind::NotFound, "removed");
+    ensure!(c.get("eager/10").await? == newer, "the upserted value");
+    for (k, v) in eager.iter().take(10) {
         match c.get(k).await {
             Ok(got) => ensure!(&got == v, "{k} read back different"),
             Err(e) if k == damaged && cl.store.fs_root.is_some() => {

@@ -171,6 +171,8 @@ struct Counters {
     evicted_objects: u64,
     evicted_replicas: u64,
     evicted_bytes: u64,
+    /// Object-store deletions dropped because the list was full (see `tiers`).
+    unpersisted_dropped: u64,
 }
 
 /// The master's object directory. See the module notes.
@@ -187,6 +189,8 @@ pub struct Directory {
     retired: Vec<Retired>,
     /// DRAM ranges being filled by loads (see `tiers`), keyed by object key.
     loading: hashbrown::HashMap<Arc<str>, tiers::Loading, FixedState>,
+    /// Persisted objects removed or replaced, whose object-store copy must go (see `tiers`).
+    unpersisted: Vec<(Arc<str>, u64)>,
     nodes: BTreeMap<NodeId, Node>,
     /// Indexed by segment id; slot 0 is never used so that ids are `NonZeroU32`.
     segments: Vec<Option<Segment>>,
@@ -217,6 +221,7 @@ impl Directory {
             pending: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
             retired: Vec::new(),
             loading: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
+            unpersisted: Vec::new(),
             nodes: BTreeMap::new(),
             segments: vec![None],
             free_seg_ids: Vec::new(),
@@ -856,6 +861,7 @@ impl Directory {
         self.key_heap_bytes -= memory::arc_str_heap_bytes(obj.key.len());
         if obj.flags.persisted {
             self.count_persisted(obj.size, false);
+            self.note_unpersisted(obj.key, obj.version);
         }
     }
 

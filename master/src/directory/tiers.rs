@@ -17,6 +17,10 @@
 //!   replica: a copy made from a range the master dropped (and may have reused) is refused.
 //! - [`Directory::adopt_persisted`] takes an object found in the object store after a restart,
 //!   with only its object-store replica; the higher version wins against what nodes reported.
+//! - A persisted object that is removed or replaced (upsert, a newer copy adopted) leaves its
+//!   key and version in a list the RPC layer drains ([`Directory::take_unpersisted`]) to delete
+//!   that version from the object store; otherwise a restart would bring it back. The list is
+//!   bounded (`UNPERSISTED_MAX`; past it, entries are dropped and counted).
 //!
 //! Invariants: a key has at most one load in flight; a loading range is allocated in its
 //! segment and in no replica, and it disappears with its segment when the node goes away;
@@ -93,6 +97,9 @@ pub struct ReportOutcome {
 
 /// How long a node should wait before asking again to drop an object's last copy.
 pub const LAST_COPY_RETRY_MS: u64 = 60_000;
+
+/// Removed persisted objects waiting for their object-store copy to be deleted, at most.
+pub const UNPERSISTED_MAX: usize = 1 << 20;
 
 impl Directory {
     /// Plan a DRAM copy of `key` if it has no memory replica (`None` when it has one). `Drop`
@@ -365,6 +372,25 @@ impl Directory {
         });
         self.last_version = self.last_version.max(p.version);
         Ok(true)
+    }
+
+    /// Keys and versions of persisted objects removed or replaced since the last call: their
+    /// object-store copies (of exactly that version) must be deleted.
+    pub fn take_unpersisted(&mut self) -> Vec<(Arc<str>, u64)> {
+        std::mem::take(&mut self.unpersisted)
+    }
+
+    /// Object-store deletions dropped because the list was full.
+    pub fn unpersisted_dropped(&self) -> u64 {
+        self.counters.unpersisted_dropped
+    }
+
+    pub(super) fn note_unpersisted(&mut self, key: Arc<str>, version: u64) {
+        if self.unpersisted.len() < UNPERSISTED_MAX {
+            self.unpersisted.push((key, version));
+        } else {
+            self.counters.unpersisted_dropped += 1;
+        }
     }
 
     /// A pending put's version, persistence and ranges (for eager persistence at its end).

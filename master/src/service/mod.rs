@@ -300,6 +300,7 @@ async fn timer(state: Arc<State>) {
             }
         }
         deliver(&state, fx, false).await;
+        tiers::delete_unpersisted(&state).await;
     }
 }
 

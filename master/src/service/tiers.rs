@@ -27,8 +27,14 @@
 //!   object-store replica, so after every node and the master restarted empty, persisted
 //!   objects are readable again (through loads).
 //!
+//! - **Removal**: persisted objects that are removed or replaced have that version deleted from
+//!   the object store (by the timer, in the background), so a restart does not bring them
+//!   back.
+//!
 //! Not handled: batching loads of many keys into one node call (each key is its own call, run
-//! concurrently), rescans after start.
+//! concurrently), rescans after start, an atomic delete-if-version on the object store (the
+//! check and the delete are two requests: a newer write landing between them is lost; the
+//! window is one round trip and needs a re-put of a just-removed key).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
@@ -56,6 +62,8 @@ pub(crate) struct TierMetrics {
     reports: AtomicU64,
     adopted: AtomicU64,
     access_dropped: AtomicU64,
+    store_deletes: AtomicU64,
+    store_delete_failures: AtomicU64,
 }
 
 /// The tier state of the master service.
@@ -519,11 +527,52 @@ pub(crate) async fn scan(state: Arc<State>) {
     );
 }
 
+/// Deletes from the object store the versions of removed or replaced persisted objects
+/// (called by the timer). A copy of another version (a newer write) is left alone; the check
+/// and the delete are two requests, so a newer write landing between them can be lost (see the
+/// module notes).
+pub(crate) async fn delete_unpersisted(state: &Arc<State>) {
+    let gone = state.lock().take_unpersisted();
+    let Some(store) = state.tiers.object_store.clone() else { return };
+    if gone.is_empty() {
+        return;
+    }
+    let st = state.clone();
+    tokio::spawn(async move {
+        let m = &st.tiers.metrics;
+        for chunk in gone.chunks(16) {
+            let mut set = tokio::task::JoinSet::new();
+            for (key, version) in chunk.iter().cloned() {
+                let store = store.clone();
+                set.spawn(async move {
+                    match store.stat(&key).await {
+                        Ok(meta) if meta.version == version => store.remove(&key).await,
+                        Ok(_) => Ok(()),
+                        Err(e) if e.kind() == kvfs_tiers::ErrorKind::NotFound => Ok(()),
+                        Err(e) => Err(e),
+                    }
+                });
+            }
+            while let Some(r) = set.join_next().await {
+                match r {
+                    Ok(Ok(())) => m.store_deletes.fetch_add(1, Ordering::Relaxed),
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "object store delete failed");
+                        m.store_delete_failures.fetch_add(1, Ordering::Relaxed)
+                    }
+                    Err(_) => m.store_delete_failures.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+        }
+    });
+}
+
 // ----- metrics ------------------------------------------------------------------------------
 
 /// Appends the tier counters and every node's reported counters.
 pub(crate) fn render(state: &State, o: &mut String) {
     let m = &state.tiers.metrics;
+    let dropped = state.lock().unpersisted_dropped();
     let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let mut counter = |name: &str, help: &str, rows: &[(&str, u64)]| {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter");
@@ -571,6 +620,16 @@ pub(crate) fn render(state: &State, o: &mut String) {
         "kvfs_master_object_store_adopted_total",
         "Objects adopted from the object store scan.",
         &[("", load(&m.adopted))],
+    );
+    counter(
+        "kvfs_master_object_store_deletes_total",
+        "Object-store copies of removed or replaced persisted objects deleted (or already gone).",
+        &[("", load(&m.store_deletes))],
+    );
+    counter(
+        "kvfs_master_object_store_delete_failures_total",
+        "Object-store deletions that failed (the copy may come back after a restart).",
+        &[("", load(&m.store_delete_failures)), ("{reason=\"list_full\"}", dropped)],
     );
     counter(
         "kvfs_master_access_keys_dropped_total",
