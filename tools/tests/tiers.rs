@@ -141,6 +141,8 @@ struct Cluster {
     master: Option<Proc>,
     nodes: Vec<Option<Proc>>,
     runs: usize,
+    /// More flags for the master.
+    master_args: Vec<String>,
 }
 
 impl Cluster {
@@ -155,6 +157,7 @@ impl Cluster {
             master: None,
             nodes: Vec::new(),
             runs: 0,
+            master_args: Vec::new(),
         })
     }
 
@@ -183,6 +186,7 @@ impl Cluster {
         .map(|s| s.to_string())
         .collect();
         args.extend(self.store.args.iter().cloned());
+        args.extend(self.master_args.iter().cloned());
         let log = self.log("master");
         self.master = Some(Proc::spawn(log, &args)?);
         Ok(())
@@ -454,10 +458,12 @@ async fn a_restarted_node_serves_its_nvme_objects_again() -> Result<()> {
 /// master are SIGKILLed and started empty (new data directories), and every object reads back
 /// from the object store, byte for byte; objects without persistence are gone, and so are
 /// persisted objects removed before the crash (an upserted one comes back with its new value).
-/// A byte flipped in the object store is detected on that read (an error, counted).
+/// A namespace's default persistence applies to puts that asked for none. A byte flipped in
+/// the object store is detected on that read (an error, counted).
 async fn eager_survives_total_loss(store: impl FnOnce(&Path) -> Store) -> Result<()> {
     let mut cl = Cluster::new(store)?;
     let roomy = NodeOpts { demote_high: 0.95, demote_low: 0.9, ..NodeOpts::default() };
+    cl.master_args = vec!["--persistence".into(), "ns/=eager".into()];
     cl.start_master()?;
     cl.start_node(0, 0, &roomy)?;
     cl.start_node(1, 0, &roomy)?;
@@ -474,7 +480,9 @@ async fn eager_survives_total_loss(store: impl FnOnce(&Path) -> Store) -> Result
         );
     }
     c.put("volatile", &pattern(4096, 1), &opts(Persistence::None)).await?;
-    ensure!(cl.metric("kvfs_master_eager_persisted_total")? == 12.0);
+    // The namespace's default persistence applies to a put that asked for none.
+    c.put("ns/by-default", &pattern(4096, 2), &opts(Persistence::None)).await?;
+    ensure!(cl.metric("kvfs_master_eager_persisted_total")? == 13.0);
     // A removed persisted object must not come back; an upserted one comes back new.
     c.remove("eager/11", true).await?;
     let newer = pattern(5000, 77);
@@ -493,6 +501,7 @@ async fn eager_survives_total_loss(store: impl FnOnce(&Path) -> Store) -> Result
         flip_byte(&root.join("objects").join(&d[..2]).join(&d), 200 + 5000)?;
     }
     ensure!(c.get("eager/11").await.unwrap_err().kind() == ErrorKind::NotFound, "removed");
+    ensure!(c.get("ns/by-default").await? == pattern(4096, 2), "namespace default persisted");
     ensure!(c.get("eager/10").await? == newer, "the upserted value");
     for (k, v) in eager.iter().take(10) {
         match c.get(k).await {

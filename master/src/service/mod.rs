@@ -71,6 +71,9 @@ pub struct ServiceConfig {
     /// Keys per node whose reads the master remembers between two heartbeats (the nodes'
     /// access signal); reads of further keys are dropped and counted.
     pub access_report_keys_max: usize,
+    /// Persistence by namespace: a put of a key under a prefix gets at least that prefix's
+    /// persistence (the longest matching prefix; none < lazy < eager).
+    pub persistence_defaults: Vec<(String, w::Persistence)>,
 }
 
 impl Default for ServiceConfig {
@@ -88,6 +91,7 @@ impl Default for ServiceConfig {
             persist_timeout_ms: 60_000,
             load_timeout_ms: 30_000,
             access_report_keys_max: 4096,
+            persistence_defaults: Vec::new(),
         }
     }
 }
@@ -499,11 +503,15 @@ async fn put_start(
                     .filter_map(|e| by_endpoint.get(e))
                     .map(|&node| SegmentRef { node, index: 0 })
                     .collect(),
-                key: it.key,
                 size: it.size,
                 replicas: it.replicas,
                 tier: crate::Tier::Dram,
-                persistence: convert::persistence_in(it.persistence),
+                persistence: convert::persistence_in(tiers::persistence_for(
+                    &state.cfg.persistence_defaults,
+                    &it.key,
+                    it.persistence,
+                )),
+                key: it.key,
                 pin: convert::pin_in(it.pin),
                 strategy: convert::strategy_in(it.strategy),
                 client_host: Some(client_host.clone()),

@@ -27,6 +27,8 @@
 //!   object-store replica, so after every node and the master restarted empty, persisted
 //!   objects are readable again (through loads).
 //!
+//! - **Namespace defaults**: `persistence_defaults` raises a put's persistence to its longest
+//!   matching prefix's (a floor: `none` cannot be told from "not given" on the wire).
 //! - **Removal**: persisted objects that are removed or replaced have that version deleted from
 //!   the object store (by the timer, in the background), so a restart does not bring them
 //!   back.
@@ -139,6 +141,31 @@ fn single(resp: NodeResponse, what: &str) -> Result<[u8; 32], WireError> {
 }
 
 // ----- eager persistence --------------------------------------------------------------------
+
+fn rank(p: w::Persistence) -> u8 {
+    match p {
+        w::Persistence::None => 0,
+        w::Persistence::Lazy => 1,
+        w::Persistence::Eager => 2,
+    }
+}
+
+/// The persistence a put of `key` gets: what it asked for, raised to its namespace's default
+/// (the longest matching prefix). A namespace default is a floor, because the wire cannot tell
+/// an explicit `None` from an unspecified one.
+pub fn persistence_for(
+    defaults: &[(String, w::Persistence)],
+    key: &str,
+    asked: w::Persistence,
+) -> w::Persistence {
+    let floor = defaults
+        .iter()
+        .filter(|(prefix, _)| key.starts_with(prefix.as_str()))
+        .max_by_key(|(prefix, _)| prefix.len())
+        .map(|(_, p)| *p)
+        .unwrap_or(w::Persistence::None);
+    if rank(floor) > rank(asked) { floor } else { asked }
+}
 
 /// Writes every eager object among `items` to the object store through a node holding one of
 /// its ranges. Returns, per item, the error that must fail it (its pending put is revoked);
@@ -565,6 +592,22 @@ pub(crate) async fn delete_unpersisted(state: &Arc<State>) {
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespace_defaults_are_a_floor_by_longest_prefix() {
+        use w::Persistence::*;
+        let d = vec![("models/".to_string(), Lazy), ("models/pinned/".to_string(), Eager)];
+        assert_eq!(persistence_for(&d, "models/a", None), Lazy);
+        assert_eq!(persistence_for(&d, "models/a", Eager), Eager);
+        assert_eq!(persistence_for(&d, "models/pinned/x", None), Eager);
+        assert_eq!(persistence_for(&d, "other", None), None);
+        assert_eq!(persistence_for(&[], "models/a", Lazy), Lazy);
+    }
 }
 
 // ----- metrics ------------------------------------------------------------------------------

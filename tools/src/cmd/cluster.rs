@@ -67,6 +67,22 @@ pub struct MasterArgs {
     /// after this.
     #[arg(long, default_value_t = 30_000)]
     pub load_timeout_ms: u64,
+    /// Default persistence of a namespace, PREFIX=none|lazy|eager (repeatable): puts of keys
+    /// under the longest matching prefix get at least that persistence.
+    #[arg(long = "persistence", value_parser = parse_persistence_default)]
+    pub persistence_defaults: Vec<(String, kvfs_client::Persistence)>,
+}
+
+fn parse_persistence_default(s: &str) -> Result<(String, kvfs_client::Persistence), String> {
+    let (prefix, mode) =
+        s.rsplit_once('=').ok_or_else(|| format!("{s:?} is not PREFIX=none|lazy|eager"))?;
+    let p = match mode {
+        "none" => kvfs_client::Persistence::None,
+        "lazy" => kvfs_client::Persistence::Lazy,
+        "eager" => kvfs_client::Persistence::Eager,
+        other => return Err(format!("persistence {other:?} is not none, lazy or eager")),
+    };
+    Ok((prefix.to_string(), p))
 }
 
 impl MasterArgs {
@@ -84,6 +100,7 @@ impl MasterArgs {
             recovery_grace_ms: self.recovery_grace_ms,
             persist_timeout_ms: self.persist_timeout_ms,
             load_timeout_ms: self.load_timeout_ms,
+            persistence_defaults: self.persistence_defaults.clone(),
             ..ServiceConfig::default()
         };
         if self.persist_timeout_ms >= self.put_timeout_ms {
@@ -125,9 +142,9 @@ pub struct NodeArgs {
     #[arg(long)]
     pub tcp_only: bool,
     /// Capacity of the NVMe tier (files under DATA/nvme, io_uring and O_DIRECT); 0 disables
-    /// it. Needs a data directory.
-    #[arg(long, default_value = "4GiB", value_parser = parse_bytes)]
-    pub nvme: u64,
+    /// it. Needs a data directory. [default: 4GiB with a data directory]
+    #[arg(long, value_parser = parse_bytes)]
+    pub nvme: Option<u64>,
     /// GPU memory to open as an HBM medium at start (fails clearly where no CUDA driver is
     /// found); 0 only probes for a driver and reports it.
     #[arg(long, default_value = "0", value_parser = parse_bytes)]
@@ -176,7 +193,7 @@ impl NodeArgs {
 
     fn tier_config(&self, object_store: Option<kvfs_tiers::ObjectStoreConfig>) -> TierConfig {
         let mut t = TierConfig {
-            nvme_bytes: self.nvme,
+            nvme_bytes: self.nvme.unwrap_or(4 << 30),
             object_store,
             tick_ms: self.tier_tick_ms,
             writeback_entries_max: self.writeback_queue_max,
@@ -317,6 +334,9 @@ pub async fn node(master: &str, args: NodeCmdArgs) -> anyhow::Result<()> {
     let mut cfg = args.node.node_config(master);
     cfg.tiers = args.node.tier_config(args.store.config(None)?);
     if args.data.is_none() {
+        if args.node.nvme.is_some_and(|n| n > 0) {
+            anyhow::bail!("--nvme needs --data DIR (the NVMe tier lives in DIR/nvme)");
+        }
         cfg.tiers.nvme_bytes = 0;
     }
     cfg.data_dir = args.data.clone();
