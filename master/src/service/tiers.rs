@@ -594,22 +594,6 @@ pub(crate) async fn delete_unpersisted(state: &Arc<State>) {
     });
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn namespace_defaults_are_a_floor_by_longest_prefix() {
-        use w::Persistence::*;
-        let d = vec![("models/".to_string(), Lazy), ("models/pinned/".to_string(), Eager)];
-        assert_eq!(persistence_for(&d, "models/a", None), Lazy);
-        assert_eq!(persistence_for(&d, "models/a", Eager), Eager);
-        assert_eq!(persistence_for(&d, "models/pinned/x", None), Eager);
-        assert_eq!(persistence_for(&d, "other", None), None);
-        assert_eq!(persistence_for(&[], "models/a", Lazy), Lazy);
-    }
-}
-
 // ----- metrics ------------------------------------------------------------------------------
 
 /// Appends the tier counters and every node's reported counters.
@@ -766,5 +750,21 @@ pub(crate) fn render(state: &State, o: &mut String) {
             "{name}{{node=\"{node}\",tier=\"object_store\"}} {}",
             s.corrupt_reads_object_store
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespace_defaults_are_a_floor_by_longest_prefix() {
+        use w::Persistence::*;
+        let d = vec![("models/".to_string(), Lazy), ("models/pinned/".to_string(), Eager)];
+        assert_eq!(persistence_for(&d, "models/a", None), Lazy);
+        assert_eq!(persistence_for(&d, "models/a", Eager), Eager);
+        assert_eq!(persistence_for(&d, "models/pinned/x", None), Eager);
+        assert_eq!(persistence_for(&d, "other", None), None);
+        assert_eq!(persistence_for(&[], "models/a", Lazy), Lazy);
     }
 }
