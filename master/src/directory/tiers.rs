@@ -111,6 +111,19 @@ impl Directory {
         now_ms: u64,
         fx: &mut Vec<NodeEffect>,
     ) -> Result<Option<LoadPlan>> {
+        self.begin_load_from(key, false, now_ms, fx)
+    }
+
+    /// [`begin_load`](Self::begin_load), skipping NVMe copies when `object_store_only` (their
+    /// node did not answer): `NoSpace` / `NotFound`-like refusals as there, and
+    /// `InvalidArgument` when the object is not persisted.
+    pub fn begin_load_from(
+        &mut self,
+        key: &str,
+        object_store_only: bool,
+        now_ms: u64,
+        fx: &mut Vec<NodeEffect>,
+    ) -> Result<Option<LoadPlan>> {
         const OP: &str = "load";
         let id = self.find(key, OP)?;
         if self.loading.contains_key(key) {
@@ -123,7 +136,13 @@ impl Directory {
             return Ok(None);
         }
         let size = view.size;
-        let nvme = view.replicas.iter().find(|r| r.tier() == Tier::Nvme).copied();
+        let nvme =
+            view.replicas.iter().find(|r| r.tier() == Tier::Nvme && !object_store_only).copied();
+        if object_store_only && !self.objects[id].flags.persisted {
+            return Err(Error::new(ErrorKind::InvalidArgument, OP)
+                .with_key(key)
+                .with_detail("not in the object store"));
+        }
         let mut placed = None;
         if let Some(r) = &nvme {
             let node = r.node().expect("an NVMe replica is on a node");
@@ -499,6 +518,8 @@ mod tests {
         assert!(d.stat("k").unwrap().lease_end_ms > 3, "the loaded copy is leased");
         assert!(d.begin_load("k", 4, &mut fx).unwrap().is_none(), "a memory replica exists");
         d.verify().unwrap();
+        let e = d.begin_load_from("k", true, 5, &mut fx);
+        assert!(matches!(e, Ok(None)), "a memory replica exists: {e:?}");
     }
 
     fn kind<T: std::fmt::Debug>(r: Result<T>) -> ErrorKind {
@@ -514,7 +535,7 @@ mod tests {
         assert_eq!(tiers_of(&d, "k"), [Tier::ObjectStore]);
         let used = d.stats().tiers[Tier::Dram.index()].used_bytes;
         let mut fx = Vec::new();
-        let plan = d.begin_load("k", 2, &mut fx).unwrap().unwrap();
+        let plan = d.begin_load_from("k", true, 2, &mut fx).unwrap().unwrap();
         assert_eq!(plan.source, Location::ObjectStore);
         assert!(!d.end_load(&plan, None, 3, &mut fx));
         assert_eq!(d.stats().tiers[Tier::Dram.index()].used_bytes, used);

@@ -16,7 +16,8 @@
 //!   the node), attaches the new DRAM replica and answers the get with it. Loads of one key are
 //!   deduplicated. A `Corrupt` answer from an NVMe copy drops that copy (the node deletes it)
 //!   and falls back to the object store; from the object store it is the get's error. Both are
-//!   counted in `kvfs_master_corrupt_copies_total`.
+//!   counted in `kvfs_master_corrupt_copies_total`. An NVMe copy whose node does not answer
+//!   falls back to the object store too, when the object is there.
 //! - **Reports**: `ReportReplicas` applies a node's demotions, write-backs and drops through
 //!   `Directory::report_replica`.
 //! - **Access signal**: reads granted by gets are counted per node holding a copy (at most
@@ -351,9 +352,10 @@ async fn load_dedup(state: &Arc<State>, key: &str) -> Result<(), WireError> {
 
 /// Plan, run and finish a load, falling back from a corrupt NVMe copy to the object store.
 async fn load(state: &Arc<State>, key: &str) -> Result<(), WireError> {
+    let mut object_store_only = false;
     for _ in 0..3 {
         let mut fx = Vec::new();
-        let plan = state.lock().begin_load(key, now_ms(), &mut fx);
+        let plan = state.lock().begin_load_from(key, object_store_only, now_ms(), &mut fx);
         deliver(state, fx, false).await;
         let plan = match plan {
             Ok(None) => return Ok(()),
@@ -395,6 +397,20 @@ async fn load(state: &Arc<State>, key: &str) -> Result<(), WireError> {
             Err(e) => {
                 state.lock().end_load(&plan, None, now_ms(), &mut fx);
                 m.load_failures.fetch_add(1, Ordering::Relaxed);
+                let persisted = plan.persistence != crate::Persistence::None
+                    && state
+                        .lock()
+                        .stat(key)
+                        .is_ok_and(|v| v.replicas.iter().any(|r| r.tier() == Tier::ObjectStore));
+                if e.code == ErrorCode::Unavailable
+                    && matches!(plan.source, Location::Node(_))
+                    && persisted
+                    && !object_store_only
+                {
+                    // The NVMe copy's node did not answer: read the object store instead.
+                    object_store_only = true;
+                    continue;
+                }
                 if e.code != ErrorCode::Corrupt {
                     return Err(e);
                 }
