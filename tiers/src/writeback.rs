@@ -89,9 +89,9 @@ pub struct WritebackEntry {
 #[derive(Debug)]
 pub enum WritebackEvent {
     /// The object is in the target and its `persisted` record is durable.
-    Persisted { seq: u64, key: String },
+    Persisted { seq: u64, key: String, version: u64 },
     /// Given up on; the `failed` record is durable.
-    Failed { seq: u64, key: String, error: Error },
+    Failed { seq: u64, key: String, version: u64, error: Error },
 }
 
 /// What `open` found in the journal.
@@ -454,14 +454,20 @@ async fn worker(shared: Arc<Shared>) {
         let outcome = upload(&shared, &next).await;
         let (kind, event) = match outcome {
             Ok(()) => {
-                (KIND_PERSISTED, WritebackEvent::Persisted { seq: next.seq, key: next.key.clone() })
+                let (seq, key, version) = (next.seq, next.key.clone(), next.version);
+                (KIND_PERSISTED, WritebackEvent::Persisted { seq, key, version })
             }
             Err(e) if e.kind() == ErrorKind::Closed => return,
             Err(error) => {
                 tracing::warn!(key = %next.key, seq = next.seq, %error, "write-back gave up");
                 (
                     KIND_FAILED,
-                    WritebackEvent::Failed { seq: next.seq, key: next.key.clone(), error },
+                    WritebackEvent::Failed {
+                        seq: next.seq,
+                        key: next.key.clone(),
+                        version: next.version,
+                        error,
+                    },
                 )
             }
         };

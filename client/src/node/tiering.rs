@@ -19,19 +19,21 @@
 //!   pending DRAM range and put it into the object store with the object's header.
 //! - **Lazy persistence**: a committed `Lazy` object is enqueued (with its blake3, hashed now
 //!   if the writer sent none) in the crash-safe write-back queue; its `Persisted` event is
-//!   reported as an object-store copy. A queue that is full (`Busy`) is retried each round.
+//!   reported as an object-store copy. Objects a full queue (`Busy`) refused wait in a backlog
+//!   retried each round.
 //!
 //! The policy's access signal: the reads the master granted of this node's objects, handed
 //! back with each heartbeat (clients read node memory without the node's code seeing it).
 //!
 //! Limits: one tier move at a time (the round runs actions in order, at most
 //! `actions_per_round_max`), byte rates capped by the policy's token buckets, write-back queue
-//! bounded in entries and bytes, write-back retries re-enqueue at most 64 objects a round.
+//! bounded in entries and bytes, write-back retries re-enqueue at most 64 objects a round (the
+//! backlog itself is bounded by the objects the node holds).
 //!
 //! Not handled: moving objects between nodes; HBM; demoting objects the policy never heard
 //! of (every commit and load tells it).
 
-use std::collections::HashMap;
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -72,8 +74,8 @@ pub(super) struct Tiers {
     object_store: Option<Arc<ObjectStoreMedium>>,
     writeback: Option<Arc<WritebackQueue>>,
     events: Mutex<Option<mpsc::UnboundedReceiver<WritebackEvent>>>,
-    /// Write-back sequence number -> the object version it carries.
-    wb_versions: Mutex<HashMap<u64, u64>>,
+    /// Lazy objects whose enqueue the full queue refused, retried each round.
+    backlog: Mutex<BTreeSet<String>>,
     policy: Mutex<TierPolicy>,
     counters: Counters,
     hbm_available: bool,
@@ -123,7 +125,7 @@ fn wire(e: &kvfs_tiers::Error) -> WireError {
 impl Tiers {
     pub async fn open(p: TiersParts<'_>) -> Result<Tiers> {
         let t = &p.cfg.tiers;
-        let (writeback, events, wb_versions) = match (&p.cfg.data_dir, &p.object_store) {
+        let (writeback, events) = match (&p.cfg.data_dir, &p.object_store) {
             (Some(dir), Some(store)) => {
                 let wcfg = WritebackConfig {
                     queue_entries_max: t.writeback_entries_max,
@@ -145,17 +147,16 @@ impl Tiers {
                         "write-back queue recovered entries"
                     );
                 }
-                let versions = recovery.pending.iter().map(|e| (e.seq, e.version)).collect();
-                (Some(Arc::new(q)), Some(rx), versions)
+                (Some(Arc::new(q)), Some(rx))
             }
-            _ => (None, None, HashMap::new()),
+            _ => (None, None),
         };
         Ok(Tiers {
             nvme: p.nvme,
             object_store: p.object_store,
             writeback,
             events: Mutex::new(events),
-            wb_versions: Mutex::new(wb_versions),
+            backlog: Mutex::default(),
             policy: Mutex::new(TierPolicy::new(t.policy)),
             counters: Counters::default(),
             hbm_available: p.hbm_available,
@@ -542,10 +543,8 @@ impl Inner {
     }
 
     pub(super) fn stats(&self) -> NodeStats {
-        let (dram_used, nvme_objects) = {
-            let idx = lock(&self.index);
-            (idx.dram_bytes, idx.objects.values().filter(|h| h.nvme.is_some()).count() as u64)
-        };
+        let dram_used = lock(&self.index).dram_bytes;
+        let nvme_objects = self.tiers.nvme.as_ref().map(|n| n.stats().objects as u64).unwrap_or(0);
         let c = &self.tiers.counters;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let nvme = self.tiers.nvme.as_ref();
@@ -601,7 +600,8 @@ impl Inner {
     /// Enqueue lazy objects for write-back; a full queue leaves them for the next round.
     async fn enqueue_writebacks(&self, keys: Vec<String>) {
         let Some(q) = &self.tiers.writeback else { return };
-        for key in keys {
+        let mut rest = keys.into_iter();
+        while let Some(key) = rest.next() {
             let Some(h) = lock(&self.index).objects.get(&key).cloned() else { continue };
             if h.persisted || h.queued {
                 continue;
@@ -631,18 +631,16 @@ impl Inner {
                     _ => continue,
                 }
             }
-            match q.enqueue_meta(&key, &meta).await {
-                Ok(seq) => {
-                    lock(&self.tiers.wb_versions).insert(seq, h.version);
+            if let Err(e) = q.enqueue_meta(&key, &meta).await {
+                if let Some(cur) = lock(&self.index).objects.get_mut(&key) {
+                    cur.queued = false;
                 }
-                Err(e) => {
-                    if let Some(cur) = lock(&self.index).objects.get_mut(&key) {
-                        cur.queued = false;
-                    }
-                    tracing::debug!(key, error = %e, "write-back enqueue refused; retried later");
-                    if e.kind() == kvfs_tiers::ErrorKind::Busy {
-                        return;
-                    }
+                tracing::debug!(key, error = %e, "write-back enqueue refused; retried later");
+                let mut backlog = lock(&self.tiers.backlog);
+                backlog.insert(key);
+                if e.kind() == kvfs_tiers::ErrorKind::Busy {
+                    backlog.extend(rest);
+                    return;
                 }
             }
         }
@@ -662,18 +660,16 @@ impl Inner {
         same.then_some(sum)
     }
 
-    /// Lazy objects not yet in the queue (it was full): at most 64 a round.
+    /// Lazy objects whose enqueue was refused (the queue was full): at most 64 a round.
     async fn retry_writebacks(&self) {
-        if self.tiers.writeback.is_none() {
-            return;
-        }
-        let keys: Vec<String> = lock(&self.index)
-            .objects
-            .iter()
-            .filter(|(_, h)| h.persistence == Persistence::Lazy && !h.persisted && !h.queued)
-            .map(|(k, _)| k.clone())
-            .take(64)
-            .collect();
+        let keys: Vec<String> = {
+            let mut backlog = lock(&self.tiers.backlog);
+            let take: Vec<String> = backlog.iter().take(64).cloned().collect();
+            for k in &take {
+                backlog.remove(k);
+            }
+            take
+        };
         if !keys.is_empty() {
             self.enqueue_writebacks(keys).await;
         }
@@ -927,8 +923,7 @@ async fn writeback_events(
 ) {
     while let Some(ev) = rx.recv().await {
         match ev {
-            WritebackEvent::Persisted { seq, key } => {
-                let Some(version) = lock(&inner.tiers.wb_versions).remove(&seq) else { continue };
+            WritebackEvent::Persisted { key, version, .. } => {
                 inner.tiers.counters.writeback_persisted.fetch_add(1, Ordering::Relaxed);
                 let h = {
                     let mut idx = lock(&inner.index);
@@ -952,8 +947,7 @@ async fn writeback_events(
                     tracing::debug!(key, error = %e, "write-back report not accepted");
                 }
             }
-            WritebackEvent::Failed { seq, key, error } => {
-                lock(&inner.tiers.wb_versions).remove(&seq);
+            WritebackEvent::Failed { key, error, .. } => {
                 inner.tiers.counters.writeback_failed.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(key, %error, "write-back failed");
             }
