@@ -151,8 +151,8 @@ async fn promotion(
     // The limit: raw O_DIRECT reads of the same object size on the same disk.
     let raw = tb::disk(&DiskBenchConfig {
         object_bytes: size,
-        objects: o.promotes.min(16),
-        rounds: 1,
+        objects: o.promotes.min(32),
+        rounds: 3,
         ring,
         ..DiskBenchConfig::new(work)
     })
