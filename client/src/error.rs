@@ -53,7 +53,7 @@ impl ErrorKind {
             ErrorKind::NotRegistered => "buffer not registered",
             ErrorKind::PutInProgress => "put in progress",
             ErrorKind::Recovering => "master recovering",
-            ErrorKind::Unavailable => "master unavailable",
+            ErrorKind::Unavailable => "unavailable",
             ErrorKind::Transfer => "transfer failed",
             ErrorKind::Corrupt => "checksum mismatch",
             ErrorKind::Version => "protocol version mismatch",
@@ -134,6 +134,8 @@ impl Error {
             ErrorCode::Recovering => ErrorKind::Recovering,
             ErrorCode::Version => ErrorKind::Version,
             ErrorCode::NodeUnknown | ErrorCode::Internal => ErrorKind::Internal,
+            ErrorCode::Corrupt => ErrorKind::Corrupt,
+            ErrorCode::Unavailable => ErrorKind::Unavailable,
         };
         Error::new(kind, op, e.message.clone())
     }

@@ -1,4 +1,5 @@
-//! kvfs-client: the embeddable store client, and the node that contributes memory to the pool.
+//! kvfs-client: the embeddable store client, and the node that contributes memory (and its
+//! NVMe and object-store tiers) to the pool.
 //!
 //! A [`Client`] talks to the master for metadata (where objects are, leases, listings) and
 //! moves bytes itself with its own Transfer Engine, directly between its memory and the nodes'
@@ -18,4 +19,4 @@ pub use kvfs_proto::store::{
     DirEntry, DirPage, ListEntry, ListPage, MasterStats, Persistence, Pin, RemoveCounts,
     ReplicaDesc, Strategy, Tier,
 };
-pub use node::{Node, NodeConfig};
+pub use node::{Node, NodeConfig, NodeStats, TierConfig};

@@ -113,15 +113,6 @@ impl Mount {
                 "threads, list_page_entries and op_timeout_ms must be > 0",
             ));
         }
-        // TODO(lead, after wip/tiers2 merges): `kvfs up --mount` runs the node in this process.
-        // When `cfg.passthrough` is None and a `Node` is at hand, plug it in here:
-        //     struct NodeFiles(Arc<Node>);
-        //     impl PassthroughSource for NodeFiles {
-        //         fn object_file(&self, key: &str) -> Option<(OwnedFd, u64)> {
-        //             self.0.local_object_file(key).map(|(f, size)| (f.into(), size))
-        //         }
-        //     }
-        // (the file must be exactly the object's size: passthrough reads to its end).
         let mountpoint = cfg.mountpoint.clone();
         clear_dead_mount(&mountpoint);
         let mut opts = fuser::Config::default();

@@ -24,6 +24,6 @@ mod slab;
 mod types;
 
 pub use config::Config;
-pub use directory::Directory;
+pub use directory::{Directory, LoadPlan, PendingView, PersistedObject, ReportOutcome};
 pub use error::{Error, ErrorKind, Result};
 pub use types::*;

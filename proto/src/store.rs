@@ -4,11 +4,19 @@
 //! Every per-key call is a batch: a single call is a batch of one, so the batch path is the
 //! only path and is exercised by everything. Each item of a batch has its own result.
 //! Connections begin with [`MasterRequest::Hello`], which carries the protocol version.
+//!
+//! Tiers (protocol 2): nodes report the copies their tier manager made or dropped
+//! ([`MasterRequest::ReportReplicas`]), ask for promotions ([`MasterRequest::Promote`]) and
+//! send their counters with heartbeats (answered with the reads the master saw of their
+//! objects, the access signal of their tier policy); the master asks nodes to write an eager
+//! object to the object store before it completes ([`NodeRequest::Persist`]) and to copy an
+//! object from NVMe or the object store into a DRAM range it allocated
+//! ([`NodeRequest::Load`]) when a get finds no memory replica.
 
 use serde::{Deserialize, Serialize};
 
 /// Version of the store protocol; a master refuses a client or node that speaks another one.
-pub const STORE_PROTOCOL_VERSION: u32 = 1;
+pub const STORE_PROTOCOL_VERSION: u32 = 2;
 
 /// Storage medium of a segment or replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -35,6 +43,27 @@ pub enum Pin {
     None,
     Soft,
     Hard,
+}
+
+impl Pin {
+    /// The one-byte code object headers store (0 none, 1 soft, 2 hard).
+    pub fn code(self) -> u8 {
+        match self {
+            Pin::None => 0,
+            Pin::Soft => 1,
+            Pin::Hard => 2,
+        }
+    }
+
+    /// The pin of a stored code; unknown codes read as `None` (never more protection than
+    /// was asked for).
+    pub fn from_code(c: u8) -> Pin {
+        match c {
+            1 => Pin::Soft,
+            2 => Pin::Hard,
+            _ => Pin::None,
+        }
+    }
 }
 
 /// Placement strategy for a put.
@@ -69,6 +98,10 @@ pub enum ErrorCode {
     /// The peer speaks another protocol version.
     Version,
     Internal,
+    /// Stored bytes failed their checksum (every copy that was tried).
+    Corrupt,
+    /// A tier or service the request needs is down or missing (object store, node).
+    Unavailable,
 }
 
 /// A failed item: its code and a human-readable message.
@@ -254,6 +287,8 @@ pub struct MasterStats {
     pub metadata_bytes: u64,
     pub evicted_replicas: u64,
     pub recovering: bool,
+    /// The master is still adopting the objects it found in the object store at start.
+    pub scanning_object_store: bool,
 }
 
 /// Requests to the master.
@@ -301,9 +336,20 @@ pub enum MasterRequest {
     RegisterNode(NodeRegistration),
     Heartbeat {
         node: u64,
+        stats: NodeStats,
     },
     UnregisterNode {
         node: u64,
+    },
+    /// Copies a node's tier manager made or dropped.
+    ReportReplicas {
+        node: u64,
+        items: Vec<ReplicaReport>,
+    },
+    /// A node asks for DRAM copies of objects it holds on NVMe (hot ones).
+    Promote {
+        node: u64,
+        keys: Vec<String>,
     },
 }
 
@@ -326,8 +372,10 @@ pub enum MasterResponse {
     ListDir(ItemResult<DirPage>),
     Stats(MasterStats),
     Registered(ItemResult<RegistrationAck>),
-    Heartbeat(ItemResult<()>),
+    Heartbeat(ItemResult<HeartbeatAck>),
     Unregistered(ItemResult<()>),
+    ReportReplicas(Vec<ItemResult<ReportOutcome>>),
+    Promote(Vec<ItemResult<()>>),
     /// The request as a whole was refused (version, role, malformed).
     Refused(WireError),
 }
@@ -354,17 +402,123 @@ pub struct DropItem {
     pub len: u64,
 }
 
+/// Where a copy a node reports lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ReplicaLoc {
+    /// In one of the reporting node's segments.
+    Node {
+        tier: Tier,
+        segment: u32,
+        offset: u64,
+    },
+    ObjectStore,
+}
+
+/// A change to a node's copies of one object: add first, then remove.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaReport {
+    pub key: String,
+    /// The version of the node's copy; a report about another version is refused (`Conflict`).
+    pub version: u64,
+    /// The blake3 the node computed when the copy crossed into NVMe or the object store;
+    /// recorded when the master has none.
+    pub checksum: Option<[u8; 32]>,
+    /// A new copy (a demotion's NVMe copy, a write-back's object-store copy).
+    pub add: Option<ReplicaLoc>,
+    /// A copy to forget (a demotion's DRAM copy, an NVMe copy dropped). Kept, and reported as
+    /// not removed, while a read lease protects a memory copy or when it is the last copy.
+    pub remove: Option<ReplicaLoc>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ReportOutcome {
+    pub added: bool,
+    pub removed: bool,
+    /// When the remove was refused: how long until asking again can succeed (the read
+    /// lease's end; longer for a last copy).
+    pub retry_after_ms: u64,
+}
+
+/// A node's counters, sent with every heartbeat (the master shows them per node in /metrics).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct NodeStats {
+    pub dram_capacity_bytes: u64,
+    pub dram_used_bytes: u64,
+    pub nvme_capacity_bytes: u64,
+    pub nvme_used_bytes: u64,
+    pub nvme_objects: u64,
+    pub demotions: u64,
+    pub demoted_bytes: u64,
+    pub promotions: u64,
+    pub promoted_bytes: u64,
+    pub nvme_drops: u64,
+    /// Tier moves the policy wanted but the rate limit held back (rounds).
+    pub rate_limited_rounds: u64,
+    /// Reads that failed verification, per tier.
+    pub corrupt_reads_nvme: u64,
+    pub corrupt_reads_object_store: u64,
+    pub writeback_queued: u64,
+    pub writeback_persisted: u64,
+    pub writeback_failed: u64,
+    pub eager_persisted: u64,
+    /// Whether the node found a CUDA driver (the HBM tier can exist only then).
+    pub hbm_available: bool,
+}
+
+/// The master's answer to a heartbeat: reads it granted of objects this node holds since the
+/// last heartbeat (at most `access_report_keys_max` keys; the tier policy's access signal,
+/// since clients read node memory without the node's code seeing it).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct HeartbeatAck {
+    pub accessed: Vec<(String, u32)>,
+}
+
+/// Write an object of a pending eager put from the node's DRAM range to the object store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PersistItem {
+    pub key: String,
+    pub segment: u32,
+    pub offset: u64,
+    pub size: u64,
+    /// The writer's blake3, if it sent one: the node checks its bytes against it.
+    pub checksum: Option<[u8; 32]>,
+    pub version: u64,
+    pub pin: Pin,
+}
+
+/// Copy an object into a DRAM range the master allocated on this node, from this node's NVMe
+/// copy or from the object store; the node verifies the bytes and then holds the DRAM copy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadItem {
+    pub key: String,
+    pub segment: u32,
+    pub offset: u64,
+    pub size: u64,
+    pub checksum: Option<[u8; 32]>,
+    pub version: u64,
+    pub persistence: Persistence,
+    pub pin: Pin,
+    /// `Nvme` or `ObjectStore`.
+    pub source: Tier,
+}
+
 /// Calls the master makes on a node, over the node's connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum NodeRequest {
     Commit(Vec<CommitItem>),
     Drop(Vec<DropItem>),
+    Persist(Vec<PersistItem>),
+    Load(Vec<LoadItem>),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum NodeResponse {
     Done,
     Refused(WireError),
+    /// Per item of a `Persist`: the blake3 of what is now in the object store.
+    Persisted(Vec<ItemResult<[u8; 32]>>),
+    /// Per item of a `Load`: the blake3 of what is now in the DRAM range.
+    Loaded(Vec<ItemResult<[u8; 32]>>),
 }
 
 #[cfg(test)]

@@ -264,6 +264,8 @@ impl DramMedium {
                 checksum: [0; 32],
                 persistence: opts.persistence,
                 stored_at_unix_ms: now_unix_ms(),
+                version: opts.version,
+                pin: opts.pin,
             },
             alloc: self.alloc.clone(),
         };

@@ -152,6 +152,8 @@ impl Medium for HbmMedium {
                 checksum: opts.checksum.unwrap_or_else(|| checksum(data)),
                 persistence: opts.persistence,
                 stored_at_unix_ms: now_unix_ms(),
+                version: opts.version,
+                pin: opts.pin,
             },
             alloc: self.alloc.clone(),
         };

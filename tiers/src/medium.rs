@@ -72,6 +72,11 @@ pub struct ObjectMeta {
     pub persistence: Persistence,
     /// When the medium stored it, milliseconds since the Unix epoch (wall clock of the writer).
     pub stored_at_unix_ms: u64,
+    /// The store's version of the object (the master's; opaque here), kept so that a restarted
+    /// node or a rebuilt master can tell old copies from new ones. 0 when none was given.
+    pub version: u64,
+    /// The store's pin code (opaque here), kept for the same reason.
+    pub pin: u8,
 }
 
 /// Whether a put may replace an existing object.
@@ -85,7 +90,7 @@ pub enum PutMode {
 }
 
 /// Options of [`Medium::put`].
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PutOptions {
     pub mode: PutMode,
     pub persistence: Persistence,
@@ -93,6 +98,10 @@ pub struct PutOptions {
     /// refuse the put with `Corrupt` when it differs; memory media (DRAM, HBM) trust it and skip
     /// hashing, because hashing costs about 2 GB/s per core, far below a memcpy.
     pub checksum: Option<[u8; 32]>,
+    /// Stored with the object and returned in its [`ObjectMeta`].
+    pub version: u64,
+    /// Stored with the object and returned in its [`ObjectMeta`].
+    pub pin: u8,
 }
 
 impl PutOptions {

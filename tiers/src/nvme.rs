@@ -1,39 +1,54 @@
-//! NVMe medium: one file per object in a directory on a local disk, through io_uring with
-//! O_DIRECT and registered staging buffers.
+//! NVMe medium: one data file per object in a directory on a local disk, read and written
+//! through io_uring with O_DIRECT and registered staging buffers, plus a small header file.
 //!
 //! On disk (under the medium's `dir`):
-//! - `objects/<d0d1>/<digest>`: one object; `digest` is the 64-hex blake3 of the key, `d0d1` its
-//!   first two characters (256 sub-directories keep directories small). The file is the
-//!   [`crate::header`] record padded to 4 KiB (8 KiB for keys over 3992 bytes), then the data,
-//!   zero-padded to a multiple of 4 KiB. Its length is exactly header + padded data.
+//! - `objects/<d0d1>/<digest>.<gen>`: the object's bytes, **from offset 0, exactly `size` bytes
+//!   long**; `digest` is the 64-hex blake3 of the key, `d0d1` its first two characters (256
+//!   sub-directories keep directories small), `gen` a number unique to this write. Because the
+//!   file is nothing but the object, FUSE passthrough (which maps file offsets 1:1 and ends
+//!   reads at the backing file's end) can serve it, see [`NvmeMedium::local_file`].
+//! - `objects/<d0d1>/<digest>`: the object's [`crate::header`] (key, size, blake3, persistence,
+//!   version, pin, and `gen`: which data file is current). The header file is the commit record.
 //! - `tmp/`: files being written; whatever is there at `open` is a crash leftover and is deleted.
 //! - `LOCK`: held with `flock` while a medium has the directory open (a second open fails with
 //!   `Unavailable`; the kernel drops the lock when the process dies).
-//! - `quarantine/`: files found at `open` whose header does not verify, moved aside for an
-//!   operator (never deleted, never served).
+//! - `quarantine/`: header files found at `open` that do not verify or whose data file is
+//!   missing or of the wrong length, moved aside for an operator (never deleted, never served;
+//!   their data files, no longer named by any header, are deleted like any orphan).
 //!
-//! Write (crash-safe): reserve capacity, write data chunks to `tmp/<digest>.<pid>.<n>` at
-//! `queue_depth` in flight while hashing them, write the header (with the data's blake3) last,
-//! fsync the file, rename it over `objects/..`, fsync the directory. A crash at any point leaves
-//! either the old object, the new object, or a temp file that `open` removes.
+//! Why a sidecar rather than a header in front of the data (the format before) or a trailer:
+//! passthrough reads go straight to the backing file, so any byte of it that is not the object
+//! (a header at 0, padding or a trailer at the end) would reach readers; the data file must be
+//! the object and nothing else.
 //!
-//! Read: open, read and verify the header (magic, version, header checksum, key, file length),
-//! then read the data at `queue_depth` in flight straight into the destination when it is
-//! 4 KiB aligned (through a staging slot otherwise), hashing each chunk while the next ones
+//! Write (crash-safe): reserve capacity; write the data to `tmp/` at `queue_depth` chunks in
+//! flight while hashing them (the tail block zero-padded, then the file truncated to `size`),
+//! fsync; write the header to `tmp/`, fsync; rename the data file to its final, unique name
+//! and fsync the directory; then, under the index lock, rename the header over the old one
+//! (the commit point) and fsync the directory; finally unlink the replaced data file. A crash
+//! at any point leaves the old object or the new one; an unreferenced data file (renamed but
+//! not committed, or replaced but not yet unlinked) is deleted by the next `open`.
+//!
+//! Read: look the object up in the index (its meta came from the header), open its data file
+//! (the open descriptor keeps the bytes even if an overwrite or remove unlinks the file
+//! meanwhile), read it at `queue_depth` chunks in flight straight into the destination when it
+//! is 4 KiB aligned (through a staging slot otherwise), hashing each chunk while the next ones
 //! are in flight. A checksum mismatch is `Corrupt` and counted in [`NvmeStats`].
 //!
-//! Invariants: the in-memory index holds exactly the objects whose rename has happened;
-//! renames, unlinks and index updates happen under one lock, so the index and the directory
-//! agree even with concurrent overwrites and removes of the same key. `used_bytes` counts file
-//! bytes (header + padded data) of indexed objects plus reservations of puts in progress.
+//! Invariants: the in-memory index holds exactly the objects whose header rename has
+//! happened; header renames, unlinks and index updates happen under one lock, so the index and
+//! the directory agree even with concurrent overwrites and removes of the same key.
+//! `used_bytes` counts the file bytes (4 KiB blocks of data and header) of indexed objects
+//! plus reservations of puts in progress.
 //!
-//! Not handled: data-corruption scanning at `open` (headers only; data is verified on every
-//! read), durability of `remove` (a removed object may reappear after a crash; it is still a
-//! valid, verified object), quotas per namespace.
+//! Not handled: data-corruption scanning at `open` (headers and lengths only; data is verified
+//! on every read and on the first [`NvmeMedium::local_file`] of each copy), durability of
+//! `remove` (a removed object may reappear after a crash; it is still a valid, verified
+//! object), quotas per namespace.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
-use std::io::Read;
+use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -48,14 +63,14 @@ use crate::medium::{
     Capabilities, Medium, ObjectMeta, PutMode, PutOptions, check_dst, key_digest_hex, now_unix_ms,
     usize_from, validate_key,
 };
-use crate::uring::{AlignedBuf, BLOCK_BYTES, Dir, IoPool, RingConfig, RingCtx, SendPtr};
+use crate::uring::{BLOCK_BYTES, Dir, IoPool, RingConfig, RingCtx, SendPtr};
 
 /// Configuration of an NVMe medium.
 #[derive(Debug, Clone)]
 pub struct NvmeConfig {
     /// The directory (created if missing).
     pub dir: PathBuf,
-    /// The most file bytes (headers and padding included) the medium may hold.
+    /// The most file bytes (data and header blocks) the medium may hold.
     pub capacity_bytes: u64,
     pub ring: RingConfig,
 }
@@ -71,9 +86,10 @@ impl NvmeConfig {
 pub struct OpenReport {
     pub objects: usize,
     pub bytes: u64,
-    /// Half-written temp files deleted.
+    /// Half-written temp files and unreferenced data files deleted.
     pub temp_files_removed: usize,
-    /// Files whose header did not verify, moved to `quarantine/`.
+    /// Header files that did not verify (or whose data file did not match), moved to
+    /// `quarantine/`.
     pub quarantined: usize,
 }
 
@@ -82,14 +98,17 @@ pub struct OpenReport {
 pub struct NvmeStats {
     pub objects: usize,
     pub used_bytes: u64,
-    /// Reads that failed verification (header or data checksum, truncation).
+    /// Reads that failed verification (data checksum, truncation).
     pub corrupt_reads: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     meta: ObjectMeta,
+    generation: u64,
     file_bytes: u64,
+    /// The data file was read back, hashed and matched by `local_file`.
+    verified: bool,
 }
 
 #[derive(Default)]
@@ -105,7 +124,7 @@ struct Inner {
     capacity_bytes: u64,
     used_bytes: AtomicU64,
     corrupt_reads: AtomicU64,
-    tmp_seq: AtomicU64,
+    last_generation: AtomicU64,
     index: Mutex<Index>,
 }
 
@@ -119,16 +138,40 @@ fn lock(m: &Mutex<Index>) -> MutexGuard<'_, Index> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Bytes a file of an object takes.
+/// Bytes the files of an object take (data and header, each in whole 4 KiB blocks).
 pub fn file_bytes(key: &str, size_bytes: u64) -> u64 {
     (round_up(header::FIXED_BYTES + key.len(), BLOCK_BYTES)
         + round_up(size_bytes as usize, BLOCK_BYTES)) as u64
 }
 
 impl Inner {
-    fn object_path(&self, key: &str) -> PathBuf {
+    fn header_path(&self, key: &str) -> PathBuf {
         let d = key_digest_hex(key);
         self.dir.join("objects").join(&d[..2]).join(d)
+    }
+
+    fn data_path(&self, key: &str, generation: u64) -> PathBuf {
+        let d = key_digest_hex(key);
+        self.dir.join("objects").join(&d[..2]).join(format!("{d}.{generation}"))
+    }
+
+    /// A generation number never used before by this directory: wall-clock based (so it keeps
+    /// rising across restarts), strictly increasing within the process.
+    fn next_generation(&self) -> u64 {
+        let floor = now_unix_ms().saturating_mul(1 << 16);
+        let mut cur = self.last_generation.load(Ordering::Acquire);
+        loop {
+            let next = (cur + 1).max(floor);
+            match self.last_generation.compare_exchange(
+                cur,
+                next,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return next,
+                Err(v) => cur = v,
+            }
+        }
     }
 
     fn release(&self, bytes: u64) {
@@ -196,55 +239,45 @@ fn fsync_dir(dir: &Path) -> Result<()> {
         .map_err(|e| Error::io(format!("fsync dir {}", dir.display()), e))
 }
 
-/// Read and verify the header of an open object file.
-fn read_header(ctx: &mut RingCtx, f: &File, path: &Path) -> Result<header::Header> {
-    let fd = f.as_raw_fd();
-    let first = ctx.read_block(fd, 0, BLOCK_BYTES)?;
-    let hlen = header::header_len(&first)?;
-    let hdr = if hlen > BLOCK_BYTES {
-        ctx.read_block(fd, 0, round_up(hlen, BLOCK_BYTES))?
-    } else {
-        first
-    };
-    let h = header::decode(&hdr).map_err(|e| e.context(path.display()))?;
-    let file_len = f.metadata().map_err(|e| Error::io("fstat", e))?.len();
-    let want = (h.header_bytes + round_up(usize_from(h.meta.size_bytes)?, BLOCK_BYTES)) as u64;
-    if file_len < want {
-        return Err(Error::new(
-            ErrorKind::Corrupt,
-            format!("{}: file has {file_len} bytes, header says {want}", path.display()),
-        ));
-    }
-    Ok(h)
+/// Paths of one put's temp files.
+struct TempFiles {
+    data: PathBuf,
+    header: PathBuf,
 }
 
-/// Write one object to a new temp file; returns its meta. Runs on a ring thread.
+/// Write one object's data and header to new temp files; returns its meta. Runs on a ring
+/// thread.
 fn write_object(
     ctx: &mut RingCtx,
-    tmp: &Path,
+    tmp: &TempFiles,
     key: &str,
     data: SendPtr,
     size: usize,
     opts: PutOptions,
+    generation: u64,
 ) -> Result<ObjectMeta> {
-    let f = open_direct(tmp, true)?;
+    let f = open_direct(&tmp.data, true)?;
     let fd = f.as_raw_fd();
-    let hlen = round_up(header::FIXED_BYTES + key.len(), BLOCK_BYTES);
-    let total = (hlen + round_up(size, BLOCK_BYTES)) as libc::off_t;
-    if total > 0 {
+    let padded = round_up(size, BLOCK_BYTES) as libc::off_t;
+    if padded > 0 {
         // One extent up front instead of block allocation chunk by chunk.
         // SAFETY: fallocate on a descriptor we own.
-        let r = unsafe { libc::fallocate(fd, 0, 0, total) };
+        let r = unsafe { libc::fallocate(fd, 0, 0, padded) };
         if r != 0 {
             let e = std::io::Error::last_os_error();
             if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
-                return Err(Error::io(format!("fallocate {}", tmp.display()), e));
+                return Err(Error::io(format!("fallocate {}", tmp.data.display()), e));
             }
         }
     }
     let mut hasher = blake3::Hasher::new();
     // SAFETY: `data` points at the caller's `size` bytes, kept alive by IoPool::run.
-    unsafe { ctx.pipeline(Dir::Write, fd, hlen as u64, data.0, size, Some(&mut hasher)) }?;
+    unsafe { ctx.pipeline(Dir::Write, fd, 0, data.0, size, Some(&mut hasher)) }?;
+    if size as libc::off_t != padded {
+        // The last block was written whole; the file is exactly the object.
+        f.set_len(size as u64)
+            .map_err(|e| Error::io(format!("truncate {}", tmp.data.display()), e))?;
+    }
     let sum = *hasher.finalize().as_bytes();
     if let Some(want) = opts.checksum
         && want != sum
@@ -254,67 +287,76 @@ fn write_object(
             format!("nvme put {key:?}: data does not match the writer's checksum"),
         ));
     }
+    ctx.fsync(fd)?;
     let meta = ObjectMeta {
         size_bytes: size as u64,
         checksum: sum,
         persistence: opts.persistence,
         stored_at_unix_ms: now_unix_ms(),
+        version: opts.version,
+        pin: opts.pin,
     };
-    let encoded = header::encode(key, &meta, BLOCK_BYTES);
-    let mut hb = AlignedBuf::new(encoded.len());
-    hb.copy_from_slice(&encoded);
-    let p = hb.as_mut_ptr();
-    // SAFETY: hb is an aligned buffer owned here.
-    unsafe { ctx.pipeline(Dir::Write, fd, 0, p, encoded.len(), None) }?;
-    ctx.fsync(fd)?;
+    let encoded = header::encode(key, &meta, generation, 1);
+    let mut h = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&tmp.header)
+        .map_err(|e| Error::io(format!("open {}", tmp.header.display()), e))?;
+    h.write_all(&encoded)
+        .and_then(|_| h.sync_all())
+        .map_err(|e| Error::io(format!("write {}", tmp.header.display()), e))?;
     Ok(meta)
 }
 
-/// Read one object into `dst`, verified. Runs on a ring thread.
+/// Read one object's data file into `dst`, verified against `meta`. Runs on a ring thread.
 fn read_object(
     ctx: &mut RingCtx,
     path: &Path,
     key: &str,
+    meta: &ObjectMeta,
     dst: SendPtr,
     dst_len: usize,
-) -> Result<ObjectMeta> {
-    let f = match open_direct(path, false) {
-        Err(e) if e.kind() == ErrorKind::NotFound => {
-            return Err(Error::new(ErrorKind::NotFound, format!("nvme: {key:?}")));
-        }
-        r => r?,
-    };
-    let h = read_header(ctx, &f, path)?;
-    if h.key != key {
+) -> Result<()> {
+    let f = open_direct(path, false)?;
+    let size = check_dst(key, dst_len, meta.size_bytes)?;
+    let len = f.metadata().map_err(|e| Error::io("fstat", e))?.len();
+    if len != meta.size_bytes {
         return Err(Error::new(
             ErrorKind::Corrupt,
-            format!("{}: holds key {:?}, not {key:?}", path.display(), h.key),
+            format!("{}: {len} bytes, the header says {}", path.display(), meta.size_bytes),
         ));
     }
-    let size = check_dst(key, dst_len, h.meta.size_bytes)?;
     let mut hasher = blake3::Hasher::new();
     // SAFETY: dst is the caller's buffer of dst_len >= size bytes, kept alive by IoPool::run.
-    unsafe {
-        ctx.pipeline(
-            Dir::Read,
-            f.as_raw_fd(),
-            h.header_bytes as u64,
-            dst.0,
-            size,
-            Some(&mut hasher),
-        )
-    }?;
-    if hasher.finalize().as_bytes() != &h.meta.checksum {
+    unsafe { ctx.pipeline(Dir::Read, f.as_raw_fd(), 0, dst.0, size, Some(&mut hasher)) }?;
+    if hasher.finalize().as_bytes() != &meta.checksum {
         return Err(Error::new(
             ErrorKind::Corrupt,
             format!("nvme get {key:?}: data checksum mismatch ({})", path.display()),
         ));
     }
-    Ok(h.meta)
+    Ok(())
+}
+
+/// blake3 of a whole file through the page cache (buffered reads).
+fn hash_file(f: &mut File) -> std::io::Result<[u8; 32]> {
+    let mut h = blake3::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => return Ok(*h.finalize().as_bytes()),
+            Ok(n) => {
+                h.update(&buf[..n]);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 impl NvmeMedium {
-    /// Open (or create) the directory and rebuild the index from the object headers.
+    /// Open (or create) the directory and rebuild the index from the header files.
     /// Blocking: it reads every header; call it at start-up or from `spawn_blocking`.
     pub fn open(cfg: NvmeConfig) -> Result<(Self, OpenReport)> {
         fs::create_dir_all(&cfg.dir)
@@ -334,7 +376,7 @@ impl NvmeMedium {
             report.temp_files_removed += 1;
         }
         let mut index = Index::default();
-        scan_objects(&cfg.dir, &mut index, &mut report)?;
+        let last_generation = scan_objects(&cfg.dir, &mut index, &mut report)?;
         report.objects = index.ready.len();
         let inner = Inner {
             _lock: lock_file,
@@ -342,7 +384,7 @@ impl NvmeMedium {
             capacity_bytes: cfg.capacity_bytes,
             used_bytes: AtomicU64::new(report.bytes),
             corrupt_reads: AtomicU64::new(0),
-            tmp_seq: AtomicU64::new(0),
+            last_generation: AtomicU64::new(last_generation),
             index: Mutex::new(index),
         };
         tracing::info!(objects = report.objects, bytes = report.bytes, temp_removed = report.temp_files_removed,
@@ -350,9 +392,66 @@ impl NvmeMedium {
         Ok((NvmeMedium { inner: Arc::new(inner), pool }, report))
     }
 
-    /// The file that holds `key` (whether or not it exists), for tools and tests.
-    pub fn object_path(&self, key: &str) -> PathBuf {
-        self.inner.object_path(key)
+    /// The header file of `key` (whether or not it exists), for tools and tests.
+    pub fn header_path(&self, key: &str) -> PathBuf {
+        self.inner.header_path(key)
+    }
+
+    /// The current data file of `key`, if the medium holds it (for tools and tests).
+    pub fn data_path(&self, key: &str) -> Option<PathBuf> {
+        let g = lock(&self.inner.index).ready.get(key).map(|e| e.generation)?;
+        Some(self.inner.data_path(key, g))
+    }
+
+    /// The object's data file, opened read-only (no O_DIRECT, so reads go through the page
+    /// cache), and its meta: for same-process users that serve reads straight from the file,
+    /// such as FUSE passthrough. The file holds exactly the object's bytes from offset 0, and
+    /// the descriptor keeps them readable even if the object is removed or replaced later.
+    ///
+    /// The first call per object (per write, and again after every open of the medium)
+    /// hashes the whole file through the page cache and refuses a mismatch with `Corrupt`
+    /// (counted); that read also warms the page cache the passthrough reads then hit. Later
+    /// calls do not re-hash, so bit rot after that first check is not detected on this path
+    /// (every `get_into` still verifies). Blocking: it may read the whole file; call it from a
+    /// blocking thread (FUSE request threads are).
+    pub fn local_file(&self, key: &str) -> Result<(File, ObjectMeta)> {
+        validate_key(key)?;
+        let e = lock(&self.inner.index)
+            .ready
+            .get(key)
+            .copied()
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("nvme: {key:?}")))?;
+        let path = self.inner.data_path(key, e.generation);
+        let mut f =
+            OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(&path).map_err(
+                |err| match err.kind() {
+                    // Replaced or removed since the lookup.
+                    std::io::ErrorKind::NotFound => {
+                        Error::new(ErrorKind::NotFound, format!("nvme: {key:?}"))
+                    }
+                    _ => Error::io(format!("open {}", path.display()), err),
+                },
+            )?;
+        if !e.verified {
+            let len = f.metadata().map_err(|err| Error::io("fstat", err))?.len();
+            let sum = hash_file(&mut f)
+                .map_err(|err| Error::io(format!("read {}", path.display()), err))?;
+            if len != e.meta.size_bytes || sum != e.meta.checksum {
+                self.inner.corrupt_reads.fetch_add(1, Ordering::Relaxed);
+                return Err(Error::new(
+                    ErrorKind::Corrupt,
+                    format!("nvme local file {key:?}: data checksum mismatch ({})", path.display()),
+                ));
+            }
+            let mut idx = lock(&self.inner.index);
+            if let Some(cur) = idx.ready.get_mut(key).filter(|c| c.generation == e.generation) {
+                cur.verified = true;
+            }
+            drop(idx);
+            use std::io::Seek;
+            f.rewind().map_err(|err| Error::io("seek", err))?;
+        }
+        Ok((f, e.meta))
     }
 
     pub fn stats(&self) -> NvmeStats {
@@ -367,50 +466,84 @@ impl NvmeMedium {
         self.pool.config()
     }
 
-    /// Rename the finished temp file into place and index it (under the index lock).
-    fn commit(
-        &self,
-        key: &str,
-        tmp: &Path,
-        meta: ObjectMeta,
-        fbytes: u64,
-        mode: PutMode,
-    ) -> Result<()> {
-        let path = self.inner.object_path(key);
-        let mut idx = lock(&self.inner.index);
-        if mode == PutMode::CreateNew && idx.ready.contains_key(key) {
-            return Err(Error::new(ErrorKind::AlreadyExists, format!("nvme: {key:?}")));
-        }
-        if let Some(parent) = path.parent() {
-            fs::create_dir_all(parent)
-                .map_err(|e| Error::io(format!("create {}", parent.display()), e))?;
-        }
-        fs::rename(tmp, &path)
-            .map_err(|e| Error::io(format!("rename to {}", path.display()), e))?;
-        if let Some(old) = idx.ready.insert(key.to_owned(), Entry { meta, file_bytes: fbytes }) {
-            self.inner.release(old.file_bytes);
+    /// Put the finished temp files in place, index the object and unlink the data file it
+    /// replaced.
+    fn commit(&self, key: &str, tmp: &TempFiles, entry: Entry, mode: PutMode) -> Result<()> {
+        let data = self.inner.data_path(key, entry.generation);
+        let header = self.inner.header_path(key);
+        let parent = header.parent().map(Path::to_path_buf).unwrap_or_default();
+        fs::create_dir_all(&parent)
+            .map_err(|e| Error::io(format!("create {}", parent.display()), e))?;
+        // The data file's name is new: it can go in place before the commit, and must be
+        // durable before the header that names it.
+        fs::rename(&tmp.data, &data)
+            .map_err(|e| Error::io(format!("rename to {}", data.display()), e))?;
+        let unlink_data = |r: Result<()>| {
+            if r.is_err() {
+                let _ = fs::remove_file(&data);
+            }
+            r
+        };
+        unlink_data(fsync_dir(&parent))?;
+        let replaced = {
+            let mut idx = lock(&self.inner.index);
+            if mode == PutMode::CreateNew && idx.ready.contains_key(key) {
+                drop(idx);
+                return unlink_data(Err(Error::new(
+                    ErrorKind::AlreadyExists,
+                    format!("nvme: {key:?}"),
+                )));
+            }
+            unlink_data(
+                fs::rename(&tmp.header, &header)
+                    .map_err(|e| Error::io(format!("rename to {}", header.display()), e)),
+            )?;
+            let old = idx.ready.insert(key.to_owned(), entry);
+            if let Some(old) = old {
+                self.inner.release(old.file_bytes);
+            }
+            old
+        };
+        fsync_dir(&parent)?;
+        if let Some(old) = replaced {
+            let _ = fs::remove_file(self.inner.data_path(key, old.generation));
         }
         Ok(())
     }
 }
 
-fn scan_objects(dir: &Path, index: &mut Index, report: &mut OpenReport) -> Result<()> {
+/// Index every committed object under `dir/objects`; quarantine bad headers, delete data files
+/// no header names. Returns the highest generation seen.
+fn scan_objects(dir: &Path, index: &mut Index, report: &mut OpenReport) -> Result<u64> {
     let objects = dir.join("objects");
     let rd = |p: &Path| fs::read_dir(p).map_err(|e| Error::io(format!("read {}", p.display()), e));
+    let mut last_generation = 0;
     for sub in rd(&objects)? {
         let sub = sub.map_err(|e| Error::io("read objects", e))?.path();
         if !sub.is_dir() {
             continue;
         }
+        let mut headers = Vec::new();
+        let mut data_files = Vec::new();
         for f in rd(&sub)? {
             let path = f.map_err(|e| Error::io("read objects", e))?.path();
-            match check_file(&path) {
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+            match name.as_deref().and_then(|n| n.split_once('.')) {
+                Some((_, g)) => data_files.push((path.clone(), g.parse::<u64>().ok())),
+                None => headers.push(path),
+            }
+        }
+        let mut referenced = HashSet::new();
+        for path in headers {
+            match check_header(&path) {
                 Ok((key, entry)) => {
+                    referenced.insert(key_digest_hex(&key) + "." + &entry.generation.to_string());
+                    last_generation = last_generation.max(entry.generation);
                     report.bytes += entry.file_bytes;
                     index.ready.insert(key, entry);
                 }
                 Err(e) => {
-                    tracing::warn!(path = %path.display(), error = %e, "quarantining object file");
+                    tracing::warn!(path = %path.display(), error = %e, "quarantining object header");
                     let name = path
                         .file_name()
                         .map(|n| n.to_string_lossy().into_owned())
@@ -422,37 +555,54 @@ fn scan_objects(dir: &Path, index: &mut Index, report: &mut OpenReport) -> Resul
                 }
             }
         }
-    }
-    Ok(())
-}
-
-/// Verify an object file's header, name and length (not its data).
-fn check_file(path: &Path) -> Result<(String, Entry)> {
-    let mut f = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
-    let mut buf = vec![0u8; header::HEADER_BYTES_MAX];
-    let mut got = 0;
-    while got < buf.len() {
-        match f.read(&mut buf[got..]) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(Error::io(format!("read {}", path.display()), e)),
+        for (path, generation) in data_files {
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+            if name.is_some_and(|n| referenced.contains(&n)) {
+                continue;
+            }
+            last_generation = last_generation.max(generation.unwrap_or(0));
+            fs::remove_file(&path)
+                .map_err(|e| Error::io(format!("remove {}", path.display()), e))?;
+            report.temp_files_removed += 1;
         }
     }
-    let h = header::decode(&buf[..got])?;
+    Ok(last_generation)
+}
+
+/// Verify a header file, its name and its data file's length (not the data).
+fn check_header(path: &Path) -> Result<(String, Entry)> {
+    let mut f = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+    let mut buf = Vec::with_capacity(header::FIXED_BYTES + 256);
+    Read::by_ref(&mut f)
+        .take(header::HEADER_BYTES_MAX as u64 + 1)
+        .read_to_end(&mut buf)
+        .map_err(|e| Error::io(format!("read {}", path.display()), e))?;
+    let h = header::decode(&buf)?;
+    if buf.len() != h.header_bytes {
+        return Err(Error::new(ErrorKind::Corrupt, "header file has trailing bytes"));
+    }
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     if key_digest_hex(&h.key) != name {
         return Err(Error::new(ErrorKind::Corrupt, "file name is not the digest of its key"));
     }
-    let len = f.metadata().map_err(|e| Error::io("stat", e))?.len();
-    let want = (h.header_bytes + round_up(usize_from(h.meta.size_bytes)?, BLOCK_BYTES)) as u64;
-    if len != want {
+    let data = path.with_file_name(format!("{name}.{}", h.generation));
+    let len = fs::metadata(&data)
+        .map_err(|e| Error::io(format!("data file {}", data.display()), e))?
+        .len();
+    if len != h.meta.size_bytes {
         return Err(Error::new(
             ErrorKind::Corrupt,
-            format!("file has {len} bytes, header says {want}"),
+            format!("data file has {len} bytes, header says {}", h.meta.size_bytes),
         ));
     }
-    Ok((h.key, Entry { meta: h.meta, file_bytes: len }))
+    usize_from(h.meta.size_bytes)?;
+    let entry = Entry {
+        meta: h.meta,
+        generation: h.generation,
+        file_bytes: file_bytes(&h.key, h.meta.size_bytes),
+        verified: false,
+    };
+    Ok((h.key, entry))
 }
 
 /// Undoes a put's reservations unless disarmed.
@@ -461,7 +611,7 @@ struct PutGuard<'a> {
     key: &'a str,
     bytes: u64,
     creating: bool,
-    tmp: Option<PathBuf>,
+    tmp: Option<TempFiles>,
 }
 
 impl Drop for PutGuard<'_> {
@@ -473,7 +623,8 @@ impl Drop for PutGuard<'_> {
             lock(&self.inner.index).creating.remove(self.key);
         }
         if let Some(t) = &self.tmp {
-            let _ = fs::remove_file(t);
+            let _ = fs::remove_file(&t.data);
+            let _ = fs::remove_file(&t.header);
         }
     }
 }
@@ -506,36 +657,47 @@ impl Medium for NvmeMedium {
         let fbytes = file_bytes(key, data.len() as u64);
         inner.reserve(fbytes, key)?;
         guard.bytes = fbytes;
-        let seq = inner.tmp_seq.fetch_add(1, Ordering::Relaxed);
-        let tmp = inner.dir.join("tmp").join(format!(
-            "{}.{}.{seq}",
-            key_digest_hex(key),
-            std::process::id()
-        ));
-        guard.tmp = Some(tmp.clone());
-        let (k, ptr, len, t) =
-            (key.to_owned(), SendPtr(data.as_ptr().cast_mut()), data.len(), tmp.clone());
-        let meta = self.pool.run(move |ctx| write_object(ctx, &t, &k, ptr, len, opts)).await?;
-        self.commit(key, &tmp, meta, fbytes, opts.mode)?;
+        let generation = inner.next_generation();
+        let stem = format!("{}.{generation}", key_digest_hex(key));
+        let tmp = TempFiles {
+            data: inner.dir.join("tmp").join(format!("{stem}.data")),
+            header: inner.dir.join("tmp").join(format!("{stem}.hdr")),
+        };
+        let (k, ptr, len) = (key.to_owned(), SendPtr(data.as_ptr().cast_mut()), data.len());
+        let paths = TempFiles { data: tmp.data.clone(), header: tmp.header.clone() };
+        guard.tmp = Some(tmp);
+        let meta = self
+            .pool
+            .run(move |ctx| write_object(ctx, &paths, &k, ptr, len, opts, generation))
+            .await?;
+        // Hashed on the way out of memory, not read back from disk: the first hand-out of the
+        // file still verifies it.
+        let entry = Entry { meta, generation, file_bytes: fbytes, verified: false };
+        self.commit(key, guard.tmp.as_ref().expect("set above"), entry, opts.mode)?;
         guard.tmp = None;
         guard.bytes = 0;
-        drop(guard);
-        let path = inner.object_path(key);
-        if let Some(parent) = path.parent() {
-            fsync_dir(parent)?;
-        }
         Ok(meta)
     }
 
     async fn get_into(&self, key: &str, dst: &mut [u8]) -> Result<ObjectMeta> {
         validate_key(key)?;
-        if !lock(&self.inner.index).ready.contains_key(key) {
-            return Err(Error::new(ErrorKind::NotFound, format!("nvme: {key:?}")));
+        // A concurrent overwrite may unlink the data file between the lookup and the open;
+        // look again then (bounded: each retry means another writer committed meanwhile).
+        for _ in 0..4 {
+            let Some(e) = lock(&self.inner.index).ready.get(key).copied() else {
+                return Err(Error::new(ErrorKind::NotFound, format!("nvme: {key:?}")));
+            };
+            let path = self.inner.data_path(key, e.generation);
+            let (k, ptr, len, meta) =
+                (key.to_owned(), SendPtr(dst.as_mut_ptr()), dst.len(), e.meta);
+            let r = self.pool.run(move |ctx| read_object(ctx, &path, &k, &meta, ptr, len)).await;
+            match r {
+                Ok(()) => return Ok(e.meta),
+                Err(err) if err.kind() == ErrorKind::NotFound => continue,
+                Err(err) => return Err(self.inner.corrupt(err)),
+            }
         }
-        let path = self.inner.object_path(key);
-        let (k, ptr, len) = (key.to_owned(), SendPtr(dst.as_mut_ptr()), dst.len());
-        let r = self.pool.run(move |ctx| read_object(ctx, &path, &k, ptr, len)).await;
-        r.map_err(|e| self.inner.corrupt(e))
+        Err(Error::new(ErrorKind::Busy, format!("nvme get {key:?}: object kept changing")))
     }
 
     async fn stat(&self, key: &str) -> Result<ObjectMeta> {
@@ -549,17 +711,21 @@ impl Medium for NvmeMedium {
 
     async fn remove(&self, key: &str) -> Result<()> {
         validate_key(key)?;
-        let path = self.inner.object_path(key);
+        let header = self.inner.header_path(key);
         let mut idx = lock(&self.inner.index);
         let Some(e) = idx.ready.remove(key) else {
             return Err(Error::new(ErrorKind::NotFound, format!("nvme: {key:?}")));
         };
         self.inner.release(e.file_bytes);
-        match fs::remove_file(&path) {
+        // The header goes first: without it the data file is an orphan the next open deletes.
+        let r = match fs::remove_file(&header) {
             Ok(()) => Ok(()),
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(err) => Err(Error::io(format!("remove {}", path.display()), err)),
-        }
+            Err(err) => Err(Error::io(format!("remove {}", header.display()), err)),
+        };
+        drop(idx);
+        let _ = fs::remove_file(self.inner.data_path(key, e.generation));
+        r
     }
 
     async fn list(&self) -> Result<Vec<(String, ObjectMeta)>> {

@@ -281,6 +281,8 @@ impl Medium for ObjectStoreMedium {
             checksum: sum,
             persistence: opts.persistence,
             stored_at_unix_ms: now_unix_ms(),
+            version: opts.version,
+            pin: opts.pin,
         };
         let conditional = self.op.info().capability().write_with_if_not_exists;
         let mut _creating = Creating(self, None);
@@ -300,7 +302,7 @@ impl Medium for ObjectStoreMedium {
                 Err(e) => return Err(map_err(format!("object put {key:?}"), e)),
             }
         }
-        let hdr = Bytes::from(header::encode(key, &meta, 1));
+        let hdr = Bytes::from(header::encode(key, &meta, 0, 1));
         let total = hdr.len() as u64 + meta.size_bytes;
         let body = opendal::Buffer::from(vec![hdr, Bytes::copy_from_slice(data)]);
         let w = self

@@ -21,7 +21,7 @@
 //!   burst may start when the bucket is full and leaves it in debt.
 //!
 //! Invariants: an object has at most one action in flight; `decide` never emits an action for
-//! a moving, pinned (for drops) or unknown object; bytes emitted per direction over any span
+//! a moving, deferred (see [`TierPolicy::defer`]), pinned (for drops) or unknown object; bytes emitted per direction over any span
 //! `T` are at most `rate * T + burst + largest object`. Tests drive it with synthetic traces.
 //!
 //! Not handled: HBM and object storage as tiers of the state machine (the node treats HBM as
@@ -192,6 +192,9 @@ struct ObjState {
     replicas_elsewhere: u32,
     pinned: bool,
     moving: bool,
+    /// Not a candidate for any action before this (the node was told to wait, e.g. a read
+    /// lease protects the copy it wanted to drop).
+    not_before_ms: u64,
 }
 
 /// Counters for logs and metrics.
@@ -276,6 +279,7 @@ impl TierPolicy {
                 replicas_elsewhere: 0,
                 pinned: false,
                 moving: false,
+                not_before_ms: 0,
             },
         );
         if let Some(p) = prev
@@ -308,6 +312,14 @@ impl TierPolicy {
         if let Some(o) = self.objects.get_mut(key) {
             o.persisted = persisted;
             o.replicas_elsewhere = replicas_elsewhere;
+        }
+    }
+
+    /// Keep `key` out of every action until `until_ms` (the node learned that asking earlier
+    /// cannot succeed: a read lease, a last copy).
+    pub fn defer(&mut self, key: &str, until_ms: u64) {
+        if let Some(o) = self.objects.get_mut(key) {
+            o.not_before_ms = o.not_before_ms.max(until_ms);
         }
     }
 
@@ -367,12 +379,13 @@ impl TierPolicy {
     fn candidates(
         &self,
         tier: Tier,
+        now_ms: u64,
         pred: impl Fn(&ObjState) -> bool,
     ) -> Vec<(u32, u64, &str, u64)> {
         let mut v: Vec<_> = self
             .objects
             .iter()
-            .filter(|(_, o)| o.tier == tier && !o.moving && pred(o))
+            .filter(|(_, o)| o.tier == tier && !o.moving && o.not_before_ms <= now_ms && pred(o))
             .map(|(k, o)| (self.sketch.estimate(k), o.last_access_ms, k.as_str(), o.size_bytes))
             .collect();
         v.sort_unstable();
@@ -420,7 +433,9 @@ impl TierPolicy {
         if nvme_proj(self) > frac(nvme.capacity_bytes, self.cfg.nvme_high_watermark) {
             let target = frac(nvme.capacity_bytes, self.cfg.nvme_low_watermark);
             let picks: Vec<(String, u64)> = self
-                .candidates(Tier::Nvme, |o| !o.pinned && (o.persisted || o.replicas_elsewhere > 0))
+                .candidates(Tier::Nvme, now_ms, |o| {
+                    !o.pinned && (o.persisted || o.replicas_elsewhere > 0)
+                })
                 .into_iter()
                 .map(|(_, _, k, s)| (k.to_owned(), s))
                 .collect();
@@ -440,7 +455,7 @@ impl TierPolicy {
             let target = frac(dram.capacity_bytes, self.cfg.dram_low_watermark);
             let nvme_limit = frac(nvme.capacity_bytes, self.cfg.nvme_high_watermark);
             let picks: Vec<(String, u64)> = self
-                .candidates(Tier::Dram, |_| true)
+                .candidates(Tier::Dram, now_ms, |_| true)
                 .into_iter()
                 .map(|(_, _, k, s)| (k.to_owned(), s))
                 .collect();
@@ -463,7 +478,7 @@ impl TierPolicy {
         let window_start = now_ms.saturating_sub(self.cfg.window_ms);
         let min = self.cfg.promote_min_accesses.max(1);
         let mut hot: Vec<(u32, u64, String, u64)> = self
-            .candidates(Tier::Nvme, |o| o.last_access_ms >= window_start)
+            .candidates(Tier::Nvme, now_ms, |o| o.last_access_ms >= window_start)
             .into_iter()
             .filter(|c| c.0 >= min)
             .map(|(f, t, k, s)| (f, t, k.to_owned(), s))
@@ -615,6 +630,30 @@ mod tests {
         assert_eq!(p.tier_of("a"), Some(Tier::Dram));
         let again = p.decide(2_000, usage(&p, Tier::Dram, 100 * MB), big);
         assert_eq!(again, a, "retried after a failure");
+    }
+
+    #[test]
+    fn deferred_objects_wait_and_others_go_first() {
+        let mut p = TierPolicy::new(cfg());
+        for i in 0..10 {
+            p.on_stored(&format!("k{i}"), Tier::Dram, 10 * MB, i);
+        }
+        let big = TierUsage { used_bytes: 0, capacity_bytes: 1000 * MB };
+        let a = p.decide(100, usage(&p, Tier::Dram, 100 * MB), big);
+        let keys: Vec<&str> = a.iter().map(|a| a.key()).collect();
+        assert_eq!(keys, ["k0", "k1"]);
+        for x in &a {
+            p.on_action_done(x, false);
+            p.defer(x.key(), 5_000);
+        }
+        let b = p.decide(200, usage(&p, Tier::Dram, 100 * MB), big);
+        let keys: Vec<&str> = b.iter().map(|a| a.key()).collect();
+        assert_eq!(keys, ["k2", "k3"], "the deferred coldest objects are skipped");
+        for x in &b {
+            p.on_action_done(x, false);
+        }
+        let c = p.decide(6_000, usage(&p, Tier::Dram, 100 * MB), big);
+        assert_eq!(c.first().map(|a| a.key()), Some("k0"), "deferral ends");
     }
 
     proptest! {

@@ -11,7 +11,8 @@
 //! Policy: a chunk goes straight between the file and the caller's buffer (plain `Read`/`Write`)
 //! when the buffer is 4 KiB aligned and the chunk is whole 4 KiB blocks; otherwise it bounces
 //! through a registered staging slot. Short transfers are resubmitted for the rest; a read that
-//! returns 0 bytes (end of file) is `Corrupt` (the file is shorter than its header says).
+//! returns 0 bytes (end of file) before the chunk's bytes are in is `Corrupt` (the file is
+//! shorter than its header says). A file may end inside its last 4 KiB block.
 //!
 //! Invariants: a job never returns while one of its I/Os is in flight (on error it drains the
 //! ring first), so no completion can write into memory the caller has released. The async
@@ -190,7 +191,9 @@ impl RingCtx {
 
     /// Move `size` bytes between `buf` and the file at `file_off`, `queue_depth` chunks in
     /// flight, hashing the bytes in order into `hasher` if given. The file region is accessed in
-    /// whole 4 KiB blocks (the tail is padded on write; the file must be padded on read).
+    /// whole 4 KiB blocks: the tail is zero-padded on write (the caller truncates the file to
+    /// its real length afterwards if it wants), and on read the file may end anywhere after
+    /// `file_off + size` (a short read at end of file completes the last chunk).
     ///
     /// # Safety
     /// `buf` must be valid for `size` bytes (writable for `Dir::Read`) for the whole call and
@@ -277,7 +280,26 @@ impl RingCtx {
                     continue;
                 }
                 done_bytes[i] += res as usize;
-                if done_bytes[i] < io_len_of(i) && err.is_none() {
+                // A read may stop short at the end of a file whose last block is partial: the
+                // chunk is complete once its `len` bytes are in. Writes need the whole block.
+                let need = if dir == Dir::Read { len_of(i) } else { io_len_of(i) };
+                if dir == Dir::Read
+                    && done_bytes[i] < need
+                    && !done_bytes[i].is_multiple_of(BLOCK_BYTES)
+                {
+                    // Ended inside a block before the chunk was in: the file is too short.
+                    err.get_or_insert(Error::new(
+                        ErrorKind::Corrupt,
+                        format!(
+                            "Read at {}: end of file after {} of {need} bytes",
+                            file_off as usize + i * chunk,
+                            done_bytes[i]
+                        ),
+                    ));
+                    complete[i] = true;
+                    continue;
+                }
+                if done_bytes[i] < need && err.is_none() {
                     // SAFETY: same buffer as the first submission, further in.
                     unsafe {
                         self.push(

@@ -12,7 +12,9 @@
 //! Journal format: a sequence of records `[len: u32 LE][sum: 8 bytes][payload: len bytes]`,
 //! `sum` = the first 8 bytes of blake3(payload). Payload: `kind: u8` (1 enqueued, 2 persisted,
 //! 3 failed), `seq: u64 LE`, and for `enqueued`: `size: u64 LE`, `blake3: [u8; 32]`,
-//! `persistence: u8`, `key_len: u32 LE`, `key`.
+//! `persistence: u8`, `version: u64 LE`, `pin: u8`, `key_len: u32 LE`, `key` (version and pin
+//! are the store's, carried into the object-store header so a rebuilt master can adopt the
+//! object as it was).
 //!
 //! Recovery ([`WritebackQueue::open`]): the journal is replayed; a torn or damaged tail (a
 //! SIGKILL or power cut mid-append) ends the replay and is cut off. Every `enqueued` entry
@@ -40,7 +42,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::medium::{Medium, Persistence, PutMode, PutOptions, checksum};
+use crate::medium::{Medium, ObjectMeta, Persistence, PutMode, PutOptions, checksum};
 
 /// Configuration of a write-back queue.
 #[derive(Debug, Clone)]
@@ -78,15 +80,18 @@ pub struct WritebackEntry {
     pub size_bytes: u64,
     pub checksum: [u8; 32],
     pub persistence: Persistence,
+    /// The store's version and pin code, stored in the object-store header.
+    pub version: u64,
+    pub pin: u8,
 }
 
 /// What the workers report.
 #[derive(Debug)]
 pub enum WritebackEvent {
     /// The object is in the target and its `persisted` record is durable.
-    Persisted { seq: u64, key: String },
+    Persisted { seq: u64, key: String, version: u64 },
     /// Given up on; the `failed` record is durable.
-    Failed { seq: u64, key: String, error: Error },
+    Failed { seq: u64, key: String, version: u64, error: Error },
 }
 
 /// What `open` found in the journal.
@@ -115,6 +120,8 @@ fn encode_record(kind: u8, seq: u64, entry: Option<&WritebackEntry>) -> Vec<u8> 
         p.extend_from_slice(&e.size_bytes.to_le_bytes());
         p.extend_from_slice(&e.checksum);
         p.push(e.persistence.to_u8());
+        p.extend_from_slice(&e.version.to_le_bytes());
+        p.push(e.pin);
         p.extend_from_slice(&(e.key.len() as u32).to_le_bytes());
         p.extend_from_slice(e.key.as_bytes());
     }
@@ -148,13 +155,23 @@ fn decode_payload(p: &[u8]) -> Option<Record> {
             let size_bytes = u64::from_le_bytes(take::<8>(p, &mut at)?);
             let checksum = take::<32>(p, &mut at)?;
             let [pers] = take::<1>(p, &mut at)?;
+            let version = u64::from_le_bytes(take::<8>(p, &mut at)?);
+            let [pin] = take::<1>(p, &mut at)?;
             let key_len = u32::from_le_bytes(take::<4>(p, &mut at)?) as usize;
             let key = std::str::from_utf8(p.get(at..at + key_len)?).ok()?.to_owned();
             if at + key_len != p.len() {
                 return None;
             }
             let persistence = Persistence::from_u8(pers).ok()?;
-            Some(Record::Enqueued(WritebackEntry { seq, key, size_bytes, checksum, persistence }))
+            Some(Record::Enqueued(WritebackEntry {
+                seq,
+                key,
+                size_bytes,
+                checksum,
+                persistence,
+                version,
+                pin,
+            }))
         }
         _ => None,
     }
@@ -333,7 +350,23 @@ impl WritebackQueue {
     /// Durable when it returns: a crash from here on retries or reports it. `Busy` when the
     /// queue is at `queue_entries_max` or `queue_bytes_max`.
     pub async fn enqueue(&self, key: &str, size_bytes: u64, checksum: [u8; 32]) -> Result<u64> {
+        let meta = ObjectMeta {
+            size_bytes,
+            checksum,
+            persistence: Persistence::Lazy,
+            stored_at_unix_ms: 0,
+            version: 0,
+            pin: 0,
+        };
+        self.enqueue_meta(key, &meta).await
+    }
+
+    /// [`enqueue`](Self::enqueue) with the object's version and pin code (stored in the
+    /// object-store header); `meta.stored_at_unix_ms` is ignored.
+    pub async fn enqueue_meta(&self, key: &str, meta: &ObjectMeta) -> Result<u64> {
         crate::medium::validate_key(key)?;
+        let (size_bytes, checksum, version, pin) =
+            (meta.size_bytes, meta.checksum, meta.version, meta.pin);
         let shared = self.shared.clone();
         let key = key.to_owned();
         // Journal append and queue insertion happen together on a blocking thread, so a
@@ -353,7 +386,15 @@ impl WritebackQueue {
                     ),
                 ));
             }
-            let entry = WritebackEntry { seq: q.next_seq, key, size_bytes, checksum, persistence: Persistence::Lazy };
+            let entry = WritebackEntry {
+                seq: q.next_seq,
+                key,
+                size_bytes,
+                checksum,
+                persistence: Persistence::Lazy,
+                version,
+                pin,
+            };
             shared.append(&encode_record(KIND_ENQUEUED, entry.seq, Some(&entry)))?;
             q.next_seq += 1;
             q.entries += 1;
@@ -413,14 +454,20 @@ async fn worker(shared: Arc<Shared>) {
         let outcome = upload(&shared, &next).await;
         let (kind, event) = match outcome {
             Ok(()) => {
-                (KIND_PERSISTED, WritebackEvent::Persisted { seq: next.seq, key: next.key.clone() })
+                let (seq, key, version) = (next.seq, next.key.clone(), next.version);
+                (KIND_PERSISTED, WritebackEvent::Persisted { seq, key, version })
             }
             Err(e) if e.kind() == ErrorKind::Closed => return,
             Err(error) => {
                 tracing::warn!(key = %next.key, seq = next.seq, %error, "write-back gave up");
                 (
                     KIND_FAILED,
-                    WritebackEvent::Failed { seq: next.seq, key: next.key.clone(), error },
+                    WritebackEvent::Failed {
+                        seq: next.seq,
+                        key: next.key.clone(),
+                        version: next.version,
+                        error,
+                    },
                 )
             }
         };
@@ -489,6 +536,8 @@ async fn upload_once(shared: &Shared, e: &WritebackEntry) -> Result<()> {
         mode: PutMode::Overwrite,
         persistence: e.persistence,
         checksum: Some(e.checksum),
+        version: e.version,
+        pin: e.pin,
     };
     shared.target.put(&e.key, &data, opts).await.map(drop)
 }
@@ -605,6 +654,8 @@ mod tests {
             size_bytes: 9,
             checksum: [3; 32],
             persistence: Persistence::Lazy,
+            version: 9 << 20,
+            pin: 1,
         };
         let mut j = encode_record(KIND_ENQUEUED, 7, Some(&e));
         j.extend(encode_record(KIND_PERSISTED, 7, None));

@@ -299,9 +299,9 @@ impl Fixture for Nvme {
     }
     async fn corrupt(&self, key: &str) -> Result<()> {
         use std::os::unix::fs::FileExt;
-        let path = self.nvme().object_path(key);
+        let path = self.nvme().data_path(key).context("data file")?;
         let f = std::fs::OpenOptions::new().read(true).write(true).open(&path)?;
-        let at = 4096 + 1000;
+        let at = 1000;
         let mut b = [0u8; 1];
         f.read_exact_at(&mut b, at)?;
         f.write_all_at(&[b[0] ^ 0x80], at)?;
@@ -409,24 +409,77 @@ async fn nvme_open_discards_temp_files_and_quarantines_bad_headers() -> Result<(
     let (m, _) = NvmeMedium::open(cfg.clone())?;
     m.put("good", &pattern(10_000, 1), PutOptions::default()).await?;
     m.put("bad", &pattern(10_000, 2), PutOptions::default()).await?;
-    let bad_path = m.object_path("bad");
+    m.put("short", &pattern(10_000, 3), PutOptions::default()).await?;
+    let bad_header = m.header_path("bad");
+    let short_data = m.data_path("short").context("data file")?;
+    let good_data = m.data_path("good").context("data file")?;
     ensure!(
         NvmeMedium::open(cfg.clone()).err().map(|e| e.kind()) == Some(ErrorKind::Unavailable),
         "second open of a locked dir"
     );
     drop(m);
-    std::fs::write(dir.path().join("tmp").join("half-written.1.1"), b"partial")?;
-    let mut raw = std::fs::read(&bad_path)?;
+    std::fs::write(dir.path().join("tmp").join("half-written.1.data"), b"partial")?;
+    // A data file renamed into place by a put that crashed before its header commit.
+    let orphan = good_data.with_file_name(format!(
+        "{}.7",
+        good_data.file_name().unwrap().to_string_lossy().split('.').next().unwrap()
+    ));
+    std::fs::write(&orphan, b"orphan")?;
+    let mut raw = std::fs::read(&bad_header)?;
     raw[20] ^= 1; // inside the header
-    std::fs::write(&bad_path, raw)?;
+    std::fs::write(&bad_header, raw)?;
+    std::fs::OpenOptions::new().write(true).open(&short_data)?.set_len(9_000)?;
     let (m, report) = NvmeMedium::open(cfg)?;
     ensure!(
-        report.objects == 1 && report.temp_files_removed == 1 && report.quarantined == 1,
+        // the temp file, the orphan, and the data files of the two quarantined headers
+        report.objects == 1 && report.temp_files_removed == 4 && report.quarantined == 2,
         "{report:?}"
     );
+    ensure!(!orphan.exists(), "unreferenced data file deleted");
     ensure!(m.get("good").await? == pattern(10_000, 1));
     ensure!(kind(m.get("bad").await) == ErrorKind::NotFound);
-    ensure!(std::fs::read_dir(dir.path().join("quarantine"))?.count() == 1);
+    ensure!(kind(m.get("short").await) == ErrorKind::NotFound);
+    ensure!(std::fs::read_dir(dir.path().join("quarantine"))?.count() == 2);
+    Ok(())
+}
+
+/// FUSE passthrough maps file offsets 1:1 and stops at the backing file's end: the data file
+/// must be the object's bytes and nothing else, at every size around the 4 KiB block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nvme_data_files_are_exactly_the_object_for_passthrough() -> Result<()> {
+    use std::io::Read;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR"))?;
+    let cfg = NvmeConfig::new(dir.path(), CAPACITY_BYTES);
+    let (m, _) = NvmeMedium::open(cfg.clone())?;
+    let sizes = [0usize, 1, 4095, 4096, 4097, MIB + 17];
+    for (i, size) in sizes.iter().enumerate() {
+        let data = pattern(*size, i as u8);
+        m.put(&format!("pt/{i}"), &data, PutOptions::default()).await?;
+        let on_disk = std::fs::read(m.data_path(&format!("pt/{i}")).context("data file")?)?;
+        ensure!(on_disk == data, "data file of {size} bytes is the object");
+        let (mut f, meta) = m.local_file(&format!("pt/{i}"))?;
+        let mut got = Vec::new();
+        f.read_to_end(&mut got)?;
+        ensure!(got == data && meta.size_bytes == *size as u64, "local_file of {size} bytes");
+    }
+    drop(m);
+    // After a reopen the first local_file verifies the whole file.
+    let (m, _) = NvmeMedium::open(cfg.clone())?;
+    let key = format!("pt/{}", sizes.len() - 1);
+    let path = m.data_path(&key).context("data file")?;
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(&path)?;
+        f.write_all_at(&[0xAA], 12_345)?;
+    }
+    ensure!(kind(m.local_file(&key)) == ErrorKind::Corrupt, "first hand-out verifies");
+    ensure!(m.stats().corrupt_reads == 1);
+    ensure!(kind(m.local_file("pt/none")) == ErrorKind::NotFound);
+    let (mut f, _) = m.local_file("pt/3")?;
+    m.remove("pt/3").await?;
+    let mut got = Vec::new();
+    f.read_to_end(&mut got)?;
+    ensure!(got == pattern(4096, 3), "an open local file survives a remove");
     Ok(())
 }
 

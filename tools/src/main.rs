@@ -33,9 +33,9 @@ enum Cmd {
     /// `--default_kv_lease_ttl 5s`, `--config_path master.yaml`); invoked as `mooncake_master`
     /// (a symlink) it is this command.
     #[command(args_override_self = true)]
-    Master(cmd::cluster::MasterArgs),
-    /// Run a node: contribute DRAM to the pool and serve transfers.
-    Node(cmd::cluster::NodeArgs),
+    Master(cmd::cluster::MasterCmdArgs),
+    /// Run a node: contribute DRAM (and an NVMe tier) to the pool and serve transfers.
+    Node(cmd::cluster::NodeCmdArgs),
     /// Serve the pool as files at a mount point (FUSE), with the ioctl fast path in /.kvfs/.
     Mount(cmd::mount::MountCmd),
     /// Store a file as an object.
@@ -68,6 +68,15 @@ enum BenchCmd {
     /// and remove rates; each figure as a ratio of raw loopback TCP (tcp mode) or memcpy (shm
     /// mode) measured right before it.
     Store(StoreArgs),
+    /// The NVMe tier against raw O_DIRECT on the same disk, object-store write-back, and the
+    /// latency of gets that promote an object from NVMe into memory.
+    ///
+    /// Measures raw O_DIRECT writes and reads with the NVMe tier's ring shape, then the tier's
+    /// put and get of the same objects (rounds interleaved), blake3's own cost, lazy
+    /// write-back throughput against direct puts to the same object store, and p50/p99 of a
+    /// get that finds its object only on NVMe (in a master and node started in this process)
+    /// against raw reads of the same size.
+    Tiers(TiersArgs),
     /// Reads through the mount: FUSE cold and warm, the ioctl fast path, and memcpy.
     ///
     /// Runs master, node and mount in this process (needs root and /dev/fuse), puts one object
@@ -111,6 +120,45 @@ struct TransferArgs {
     /// Bytes moved when measuring the limits (memcpy, raw TCP).
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     limit_bytes: u64,
+}
+
+#[derive(Args)]
+struct TiersArgs {
+    /// A directory on the disk to measure (O_DIRECT: not tmpfs); a work directory is made
+    /// inside and removed after.
+    #[arg(long, default_value = "/var/tmp/kvfs-bench")]
+    dir: std::path::PathBuf,
+    /// Object size of the NVMe tier vs raw O_DIRECT case.
+    #[arg(long, default_value = "64M", value_parser = parse_bytes)]
+    object_size: u64,
+    /// Objects per round of that case.
+    #[arg(long, default_value_t = 8)]
+    objects: usize,
+    /// Interleaved rounds (raw, tier, raw, tier...).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// io_uring queue depth (I/Os in flight per object).
+    #[arg(long, default_value_t = 8)]
+    queue_depth: usize,
+    /// io_uring chunk size (bytes per I/O).
+    #[arg(long, default_value = "1M", value_parser = parse_bytes)]
+    chunk: u64,
+    /// Objects written back through the lazy queue.
+    #[arg(long, default_value_t = 32)]
+    writeback_objects: usize,
+    #[arg(long, default_value = "4M", value_parser = parse_bytes)]
+    writeback_size: u64,
+    /// Object size of the promotion case.
+    #[arg(long, default_value = "4M", value_parser = parse_bytes)]
+    promote_size: u64,
+    /// Gets that promote (one per object).
+    #[arg(long, default_value_t = 32)]
+    promotes: usize,
+    #[command(flatten)]
+    store: cmd::cluster::ObjectStoreArgs,
+    /// Print one JSON object per figure instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -213,6 +261,23 @@ fn run() -> anyhow::Result<()> {
                 .await
             }
             Cmd::Bench(BenchCmd::StorePeer { dram }) => bench::store::serve_peer(dram).await,
+            Cmd::Bench(BenchCmd::Tiers(a)) => {
+                bench::tiers::run(bench::tiers::TiersBench {
+                    object_store: a.store.config(None)?,
+                    dir: a.dir,
+                    object_bytes: a.object_size as usize,
+                    objects: a.objects,
+                    rounds: a.rounds,
+                    queue_depth: a.queue_depth,
+                    chunk_bytes: a.chunk as usize,
+                    writeback_objects: a.writeback_objects,
+                    writeback_bytes: a.writeback_size as usize,
+                    promote_bytes: a.promote_size as usize,
+                    promotes: a.promotes,
+                    json: a.json,
+                })
+                .await
+            }
             Cmd::Bench(BenchCmd::Fs(a)) => {
                 bench::fs::run(bench::fs::FsBench {
                     sizes: a.sizes,

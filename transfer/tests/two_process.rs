@@ -67,6 +67,22 @@ impl Peer {
         assert_eq!(unsafe { libc::kill(self.child.id() as i32, sig) }, 0);
     }
 
+    /// Waits (at most 5 s) until the kernel reports the peer stopped: SIGSTOP is delivered
+    /// asynchronously, and a peer still running could answer one more request.
+    fn wait_stopped(&self) {
+        let stat = format!("/proc/{}/stat", self.child.id());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            let s = std::fs::read_to_string(&stat).unwrap_or_default();
+            // Field 3 (after the parenthesised command name) is the state; T means stopped.
+            if s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T')) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("the peer did not stop within 5 s");
+    }
+
     fn kill(&mut self) {
         self.signal(libc::SIGKILL);
         let _ = self.child.wait();
@@ -337,6 +353,7 @@ async fn silent_peer_times_out() {
     };
     engine.transfer_one(&req).await.unwrap();
     peer.signal(libc::SIGSTOP);
+    peer.wait_stopped();
     let t0 = Instant::now();
     let r = tokio::time::timeout(Duration::from_secs(20), engine.transfer_one(&req))
         .await

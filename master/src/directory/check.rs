@@ -34,7 +34,7 @@ impl Directory {
     }
 
     /// Per object: >= 1 replica, back-pointers, one replica per (node, tier), tier counters.
-    /// Returns every allocated extent per segment: replicas, pending ranges, retired ranges.
+    /// Returns every allocated extent per segment: replicas, pending, retired and loading ranges.
     fn verify_objects(&self) -> Result<BTreeMap<NonZeroU32, Vec<(u64, u64)>>, String> {
         let mut extents: BTreeMap<NonZeroU32, Vec<(u64, u64)>> = BTreeMap::new();
         let (mut replicas, mut bytes) = ([0u64; 4], [0u64; 4]);
@@ -87,6 +87,9 @@ impl Directory {
         }
         for r in &self.retired {
             extents.entry(r.seg).or_default().push((r.offset, r.len));
+        }
+        for l in self.loading.values() {
+            extents.entry(l.seg).or_default().push((l.offset, l.size));
         }
         Ok(extents)
     }

@@ -43,6 +43,9 @@ mod nodes;
 mod placement;
 #[cfg(test)]
 mod tests;
+mod tiers;
+
+pub use tiers::{LoadPlan, PendingView, PersistedObject, ReportOutcome};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroU32;
@@ -168,6 +171,8 @@ struct Counters {
     evicted_objects: u64,
     evicted_replicas: u64,
     evicted_bytes: u64,
+    /// Object-store deletions dropped because the list was full (see `tiers`).
+    unpersisted_dropped: u64,
 }
 
 /// The master's object directory. See the module notes.
@@ -182,6 +187,10 @@ pub struct Directory {
     order: BTreeSet<Arc<str>>,
     pending: hashbrown::HashMap<Arc<str>, Pending, FixedState>,
     retired: Vec<Retired>,
+    /// DRAM ranges being filled by loads (see `tiers`), keyed by object key.
+    loading: hashbrown::HashMap<Arc<str>, tiers::Loading, FixedState>,
+    /// Persisted objects removed or replaced, whose object-store copy must go (see `tiers`).
+    unpersisted: Vec<(Arc<str>, u64)>,
     nodes: BTreeMap<NodeId, Node>,
     /// Indexed by segment id; slot 0 is never used so that ids are `NonZeroU32`.
     segments: Vec<Option<Segment>>,
@@ -211,6 +220,8 @@ impl Directory {
             order: BTreeSet::new(),
             pending: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
             retired: Vec::new(),
+            loading: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
+            unpersisted: Vec::new(),
             nodes: BTreeMap::new(),
             segments: vec![None],
             free_seg_ids: Vec::new(),
@@ -850,6 +861,7 @@ impl Directory {
         self.key_heap_bytes -= memory::arc_str_heap_bytes(obj.key.len());
         if obj.flags.persisted {
             self.count_persisted(obj.size, false);
+            self.note_unpersisted(obj.key, obj.version);
         }
     }
 

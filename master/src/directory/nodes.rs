@@ -194,6 +194,7 @@ impl Directory {
             !p.ranges.is_empty()
         });
         self.retired.retain(|r| !segs.contains(&r.seg));
+        self.loading.retain(|_, l| !segs.contains(&l.seg));
     }
 
     /// Remove the objects among `ids` left without any replica; returns their keys.

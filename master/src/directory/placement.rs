@@ -181,7 +181,7 @@ impl Directory {
         out.replicas > 0
     }
 
-    fn segment_footprint(&self, size: u64) -> u64 {
+    pub(super) fn segment_footprint(&self, size: u64) -> u64 {
         size.div_ceil(self.cfg.segment_align_bytes) * self.cfg.segment_align_bytes
     }
 }

@@ -29,10 +29,15 @@ pub enum Op {
     RegisterNode,
     Heartbeat,
     UnregisterNode,
+    ReportReplicas,
+    Promote,
 }
 
+/// Number of [`Op`]s.
+const OPS: usize = 18;
+
 impl Op {
-    const ALL: [Op; 16] = [
+    const ALL: [Op; OPS] = [
         Op::Hello,
         Op::PutStart,
         Op::PutEnd,
@@ -49,6 +54,8 @@ impl Op {
         Op::RegisterNode,
         Op::Heartbeat,
         Op::UnregisterNode,
+        Op::ReportReplicas,
+        Op::Promote,
     ];
 
     fn name(self) -> &'static str {
@@ -69,11 +76,13 @@ impl Op {
             Op::RegisterNode => "register_node",
             Op::Heartbeat => "heartbeat",
             Op::UnregisterNode => "unregister_node",
+            Op::ReportReplicas => "report_replicas",
+            Op::Promote => "promote",
         }
     }
 }
 
-const CODES: [&str; 14] = [
+const CODES: [&str; 16] = [
     "not_found",
     "already_exists",
     "put_in_progress",
@@ -88,6 +97,8 @@ const CODES: [&str; 14] = [
     "recovering",
     "version",
     "internal",
+    "corrupt",
+    "unavailable",
 ];
 
 fn code_index(code: kvfs_proto::store::ErrorCode) -> usize {
@@ -107,6 +118,8 @@ fn code_index(code: kvfs_proto::store::ErrorCode) -> usize {
         C::Recovering => 11,
         C::Version => 12,
         C::Internal => 13,
+        C::Corrupt => 14,
+        C::Unavailable => 15,
     }
 }
 
@@ -136,9 +149,9 @@ impl Histogram {
 /// Every counter the master keeps.
 #[derive(Default)]
 pub struct Metrics {
-    requests: [AtomicU64; 16],
-    items: [AtomicU64; 16],
-    latency: [Histogram; 16],
+    requests: [AtomicU64; OPS],
+    items: [AtomicU64; OPS],
+    latency: [Histogram; OPS],
     item_errors: [AtomicU64; CODES.len()],
     pub lost_objects: AtomicU64,
     pub expired_nodes: AtomicU64,

@@ -15,12 +15,19 @@
 //! `recovery_grace_ms` after start, new puts are refused with `Recovering` until that grace has
 //! passed (gets are served throughout). A fresh cluster never waits.
 //!
+//! Tiers (see `tiers`): eager puts are written to the object store by a node before they
+//! complete; gets of objects without a memory replica load one into DRAM first; nodes report
+//! their demotions, write-backs and drops; with an object store configured the master adopts
+//! everything it finds there at start, so a master and every node restarted empty still serve
+//! persisted objects.
+//!
 //! Not handled here: HA and leader election (one master per cluster for now), tenants.
 
 mod convert;
 mod http;
 mod metadata_http;
 mod metrics;
+mod tiers;
 
 pub use metadata_http::MetadataHttpConfig;
 
@@ -59,6 +66,19 @@ pub struct ServiceConfig {
     /// A commit or drop call to a node fails after this long.
     pub node_call_timeout_ms: u64,
     pub rpc: RpcOptions,
+    /// The object store persisted objects live in (the same one the nodes write to); scanned
+    /// at start to adopt what it holds. `None`: no persistence tier.
+    pub object_store: Option<kvfs_tiers::ObjectStoreConfig>,
+    /// An eager put's write to the object store (by a node) fails after this long.
+    pub persist_timeout_ms: u64,
+    /// A load (a node copying an object into DRAM for a get) fails after this long.
+    pub load_timeout_ms: u64,
+    /// Keys per node whose reads the master remembers between two heartbeats (the nodes'
+    /// access signal); reads of further keys are dropped and counted.
+    pub access_report_keys_max: usize,
+    /// Persistence by namespace: a put of a key under a prefix gets at least that prefix's
+    /// persistence (the longest matching prefix; none < lazy < eager).
+    pub persistence_defaults: Vec<(String, w::Persistence)>,
 }
 
 impl Default for ServiceConfig {
@@ -73,6 +93,11 @@ impl Default for ServiceConfig {
             recovery_grace_ms: 10_000,
             node_call_timeout_ms: 2_000,
             rpc: RpcOptions::default(),
+            object_store: None,
+            persist_timeout_ms: 60_000,
+            load_timeout_ms: 30_000,
+            access_report_keys_max: 4096,
+            persistence_defaults: Vec::new(),
         }
     }
 }
@@ -90,6 +115,7 @@ pub(crate) struct State {
     metrics: Metrics,
     started_ms: u64,
     recovering_until_ms: AtomicU64,
+    tiers: tiers::TierState,
 }
 
 impl State {
@@ -103,12 +129,16 @@ impl State {
 
     pub(crate) fn stats(&self) -> w::MasterStats {
         let s = self.lock().stats();
-        wire_stats(&s, self.recovering(now_ms()))
+        let mut stats = wire_stats(&s, self.recovering(now_ms()));
+        stats.scanning_object_store = self.tiers.scanning.load(Ordering::Acquire);
+        stats
     }
 
     pub(crate) fn render_metrics(&self) -> String {
         let s = self.lock().stats();
-        self.metrics.render(&s, self.recovering(now_ms()))
+        let mut o = self.metrics.render(&s, self.recovering(now_ms()));
+        tiers::render(self, &mut o);
+        o
     }
 
     pub(crate) fn segment_names(&self) -> Vec<String> {
@@ -155,6 +185,7 @@ fn wire_stats(s: &Stats, recovering: bool) -> w::MasterStats {
         metadata_bytes: s.metadata_bytes,
         evicted_replicas: s.evicted_replicas,
         recovering,
+        scanning_object_store: false,
     }
 }
 
@@ -195,6 +226,14 @@ impl MasterService {
             None => None,
         };
         let metadata_addr = metadata.as_ref().map(|(l, _)| l.local_addr()).transpose()?;
+        let object_store = match &cfg.object_store {
+            Some(c) => {
+                Some(Arc::new(kvfs_tiers::ObjectStoreMedium::open(c.clone()).map_err(|e| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string())
+                })?))
+            }
+            None => None,
+        };
         let state = Arc::new(State {
             name: format!("kvfs-master@{rpc_addr}"),
             cfg,
@@ -203,8 +242,10 @@ impl MasterService {
             metrics: Metrics::default(),
             started_ms: now_ms(),
             recovering_until_ms: AtomicU64::new(0),
+            tiers: tiers::TierState::new(object_store),
         });
         let mut tasks = vec![tokio::spawn(accept_loop(listener, state.clone()))];
+        tasks.push(tokio::spawn(tiers::scan(state.clone())));
         tasks.push(tokio::spawn(timer(state.clone())));
         if let Some(l) = admin {
             tasks.push(tokio::spawn(http::serve(l, state.clone())));
@@ -274,6 +315,7 @@ async fn timer(state: Arc<State>) {
             m.expired_nodes.fetch_add(loss.nodes.len() as u64, Ordering::Relaxed);
             m.lost_objects.fetch_add(loss.lost_keys.len() as u64, Ordering::Relaxed);
             tracing::warn!(nodes = ?loss.nodes, lost = loss.lost_keys.len(), "nodes expired");
+            state.tiers.forget_nodes(&loss.nodes);
             let mut nodes = state.nodes.lock().unwrap_or_else(|e| e.into_inner());
             for n in &loss.nodes {
                 if let Some(c) = nodes.remove(&n.0) {
@@ -282,6 +324,7 @@ async fn timer(state: Arc<State>) {
             }
         }
         deliver(&state, fx, false).await;
+        tiers::delete_unpersisted(&state).await;
     }
 }
 
@@ -303,6 +346,8 @@ fn op_of(req: &MasterRequest) -> (Op, usize) {
         MasterRequest::RegisterNode(r) => (Op::RegisterNode, r.held.len()),
         MasterRequest::Heartbeat { .. } => (Op::Heartbeat, 0),
         MasterRequest::UnregisterNode { .. } => (Op::UnregisterNode, 0),
+        MasterRequest::ReportReplicas { items, .. } => (Op::ReportReplicas, items.len()),
+        MasterRequest::Promote { keys, .. } => (Op::Promote, keys.len()),
     }
 }
 
@@ -328,6 +373,8 @@ fn count_errors(m: &Metrics, resp: &MasterResponse) {
         }
         MasterResponse::Get(v) | MasterResponse::Stat(v) => each(m, v),
         MasterResponse::Exists(v) => each(m, v),
+        MasterResponse::ReportReplicas(v) => each(m, v),
+        MasterResponse::Promote(v) => each(m, v),
         MasterResponse::Refused(e) => m.item_error(e.code),
         _ => {}
     }
@@ -356,11 +403,7 @@ async fn dispatch(state: &Arc<State>, conn: &RpcConn, req: MasterRequest) -> Mas
         MasterRequest::PutRevoke(keys) => {
             MasterResponse::PutRevoke(results(state.lock().put_revoke_batch(&keys), |()| ()))
         }
-        MasterRequest::Get(keys) => {
-            let dir = &mut *state.lock();
-            let views = dir.get_batch(&keys, now);
-            MasterResponse::Get(views.into_iter().map(|r| wire_view(dir, r)).collect())
-        }
+        MasterRequest::Get(keys) => tiers::get(state, keys, now).await,
         MasterRequest::Stat(keys) => {
             let dir = &*state.lock();
             let views = dir.stat_batch(&keys);
@@ -397,10 +440,11 @@ async fn dispatch(state: &Arc<State>, conn: &RpcConn, req: MasterRequest) -> Mas
         }
         MasterRequest::Stats => MasterResponse::Stats(state.stats()),
         MasterRequest::RegisterNode(reg) => register(state, conn, reg, now).await,
-        MasterRequest::Heartbeat { node } => MasterResponse::Heartbeat(
-            state.lock().heartbeat(NodeId(node), now).map_err(|e| convert::error(&e)),
-        ),
+        MasterRequest::Heartbeat { node, stats } => tiers::heartbeat(state, node, stats, now),
+        MasterRequest::ReportReplicas { node, items } => tiers::report(state, node, items, now),
+        MasterRequest::Promote { keys, .. } => tiers::promote(state, keys).await,
         MasterRequest::UnregisterNode { node } => {
+            state.tiers.forget_nodes(&[NodeId(node)]);
             let r = state.lock().unregister_node(NodeId(node));
             if let Some(c) = state.nodes.lock().unwrap_or_else(|e| e.into_inner()).remove(&node) {
                 c.close();
@@ -479,11 +523,15 @@ async fn put_start(
                     .filter_map(|e| by_endpoint.get(e))
                     .map(|&node| SegmentRef { node, index: 0 })
                     .collect(),
-                key: it.key,
                 size: it.size,
                 replicas: it.replicas,
                 tier: crate::Tier::Dram,
-                persistence: convert::persistence_in(it.persistence),
+                persistence: convert::persistence_in(tiers::persistence_for(
+                    &state.cfg.persistence_defaults,
+                    &it.key,
+                    it.persistence,
+                )),
+                key: it.key,
                 pin: convert::pin_in(it.pin),
                 strategy: convert::strategy_in(it.strategy),
                 client_host: Some(client_host.clone()),
@@ -506,16 +554,30 @@ async fn put_start(
     MasterResponse::PutStart(out)
 }
 
-async fn put_end(state: &Arc<State>, items: Vec<w::PutEndItem>, now: u64) -> MasterResponse {
+async fn put_end(state: &Arc<State>, mut items: Vec<w::PutEndItem>, now: u64) -> MasterResponse {
+    // Eager objects reach the object store first; a failure revokes the put.
+    let failed = tiers::persist_eager(state, &mut items).await;
     let ends: Vec<PutEnd> = items
         .into_iter()
-        .map(|i| PutEnd { key: i.key, checksum: i.checksum, version: i.version })
+        .zip(&failed)
+        .filter(|(_, f)| f.is_none())
+        .map(|(i, _)| PutEnd { key: i.key, checksum: i.checksum, version: i.version })
         .collect();
     let mut fx = Vec::new();
-    let r = state.lock().put_end_batch(&ends, now, &mut fx);
+    let r = state.lock().put_end_batch(&ends, now_ms().max(now), &mut fx);
     // Nodes must have recorded the objects before the writer hears they are complete.
     deliver(state, fx, true).await;
-    MasterResponse::PutEnd(results(r, |()| ()))
+    let mut done = results(r, |()| ()).into_iter();
+    let out = failed
+        .into_iter()
+        .map(|f| match f {
+            Some(e) => Err(e),
+            None => {
+                done.next().unwrap_or_else(|| Err(WireError::new(ErrorCode::Internal, "no result")))
+            }
+        })
+        .collect();
+    MasterResponse::PutEnd(out)
 }
 
 async fn register(
@@ -623,6 +685,9 @@ async fn deliver(state: &Arc<State>, fx: Vec<NodeEffect>, wait: bool) {
                 }
                 match conn.call::<_, NodeResponse>(&req, timeout).await {
                     Ok(NodeResponse::Done) => {}
+                    Ok(other @ (NodeResponse::Persisted(_) | NodeResponse::Loaded(_))) => {
+                        tracing::warn!(node, answer = ?other, "unexpected answer to records");
+                    }
                     Ok(NodeResponse::Refused(e)) => {
                         st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(node, error = %e.message, "node refused records");

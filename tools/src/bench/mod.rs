@@ -5,4 +5,5 @@ pub mod fs;
 pub mod limits;
 pub mod report;
 pub mod store;
+pub mod tiers;
 pub mod transfer;

@@ -1,4 +1,10 @@
 //! `kvfs master`, `kvfs node` and `kvfs up`: the daemons, and the embedded one-machine cluster.
+//!
+//! Tiers: a node with a data directory (`kvfs node --data DIR`; `kvfs up` uses `--data`,
+//! default /var/tmp/kvfs) keeps its id there and runs an NVMe tier under `DIR/nvme`. The object
+//! store is chosen by `--object-store` (`fs:PATH`, `s3://BUCKET/ROOT` with the `--s3-*` flags,
+//! or `none`), the same on the master (which scans it at start) and on the nodes; `kvfs up`
+//! defaults to `fs:DATA/objects`, a local directory, so no extra service is needed.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -6,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use kvfs_client::{Node, NodeConfig};
+use kvfs_client::{Node, NodeConfig, TierConfig};
 use kvfs_master::service::{MasterService, MetadataHttpConfig, ServiceConfig};
 use kvfs_transfer::{EngineConfig, Transports};
 
@@ -54,8 +60,32 @@ pub struct MasterArgs {
     /// Seed of random placement (the same seed gives the same placement decisions).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// An eager put fails (and is revoked) if no node has written it to the object store
+    /// within this; keep it under --put-timeout-ms.
+    #[arg(long, default_value_t = 20_000)]
+    pub persist_timeout_ms: u64,
+    /// A get that must first copy an object from NVMe or the object store into memory fails
+    /// after this.
+    #[arg(long, default_value_t = 30_000)]
+    pub load_timeout_ms: u64,
+    /// Default persistence of a namespace, PREFIX=none|lazy|eager (repeatable): puts of keys
+    /// under the longest matching prefix get at least that persistence.
+    #[arg(long = "persistence", value_parser = parse_persistence_default)]
+    pub persistence_defaults: Vec<(String, kvfs_client::Persistence)>,
     #[command(flatten)]
     pub reference: ReferenceMasterArgs,
+}
+
+fn parse_persistence_default(s: &str) -> Result<(String, kvfs_client::Persistence), String> {
+    let (prefix, mode) =
+        s.rsplit_once('=').ok_or_else(|| format!("{s:?} is not PREFIX=none|lazy|eager"))?;
+    let p = match mode {
+        "none" => kvfs_client::Persistence::None,
+        "lazy" => kvfs_client::Persistence::Lazy,
+        "eager" => kvfs_client::Persistence::Eager,
+        other => return Err(format!("persistence {other:?} is not none, lazy or eager")),
+    };
+    Ok((prefix.to_string(), p))
 }
 
 /// The reference (Mooncake) master's flags that take effect in kvfs, in its spelling; each
@@ -147,8 +177,18 @@ impl MasterArgs {
             metadata_http,
             heartbeat_ms: self.heartbeat_ms,
             recovery_grace_ms: self.recovery_grace_ms,
+            persist_timeout_ms: self.persist_timeout_ms,
+            load_timeout_ms: self.load_timeout_ms,
+            persistence_defaults: self.persistence_defaults.clone(),
             ..ServiceConfig::default()
         };
+        if self.persist_timeout_ms >= self.put_timeout_ms {
+            anyhow::bail!(
+                "--persist-timeout-ms {} must be below --put-timeout-ms {} (an eager put's range must outlive its upload)",
+                self.persist_timeout_ms,
+                self.put_timeout_ms
+            );
+        }
         let d = &mut cfg.directory;
         d.lease_ttl_ms = self.lease_ttl_ms;
         d.node_ttl_ms = self.node_ttl_ms;
@@ -207,9 +247,76 @@ pub struct NodeArgs {
     /// Serve peers over tcp only (no shared memory with same-host clients).
     #[arg(long)]
     pub tcp_only: bool,
+    /// Capacity of the NVMe tier (files under DATA/nvme, io_uring and O_DIRECT); 0 disables
+    /// it. Needs a data directory. [default: 4GiB with a data directory]
+    #[arg(long, value_parser = parse_bytes)]
+    pub nvme: Option<u64>,
+    /// GPU memory to open as an HBM medium at start (fails clearly where no CUDA driver is
+    /// found); 0 only probes for a driver and reports it.
+    #[arg(long, default_value = "0", value_parser = parse_bytes)]
+    pub hbm: u64,
+    /// Period of the tier manager (demotions, drops, promotions, write-back retries).
+    #[arg(long, default_value_t = 100)]
+    pub tier_tick_ms: u64,
+    /// Demote cold objects DRAM -> NVMe when DRAM use is above this fraction...
+    #[arg(long, default_value_t = 0.90)]
+    pub demote_high_watermark: f64,
+    /// ...down to this one.
+    #[arg(long, default_value_t = 0.80)]
+    pub demote_low_watermark: f64,
+    /// Drop NVMe copies of persisted objects when NVMe use is above this fraction...
+    #[arg(long, default_value_t = 0.90)]
+    pub nvme_high_watermark: f64,
+    /// ...down to this one.
+    #[arg(long, default_value_t = 0.80)]
+    pub nvme_low_watermark: f64,
+    /// Reads within the policy window an NVMe object needs before it is promoted to DRAM.
+    #[arg(long, default_value_t = 3)]
+    pub promote_min_reads: u32,
+    /// Bytes per second each of demotion and promotion may move (the rate limit).
+    #[arg(long, default_value = "500MB", value_parser = parse_bytes)]
+    pub tier_rate: u64,
+    /// Objects the lazy write-back queue holds at most (then puts are not queued until it
+    /// drains; they are retried each tier round).
+    #[arg(long, default_value_t = 65_536)]
+    pub writeback_queue_max: usize,
 }
 
 impl NodeArgs {
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let ok = |lo: f64, hi: f64| 0.0 < lo && lo <= hi && hi <= 1.0;
+        if !ok(self.demote_low_watermark, self.demote_high_watermark) {
+            anyhow::bail!("need 0 < --demote-low-watermark <= --demote-high-watermark <= 1");
+        }
+        if !ok(self.nvme_low_watermark, self.nvme_high_watermark) {
+            anyhow::bail!("need 0 < --nvme-low-watermark <= --nvme-high-watermark <= 1");
+        }
+        if self.writeback_queue_max == 0 || self.tier_rate == 0 {
+            anyhow::bail!("--writeback-queue-max and --tier-rate must be positive");
+        }
+        Ok(())
+    }
+
+    fn tier_config(&self, object_store: Option<kvfs_tiers::ObjectStoreConfig>) -> TierConfig {
+        let mut t = TierConfig {
+            nvme_bytes: self.nvme.unwrap_or(4 << 30),
+            object_store,
+            tick_ms: self.tier_tick_ms,
+            writeback_entries_max: self.writeback_queue_max,
+            hbm_bytes: self.hbm,
+            ..TierConfig::default()
+        };
+        let p = &mut t.policy;
+        p.dram_high_watermark = self.demote_high_watermark;
+        p.dram_low_watermark = self.demote_low_watermark;
+        p.nvme_high_watermark = self.nvme_high_watermark;
+        p.nvme_low_watermark = self.nvme_low_watermark;
+        p.promote_min_accesses = self.promote_min_reads;
+        p.demote_bytes_per_s = self.tier_rate;
+        p.promote_bytes_per_s = self.tier_rate;
+        t
+    }
+
     pub fn node_config(&self, master: &str) -> NodeConfig {
         let mut engine = EngineConfig { listen: self.engine_listen, ..EngineConfig::default() };
         if self.tcp_only {
@@ -226,6 +333,84 @@ impl NodeArgs {
     }
 }
 
+/// Where persisted objects go: the same on the master and every node.
+#[derive(Args, Debug, Clone)]
+pub struct ObjectStoreArgs {
+    /// The object store: `fs:PATH` (a local directory), `s3://BUCKET[/ROOT]` (with the
+    /// --s3-* flags), or `none`.
+    #[arg(long)]
+    pub object_store: Option<String>,
+    /// S3 endpoint (e.g. http://127.0.0.1:9000); AWS's regional endpoint when absent.
+    #[arg(long, env = "KVFS_S3_ENDPOINT")]
+    pub s3_endpoint: Option<String>,
+    #[arg(long, env = "AWS_REGION", default_value = "us-east-1")]
+    pub s3_region: String,
+    #[arg(long, env = "AWS_ACCESS_KEY_ID", default_value = "", hide_env_values = true)]
+    pub s3_access_key_id: String,
+    #[arg(long, env = "AWS_SECRET_ACCESS_KEY", default_value = "", hide_env_values = true)]
+    pub s3_secret_access_key: String,
+}
+
+impl ObjectStoreArgs {
+    /// The configured store; `default` when `--object-store` was not given.
+    pub fn config(
+        &self,
+        default: Option<&str>,
+    ) -> anyhow::Result<Option<kvfs_tiers::ObjectStoreConfig>> {
+        let Some(spec) = self.object_store.as_deref().or(default) else { return Ok(None) };
+        if spec == "none" {
+            return Ok(None);
+        }
+        if let Some(path) = spec.strip_prefix("fs:") {
+            if path.is_empty() {
+                anyhow::bail!("--object-store fs: needs a path (fs:/var/tmp/kvfs/objects)");
+            }
+            return Ok(Some(kvfs_tiers::ObjectStoreConfig::Fs { root: PathBuf::from(path) }));
+        }
+        if let Some(rest) = spec.strip_prefix("s3://") {
+            let (bucket, root) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                anyhow::bail!("--object-store {spec:?} names no bucket (s3://BUCKET/ROOT)");
+            }
+            let endpoint = self
+                .s3_endpoint
+                .clone()
+                .unwrap_or_else(|| format!("https://s3.{}.amazonaws.com", self.s3_region));
+            return Ok(Some(kvfs_tiers::ObjectStoreConfig::S3 {
+                endpoint,
+                bucket: bucket.to_string(),
+                region: self.s3_region.clone(),
+                access_key_id: self.s3_access_key_id.clone(),
+                secret_access_key: self.s3_secret_access_key.clone(),
+                root: format!("/{root}"),
+            }));
+        }
+        anyhow::bail!("--object-store {spec:?}: expected fs:PATH, s3://BUCKET/ROOT or none")
+    }
+}
+
+/// Options of `kvfs master`.
+#[derive(Args, Debug, Clone)]
+pub struct MasterCmdArgs {
+    #[command(flatten)]
+    pub master: MasterArgs,
+    #[command(flatten)]
+    pub store: ObjectStoreArgs,
+}
+
+/// Options of `kvfs node`.
+#[derive(Args, Debug, Clone)]
+pub struct NodeCmdArgs {
+    /// Data directory: node id, NVMe tier, write-back journal (none: a DRAM-only node with a
+    /// new id at every start).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    #[command(flatten)]
+    pub node: NodeArgs,
+    #[command(flatten)]
+    pub store: ObjectStoreArgs,
+}
+
 pub(crate) async fn wait_for_signal() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     tokio::select! {
@@ -234,10 +419,12 @@ pub(crate) async fn wait_for_signal() {
     }
 }
 
-pub async fn master(args: MasterArgs) -> anyhow::Result<()> {
-    let svc = MasterService::start(args.service_config()?)
+pub async fn master(args: MasterCmdArgs) -> anyhow::Result<()> {
+    let mut cfg = args.master.service_config()?;
+    cfg.object_store = args.store.config(None)?;
+    let svc = MasterService::start(cfg)
         .await
-        .with_context(|| format!("starting the master on {}", args.listen))?;
+        .with_context(|| format!("starting the master on {}", args.master.listen))?;
     match svc.admin_addr() {
         Some(a) => {
             println!("kvfs master listening on {} (admin http://{a}/metrics)", svc.rpc_addr())
@@ -251,14 +438,25 @@ pub async fn master(args: MasterArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn node(master: &str, args: NodeArgs) -> anyhow::Result<()> {
-    let node = Node::start(args.node_config(master)).await.context("starting the node")?;
+pub async fn node(master: &str, args: NodeCmdArgs) -> anyhow::Result<()> {
+    args.node.validate()?;
+    let mut cfg = args.node.node_config(master);
+    cfg.tiers = args.node.tier_config(args.store.config(None)?);
+    if args.data.is_none() {
+        if args.node.nvme.is_some_and(|n| n > 0) {
+            anyhow::bail!("--nvme needs --data DIR (the NVMe tier lives in DIR/nvme)");
+        }
+        cfg.tiers.nvme_bytes = 0;
+    }
+    cfg.data_dir = args.data.clone();
+    let node = Node::start(cfg).await.context("starting the node")?;
     println!(
         "kvfs node {} serving {} of DRAM at {} (master {master})",
         node.id(),
-        human_bytes(args.dram),
+        human_bytes(args.node.dram),
         node.endpoint()
     );
+    print_tiers(&node, args.data.as_deref());
     if node.wait_registered(Duration::from_secs(5)).await.is_err() {
         eprintln!("kvfs node: the master at {master} does not answer yet; still trying");
     }
@@ -280,16 +478,44 @@ pub struct UpArgs {
     /// Also mount the pool here (master, node and mount in this one process).
     #[arg(long)]
     pub mount: Option<PathBuf>,
+    #[command(flatten)]
+    pub store: ObjectStoreArgs,
+}
+
+fn print_tiers(node: &Node, data: Option<&std::path::Path>) {
+    let s = node.stats();
+    match data {
+        Some(d) if s.nvme_capacity_bytes > 0 => println!(
+            "  nvme {} under {} ({} objects from a previous run)",
+            human_bytes(s.nvme_capacity_bytes),
+            d.join("nvme").display(),
+            s.nvme_objects
+        ),
+        _ => println!("  nvme off (no data directory or --nvme 0)"),
+    }
+    if s.hbm_available {
+        println!("  hbm: CUDA driver found");
+    } else {
+        println!("  hbm: off, no CUDA driver (libcuda.so) found on this machine");
+    }
 }
 
 pub async fn up(args: UpArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.data)
         .with_context(|| format!("creating {}", args.data.display()))?;
-    let svc = MasterService::start(args.master.service_config()?)
+    args.node.validate()?;
+    let default_store = format!("fs:{}", args.data.join("objects").display());
+    let store = args.store.config(Some(&default_store))?;
+    let mut mcfg = args.master.service_config()?;
+    mcfg.object_store = store.clone();
+    let svc = MasterService::start(mcfg)
         .await
         .with_context(|| format!("starting the master on {}", args.master.listen))?;
     let master = svc.rpc_addr().to_string();
-    let node = Node::start(args.node.node_config(&master)).await.context("starting the node")?;
+    let mut ncfg = args.node.node_config(&master);
+    ncfg.tiers = args.node.tier_config(store.clone());
+    ncfg.data_dir = Some(args.data.clone());
+    let node = Node::start(ncfg).await.context("starting the node")?;
     node.wait_registered(Duration::from_secs(10)).await.context("the node did not register")?;
     println!("kvfs is up: master {master}");
     println!(
@@ -302,14 +528,15 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         println!("  metrics http://{a}/metrics   health http://{a}/health");
     }
     println!("  data {}", args.data.display());
-    // TODO(lead): with the node in this process, give the mount the node's local object files
-    // for passthrough (see the TODO in kvfs_fs::Mount::start).
+    // The node runs in this process: the mount serves its NVMe objects with FUSE passthrough.
     let mounted = match &args.mount {
         Some(dir) => {
-            let m = super::mount::start(
+            let files = super::mount::NodeSource(node.object_files());
+            let m = super::mount::start_with(
                 &master,
                 dir.clone(),
                 &super::mount::MountArgs::default_for_up(),
+                Some(std::sync::Arc::new(files)),
             )
             .await?;
             println!("  mounted at {}", dir.display());
@@ -317,6 +544,16 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    print_tiers(&node, Some(&args.data));
+    match &store {
+        Some(kvfs_tiers::ObjectStoreConfig::Fs { root }) => {
+            println!("  object store {}", root.display())
+        }
+        Some(kvfs_tiers::ObjectStoreConfig::S3 { endpoint, bucket, .. }) => {
+            println!("  object store s3://{bucket} at {endpoint}")
+        }
+        _ => println!("  object store off"),
+    }
     println!(
         "try: kvfs put --master {master} hello ./README.md && kvfs get --master {master} hello -"
     );

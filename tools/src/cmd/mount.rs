@@ -68,13 +68,37 @@ impl MountArgs {
     }
 }
 
-/// Mounts the pool of the cluster at `master` until SIGINT/SIGTERM.
+/// The NVMe objects of a node in this process, for FUSE passthrough: each is a file holding
+/// exactly the object's bytes from offset 0.
+pub struct NodeSource(pub kvfs_client::node::NodeFiles);
+
+impl kvfs_fs::PassthroughSource for NodeSource {
+    fn object_file(&self, key: &str) -> Option<(std::os::fd::OwnedFd, u64)> {
+        self.0.local_object_file(key).map(|(f, size)| (f.into(), size))
+    }
+}
+
+/// Mounts the pool of the cluster at `master`.
 pub async fn start(master: &str, mountpoint: PathBuf, args: &MountArgs) -> anyhow::Result<Mount> {
+    start_with(master, mountpoint, args, None).await
+}
+
+/// Mounts the pool, serving reads of the objects `source` has in local files with FUSE
+/// passthrough (when `--passthrough-dir` is not given).
+pub async fn start_with(
+    master: &str,
+    mountpoint: PathBuf,
+    args: &MountArgs,
+    source: Option<std::sync::Arc<dyn kvfs_fs::PassthroughSource>>,
+) -> anyhow::Result<Mount> {
     let client =
         Client::connect(ClientConfig { master: master.to_string(), ..ClientConfig::default() })
             .await
             .with_context(|| format!("connecting to the master at {master}"))?;
-    let cfg = args.config(mountpoint.clone());
+    let mut cfg = args.config(mountpoint.clone());
+    if cfg.passthrough.is_none() {
+        cfg.passthrough = source;
+    }
     let rt = tokio::runtime::Handle::current();
     tokio::task::spawn_blocking(move || Mount::start(cfg, client, rt))
         .await?

@@ -1,0 +1,514 @@
+//! The node: contributes a DRAM segment to the pool, serves transfers into and out of it, runs
+//! its tiers (NVMe, object store) and keeps the master informed.
+//!
+//! Mechanism. A node runs a Transfer Engine with one registered, shareable DRAM buffer (its
+//! segment 0). The master allocates ranges in it; writers and readers move bytes directly with
+//! the node's engine, which serves them without the node's code being involved. The node keeps
+//! one connection to the master: it registers (with every copy it holds), heartbeats (with its
+//! counters; the answer carries the reads the master granted of its objects), and answers the
+//! master's calls: `Commit` and `Drop` records keep its index exact, `Persist` writes an eager
+//! object to the object store before the put completes, `Load` copies an object from NVMe or
+//! the object store into a DRAM range for a reader. When the connection breaks (master
+//! restart, network), the node reconnects with backoff and registers again with its index: the
+//! master rebuilds its directory from that, so a master restart loses nothing nodes hold.
+//!
+//! Tiers (with a data directory, see `data_dir`): an NVMe tier (segment 1; the master accounts
+//! its capacity, the node places its files), an object store, and the lazy write-back queue.
+//! The tier manager (`tiering`) drives the sans-IO `kvfs_tiers::policy` from a timer: it
+//! demotes cold objects DRAM -> NVMe above the DRAM watermark (then reports the NVMe copy and
+//! the DRAM copy's release to the master, which refuses the release while a read lease is
+//! live), drops NVMe copies of persisted objects above the NVMe watermark, and asks the master
+//! to promote hot NVMe objects (which it does with a `Load`). Restarted with the same data
+//! directory, a node keeps its id and re-reports its NVMe objects; its DRAM objects are gone.
+//!
+//! For same-process users (the FUSE daemon under `kvfs up --mount`),
+//! [`Node::local_object_file`] hands out the NVMe file of an object: the file is exactly the
+//! object's bytes from offset 0, so FUSE passthrough can serve it.
+//!
+//! Invariants: the index holds exactly the copies the master committed, loaded or accepted
+//! from this node and has not dropped; a `Drop` for a range that now holds another object (a
+//! newer commit) is ignored; a copy this node made is reported before it is relied on, and
+//! undone when the master refuses it.
+//!
+//! Not handled here: HBM as a pool segment (the node only probes for a CUDA driver and reports
+//! it; the Transfer Engine cannot reach GPU memory yet), several NVMe directories per node.
+
+mod data_dir;
+mod held;
+mod tiering;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvfs_proto::store::{
+    ErrorCode, MasterRequest, MasterResponse, NodeRegistration, NodeRequest, NodeResponse, Role,
+    SegmentSpec, Tier,
+};
+use kvfs_rpc::{RpcConn, handler_fn};
+use kvfs_tiers::policy::PolicyConfig;
+use kvfs_tiers::{NvmeConfig, NvmeMedium, ObjectStoreConfig, ObjectStoreMedium, RingConfig};
+use kvfs_transfer::{Buffer, BufferOptions, Engine, EngineConfig};
+use tokio::task::JoinHandle;
+
+use crate::master::MasterLink;
+use crate::{Error, ErrorKind, Result};
+use held::{DRAM_SEGMENT, Index, NVME_SEGMENT};
+pub use kvfs_proto::store::NodeStats;
+
+/// Configuration of a node.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub master: String,
+    pub engine: EngineConfig,
+    /// Bytes of DRAM contributed to the pool.
+    pub dram_bytes: u64,
+    /// Stable identity. With a `data_dir` it is stored there (and must match on later
+    /// starts); without one and without an id, a random id (a restarted node is a new node).
+    pub node_id: Option<u64>,
+    /// Fault every page of the segment in at start (first writes then pay no page faults).
+    pub populate: bool,
+    pub rpc_timeout_ms: u64,
+    /// Upper bound of the reconnect backoff.
+    pub reconnect_backoff_max_ms: u64,
+    /// Where the node keeps its id, NVMe tier and write-back journal. `None`: DRAM only.
+    pub data_dir: Option<PathBuf>,
+    pub tiers: TierConfig,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            master: "127.0.0.1:50051".into(),
+            engine: EngineConfig::default(),
+            dram_bytes: 1 << 30,
+            node_id: None,
+            populate: true,
+            rpc_timeout_ms: 5_000,
+            reconnect_backoff_max_ms: 2_000,
+            data_dir: None,
+            tiers: TierConfig::default(),
+        }
+    }
+}
+
+/// The node's tiers beyond DRAM.
+#[derive(Debug, Clone)]
+pub struct TierConfig {
+    /// Capacity of the NVMe tier under `data_dir/nvme`; 0 disables it (needs a `data_dir`).
+    pub nvme_bytes: u64,
+    /// The object store for eager and lazy persistence (the same one the master scans).
+    pub object_store: Option<ObjectStoreConfig>,
+    /// Watermarks, admission and rate limits of the tier policy.
+    pub policy: PolicyConfig,
+    /// Period of the tier manager's rounds.
+    pub tick_ms: u64,
+    /// Bounds of the lazy write-back queue (entries, bytes) and its concurrent uploads.
+    pub writeback_entries_max: usize,
+    pub writeback_bytes_max: u64,
+    pub writeback_workers: usize,
+    /// Open this many bytes of GPU memory as an HBM medium at start (0: only probe for a CUDA
+    /// driver and report it). Refused with a clear error where no driver is found.
+    pub hbm_bytes: u64,
+    /// io_uring shape of the NVMe tier.
+    pub ring: RingConfig,
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        TierConfig {
+            nvme_bytes: 0,
+            object_store: None,
+            policy: PolicyConfig::default(),
+            tick_ms: 100,
+            writeback_entries_max: 65_536,
+            writeback_bytes_max: 16 << 30,
+            writeback_workers: 4,
+            hbm_bytes: 0,
+            ring: RingConfig::default(),
+        }
+    }
+}
+
+struct Inner {
+    id: u64,
+    cfg: NodeConfig,
+    engine: Engine,
+    dram: Arc<Buffer>,
+    index: Arc<Mutex<Index>>,
+    tiers: tiering::Tiers,
+    started: Instant,
+    registered_once: AtomicBool,
+    registered: tokio::sync::watch::Sender<bool>,
+    /// Held for the node's life: no other node uses the data directory meanwhile.
+    _dir_lock: Option<std::fs::File>,
+}
+
+/// A running node. Dropping it stops it (without telling the master, which then expires it);
+/// [`Node::shutdown`] leaves cleanly.
+/// See [`Node::object_files`].
+#[derive(Clone)]
+pub struct NodeFiles(Arc<Inner>);
+
+impl NodeFiles {
+    /// Same as [`Node::local_object_file`].
+    pub fn local_object_file(&self, key: &str) -> Option<(std::fs::File, u64)> {
+        self.0.local_object_file(key)
+    }
+}
+
+pub struct Node {
+    inner: Arc<Inner>,
+    link: Arc<MasterLink>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn tier_err(op: &'static str, e: kvfs_tiers::Error) -> Error {
+    let kind = match e.kind() {
+        kvfs_tiers::ErrorKind::InvalidArgument => ErrorKind::InvalidArgument,
+        kvfs_tiers::ErrorKind::Corrupt => ErrorKind::Corrupt,
+        kvfs_tiers::ErrorKind::NotFound => ErrorKind::NotFound,
+        kvfs_tiers::ErrorKind::NoSpace => ErrorKind::NoSpace,
+        _ => ErrorKind::Unavailable,
+    };
+    Error::new(kind, op, e.to_string())
+}
+
+impl Node {
+    /// Starts the engine, allocates the segment, opens the tiers (an NVMe directory left by a
+    /// previous run is re-read and its objects re-reported) and begins registering with the
+    /// master (in the background: a node started before its master keeps trying).
+    pub async fn start(cfg: NodeConfig) -> Result<Node> {
+        let invalid = |m: String| Err(Error::new(ErrorKind::InvalidArgument, "node", m));
+        if cfg.dram_bytes == 0 {
+            return invalid("dram_bytes must be positive".into());
+        }
+        if cfg.tiers.nvme_bytes > 0 && cfg.data_dir.is_none() {
+            return invalid("an NVMe tier needs a data directory".into());
+        }
+        let (dir_lock, id) = match &cfg.data_dir {
+            Some(dir) => {
+                let l = data_dir::lock(dir)?;
+                (Some(l), data_dir::node_id(dir, cfg.node_id)?)
+            }
+            None => (None, cfg.node_id.unwrap_or_else(rand::random)),
+        };
+        let hbm_available = probe_hbm(cfg.tiers.hbm_bytes)?;
+        let nvme = match (&cfg.data_dir, cfg.tiers.nvme_bytes) {
+            (Some(dir), bytes) if bytes > 0 => {
+                let ncfg =
+                    NvmeConfig { ring: cfg.tiers.ring, ..NvmeConfig::new(dir.join("nvme"), bytes) };
+                let (m, report) = tokio::task::spawn_blocking(move || NvmeMedium::open(ncfg))
+                    .await
+                    .map_err(|e| Error::new(ErrorKind::Internal, "node", e.to_string()))?
+                    .map_err(|e| tier_err("open the NVMe tier", e))?;
+                tracing::info!(
+                    node = id,
+                    objects = report.objects,
+                    quarantined = report.quarantined,
+                    "NVMe tier opened"
+                );
+                Some(Arc::new(m))
+            }
+            _ => None,
+        };
+        let object_store = match &cfg.tiers.object_store {
+            Some(c) => Some(Arc::new(
+                ObjectStoreMedium::open(c.clone())
+                    .map_err(|e| tier_err("open the object store", e))?,
+            )),
+            None => None,
+        };
+        let engine = Engine::start(cfg.engine.clone())
+            .await
+            .map_err(|e| Error::from_transfer("node", &e))?;
+        let opts = BufferOptions {
+            populate: cfg.populate,
+            name: "kvfs-dram-segment".into(),
+            ..Default::default()
+        };
+        let dram = engine
+            .alloc_buffer(cfg.dram_bytes as usize, &opts)
+            .map_err(|e| Error::from_transfer("node", &e))?;
+        let index = Arc::new(Mutex::new(Index::new(cfg.tiers.nvme_bytes)));
+        let tiers = tiering::Tiers::open(tiering::TiersParts {
+            cfg: &cfg,
+            index: index.clone(),
+            dram: dram.clone(),
+            nvme,
+            object_store,
+            hbm_available,
+        })
+        .await?;
+        let (registered, _) = tokio::sync::watch::channel(false);
+        let inner = Arc::new(Inner {
+            id,
+            cfg,
+            engine,
+            dram,
+            index,
+            tiers,
+            started: Instant::now(),
+            registered_once: AtomicBool::new(false),
+            registered,
+            _dir_lock: dir_lock,
+        });
+        inner.adopt_nvme_objects().await;
+        let handler = {
+            let inner = Arc::downgrade(&inner);
+            handler_fn(move |_conn: RpcConn, req: NodeRequest| {
+                let inner = inner.upgrade();
+                async move {
+                    match inner {
+                        Some(inner) => inner.apply(req).await,
+                        None => NodeResponse::Refused(kvfs_proto::store::WireError::new(
+                            ErrorCode::Internal,
+                            "node stopping",
+                        )),
+                    }
+                }
+            })
+        };
+        let timeout = Duration::from_millis(inner.cfg.rpc_timeout_ms);
+        let link = Arc::new(MasterLink::new(
+            inner.cfg.master.clone(),
+            Role::Node,
+            kvfs_transfer::host_id().to_string(),
+            handler,
+            timeout,
+        ));
+        let mut tasks = vec![tokio::spawn(run(inner.clone(), link.clone()))];
+        tasks.extend(inner.tiers.start_tasks(&inner, &link));
+        tracing::info!(node = id, segment = %inner.engine.name(), bytes = inner.cfg.dram_bytes, "node started");
+        Ok(Node { inner, link, tasks })
+    }
+
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// The node's Transfer Engine segment name.
+    pub fn endpoint(&self) -> &str {
+        self.inner.engine.name()
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.inner.engine
+    }
+
+    /// Objects this node holds a copy of (DRAM or NVMe).
+    pub fn held_objects(&self) -> usize {
+        self.inner.index.lock().unwrap_or_else(|e| e.into_inner()).objects.len()
+    }
+
+    /// The node's counters (what its heartbeats carry to the master's /metrics).
+    pub fn stats(&self) -> NodeStats {
+        self.inner.stats()
+    }
+
+    /// The NVMe file of `key`, opened read-only, and the object's size, when this node holds
+    /// the object on its NVMe tier; for same-process readers that serve it from the file
+    /// (FUSE passthrough under `kvfs up --mount`).
+    ///
+    /// The file holds exactly the object's bytes from offset 0 (no header, no padding), and
+    /// the descriptor stays readable if the node later drops or replaces the copy (the data
+    /// file is only unlinked). The first hand-out of a copy (since it was written, or since
+    /// the node started) verifies its blake3 by reading the whole file through the page cache,
+    /// which also warms the cache for the passthrough reads (a corrupt copy gives `None` and
+    /// is counted in `corrupt_reads_nvme`); later hand-outs are not re-verified.
+    /// `None` also when the object is not on this node's NVMe tier (read it with a
+    /// [`Client`](crate::Client) then: the master will load it into memory).
+    ///
+    /// Blocking (it may read the file): call it from a blocking thread, as FUSE request
+    /// handlers are.
+    pub fn local_object_file(&self, key: &str) -> Option<(std::fs::File, u64)> {
+        self.inner.local_object_file(key)
+    }
+
+    /// A handle that hands out [`Node::local_object_file`]s and outlives borrows of the node
+    /// (for a FUSE mount in the node's process, which serves them with passthrough).
+    pub fn object_files(&self) -> NodeFiles {
+        NodeFiles(self.inner.clone())
+    }
+
+    /// Waits until the node is registered with the master (at most `timeout`).
+    pub async fn wait_registered(&self, timeout: Duration) -> Result<()> {
+        let mut rx = self.inner.registered.subscribe();
+        let wait = rx.wait_for(|r| *r);
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(Ok(_)) => Ok(()),
+            _ => Err(Error::new(
+                ErrorKind::Unavailable,
+                "node",
+                format!("not registered within {timeout:?}"),
+            )),
+        }
+    }
+
+    /// Leaves the cluster: tells the master (its objects here are then gone, unless persisted
+    /// or on NVMe for the next start) and stops.
+    pub async fn shutdown(self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        let _ = self
+            .link
+            .call("unregister", &MasterRequest::UnregisterNode { node: self.inner.id })
+            .await;
+        self.link.close().await;
+    }
+}
+
+/// Looks for a CUDA driver; opens `hbm_bytes` of GPU memory when asked, as a proof the tier
+/// works here. Where no driver is found, says so (and refuses a request for HBM bytes).
+fn probe_hbm(hbm_bytes: u64) -> Result<bool> {
+    let present = kvfs_tiers::hbm::driver_present();
+    if hbm_bytes == 0 {
+        if present {
+            tracing::info!("HBM tier: CUDA driver found (no HBM bytes configured)");
+        } else {
+            tracing::info!("HBM tier: off, no CUDA driver (libcuda.so) found on this machine");
+        }
+        return Ok(present);
+    }
+    match kvfs_tiers::HbmMedium::open(0, hbm_bytes) {
+        Ok(m) => {
+            tracing::info!(bytes = hbm_bytes, "HBM tier: opened GPU memory on device 0");
+            drop(m);
+            Ok(true)
+        }
+        Err(e) => Err(Error::new(
+            ErrorKind::Unavailable,
+            "node",
+            format!("{hbm_bytes} bytes of HBM were asked for, but the HBM tier cannot open: {e}"),
+        )),
+    }
+}
+
+impl Inner {
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    async fn apply(self: Arc<Self>, req: NodeRequest) -> NodeResponse {
+        match req {
+            NodeRequest::Commit(items) => {
+                self.commit(items);
+                NodeResponse::Done
+            }
+            NodeRequest::Drop(items) => {
+                self.drop_copies(items);
+                NodeResponse::Done
+            }
+            NodeRequest::Persist(items) => NodeResponse::Persisted(self.persist(items).await),
+            NodeRequest::Load(items) => NodeResponse::Loaded(self.load(items).await),
+        }
+    }
+
+    fn registration(&self) -> NodeRegistration {
+        let held = self.index.lock().unwrap_or_else(|e| e.into_inner()).held_objects();
+        let mut segments = vec![SegmentSpec {
+            index: DRAM_SEGMENT,
+            tier: Tier::Dram,
+            base_addr: self.dram.addr(),
+            capacity: self.dram.len() as u64,
+        }];
+        if self.tiers.nvme.is_some() {
+            let capacity =
+                self.index.lock().unwrap_or_else(|e| e.into_inner()).nvme_alloc.region_bytes();
+            segments.push(SegmentSpec {
+                index: NVME_SEGMENT,
+                tier: Tier::Nvme,
+                base_addr: 0,
+                capacity,
+            });
+        }
+        NodeRegistration {
+            node: self.id,
+            host: kvfs_transfer::host_id().to_string(),
+            endpoint: self.engine.name().to_string(),
+            segments,
+            held,
+            reconnect: self.registered_once.load(Ordering::Acquire),
+        }
+    }
+}
+
+/// Register, heartbeat, and start over whenever the master goes away.
+async fn run(inner: Arc<Inner>, link: Arc<MasterLink>) {
+    let mut backoff = Duration::from_millis(50);
+    let backoff_max = Duration::from_millis(inner.cfg.reconnect_backoff_max_ms.max(50));
+    loop {
+        match register(&inner, &link).await {
+            Ok(heartbeat) => {
+                backoff = Duration::from_millis(50);
+                // `send` would not store the value while nobody subscribes.
+                inner.registered.send_replace(true);
+                heartbeat_until_lost(&inner, &link, heartbeat).await;
+                inner.registered.send_replace(false);
+            }
+            Err(e) => {
+                tracing::debug!(node = inner.id, error = %e, "registration failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(backoff_max);
+            }
+        }
+    }
+}
+
+async fn register(inner: &Inner, link: &MasterLink) -> Result<Duration> {
+    let reg = inner.registration();
+    let held = reg.held.len();
+    match link.call("register", &MasterRequest::RegisterNode(reg)).await? {
+        MasterResponse::Registered(Ok(ack)) => {
+            inner.registered_once.store(true, Ordering::Release);
+            tracing::info!(
+                node = inner.id,
+                held,
+                adopted = ack.adopted,
+                conflicts = ack.conflicts,
+                "registered with the master"
+            );
+            Ok(Duration::from_millis(ack.heartbeat_ms.max(10)))
+        }
+        MasterResponse::Registered(Err(e)) => Err(Error::from_wire("register", &e)),
+        other => {
+            Err(Error::new(ErrorKind::Internal, "register", format!("unexpected answer {other:?}")))
+        }
+    }
+}
+
+/// Heartbeats until the master forgets the node or the connection fails.
+async fn heartbeat_until_lost(inner: &Inner, link: &MasterLink, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        let req = MasterRequest::Heartbeat { node: inner.id, stats: inner.stats() };
+        match link.call("heartbeat", &req).await {
+            Ok(MasterResponse::Heartbeat(Ok(ack))) => inner.on_accessed(ack.accessed),
+            Ok(MasterResponse::Heartbeat(Err(e))) if e.code == ErrorCode::NodeUnknown => {
+                tracing::warn!(
+                    node = inner.id,
+                    "the master does not know this node; registering again"
+                );
+                return;
+            }
+            Ok(other) => {
+                tracing::warn!(node = inner.id, answer = ?other, "unexpected heartbeat answer");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(node = inner.id, error = %e, "lost the master; reconnecting");
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,956 @@
+//! The node's tier manager: what the node does with its NVMe tier, its object store and its
+//! write-back queue, driven by the sans-IO `kvfs_tiers::policy`.
+//!
+//! Flows (each move is reported to the master before anything relies on it):
+//! - **Demotion** (policy `Demote`, DRAM above its high watermark, coldest first): write the
+//!   DRAM bytes to an NVMe file (verified against the known blake3, or hashed on the way), then
+//!   report `{add: NVMe copy, remove: DRAM copy}`. The master refuses the add if the DRAM copy
+//!   is no longer a replica (the bytes read may have been reused), and keeps the DRAM copy
+//!   while a read lease is live; the node keeps what the answer says and undoes the rest.
+//! - **Drop** (policy `Drop`, NVMe above its high watermark): report `{remove: NVMe copy}` of a
+//!   persisted object; delete the file only once the master agreed.
+//! - **Promotion** (policy `Promote`, an NVMe object read often in the window): ask the master,
+//!   which allocates a DRAM range here and sends a `Load` (the same path as a get that finds
+//!   no memory replica).
+//! - **Load** (from the master): copy from NVMe or the object store into the DRAM range,
+//!   verified by the medium (`Corrupt` is counted and answered; the master then drops the bad
+//!   copy and falls back).
+//! - **Eager persistence** (`Persist` from the master, before the put completes): copy the
+//!   pending DRAM range and put it into the object store with the object's header.
+//! - **Lazy persistence**: a committed `Lazy` object is enqueued (with its blake3, hashed now
+//!   if the writer sent none) in the crash-safe write-back queue; its `Persisted` event is
+//!   reported as an object-store copy. Objects a full queue (`Busy`) refused wait in a backlog
+//!   retried each round.
+//!
+//! The policy's access signal: the reads the master granted of this node's objects, handed
+//! back with each heartbeat (clients read node memory without the node's code seeing it).
+//!
+//! Limits: one tier move at a time (the round runs actions in order, at most
+//! `actions_per_round_max`), byte rates capped by the policy's token buckets, write-back queue
+//! bounded in entries and bytes, write-back retries re-enqueue at most 64 objects a round (the
+//! backlog itself is bounded by the objects the node holds).
+//!
+//! Not handled: moving objects between nodes; HBM; demoting objects the policy never heard
+//! of (every commit and load tells it).
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use kvfs_proto::store::{
+    CommitItem, DropItem, ErrorCode, ItemResult, LoadItem, MasterRequest, MasterResponse,
+    NodeStats, PersistItem, Persistence, ReplicaLoc, ReplicaReport, ReportOutcome, Tier, WireError,
+};
+use kvfs_tiers::policy::{Action, Tier as PTier, TierPolicy, TierUsage};
+use kvfs_tiers::writeback::{WritebackConfig, WritebackEvent, WritebackQueue};
+use kvfs_tiers::{Medium, NvmeMedium, ObjectMeta, ObjectStoreMedium, PutMode, PutOptions};
+use kvfs_transfer::Buffer;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::held::{DRAM_SEGMENT, Held, Index, NVME_SEGMENT};
+use super::{Inner, NodeConfig, tier_err};
+use crate::master::MasterLink;
+use crate::{Error, ErrorKind, Result};
+
+/// Counters of the tier flows.
+#[derive(Default)]
+struct Counters {
+    demotions: AtomicU64,
+    demoted_bytes: AtomicU64,
+    promotions: AtomicU64,
+    promoted_bytes: AtomicU64,
+    nvme_drops: AtomicU64,
+    writeback_persisted: AtomicU64,
+    writeback_failed: AtomicU64,
+    eager_persisted: AtomicU64,
+}
+
+/// The node's tiers and tier manager state.
+pub(super) struct Tiers {
+    pub nvme: Option<Arc<NvmeMedium>>,
+    object_store: Option<Arc<ObjectStoreMedium>>,
+    writeback: Option<Arc<WritebackQueue>>,
+    events: Mutex<Option<mpsc::UnboundedReceiver<WritebackEvent>>>,
+    /// Lazy objects whose enqueue the full queue refused, retried each round.
+    backlog: Mutex<BTreeSet<String>>,
+    policy: Mutex<TierPolicy>,
+    counters: Counters,
+    hbm_available: bool,
+}
+
+/// What `Tiers::open` needs.
+pub(super) struct TiersParts<'a> {
+    pub cfg: &'a NodeConfig,
+    pub index: Arc<Mutex<Index>>,
+    pub dram: Arc<Buffer>,
+    pub nvme: Option<Arc<NvmeMedium>>,
+    pub object_store: Option<Arc<ObjectStoreMedium>>,
+    pub hbm_available: bool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn persistence_code(p: Persistence) -> kvfs_tiers::Persistence {
+    match p {
+        Persistence::None => kvfs_tiers::Persistence::None,
+        Persistence::Lazy => kvfs_tiers::Persistence::Lazy,
+        Persistence::Eager => kvfs_tiers::Persistence::Eager,
+    }
+}
+
+fn persistence_of(p: kvfs_tiers::Persistence) -> Persistence {
+    match p {
+        kvfs_tiers::Persistence::None => Persistence::None,
+        kvfs_tiers::Persistence::Lazy => Persistence::Lazy,
+        kvfs_tiers::Persistence::Eager => Persistence::Eager,
+    }
+}
+
+fn wire(e: &kvfs_tiers::Error) -> WireError {
+    let code = match e.kind() {
+        kvfs_tiers::ErrorKind::Corrupt => ErrorCode::Corrupt,
+        kvfs_tiers::ErrorKind::NotFound => ErrorCode::NotFound,
+        kvfs_tiers::ErrorKind::NoSpace => ErrorCode::NoSpace,
+        kvfs_tiers::ErrorKind::InvalidArgument => ErrorCode::InvalidArgument,
+        _ => ErrorCode::Unavailable,
+    };
+    WireError::new(code, e.to_string())
+}
+
+impl Tiers {
+    pub async fn open(p: TiersParts<'_>) -> Result<Tiers> {
+        let t = &p.cfg.tiers;
+        let (writeback, events) = match (&p.cfg.data_dir, &p.object_store) {
+            (Some(dir), Some(store)) => {
+                let wcfg = WritebackConfig {
+                    queue_entries_max: t.writeback_entries_max,
+                    queue_bytes_max: t.writeback_bytes_max,
+                    workers: t.writeback_workers,
+                    ..WritebackConfig::new(dir.join("writeback.journal"))
+                };
+                let source = Arc::new(NodeSource {
+                    index: p.index.clone(),
+                    dram: p.dram.clone(),
+                    nvme: p.nvme.clone(),
+                });
+                let (q, recovery, rx) = WritebackQueue::open(wcfg, source, store.clone())
+                    .await
+                    .map_err(|e| tier_err("open the write-back queue", e))?;
+                if !recovery.pending.is_empty() {
+                    tracing::info!(
+                        pending = recovery.pending.len(),
+                        "write-back queue recovered entries"
+                    );
+                }
+                (Some(Arc::new(q)), Some(rx))
+            }
+            _ => (None, None),
+        };
+        Ok(Tiers {
+            nvme: p.nvme,
+            object_store: p.object_store,
+            writeback,
+            events: Mutex::new(events),
+            backlog: Mutex::default(),
+            policy: Mutex::new(TierPolicy::new(t.policy)),
+            counters: Counters::default(),
+            hbm_available: p.hbm_available,
+        })
+    }
+
+    /// The tier manager's round timer and the write-back event reader.
+    pub fn start_tasks(&self, inner: &Arc<Inner>, link: &Arc<MasterLink>) -> Vec<JoinHandle<()>> {
+        let mut tasks = vec![tokio::spawn(rounds(inner.clone(), link.clone()))];
+        if let Some(rx) = lock(&self.events).take() {
+            tasks.push(tokio::spawn(writeback_events(inner.clone(), link.clone(), rx)));
+        }
+        tasks
+    }
+}
+
+/// The write-back queue's view of the node: an object's bytes from DRAM, else from NVMe.
+struct NodeSource {
+    index: Arc<Mutex<Index>>,
+    dram: Arc<Buffer>,
+    nvme: Option<Arc<NvmeMedium>>,
+}
+
+fn unsupported(what: &str) -> kvfs_tiers::Error {
+    kvfs_tiers::Error::new(
+        kvfs_tiers::ErrorKind::InvalidArgument,
+        format!("node source: no {what}"),
+    )
+}
+
+#[async_trait]
+impl Medium for NodeSource {
+    fn capabilities(&self) -> kvfs_tiers::Capabilities {
+        kvfs_tiers::Capabilities { kind: "node", ..Default::default() }
+    }
+
+    async fn put(&self, _: &str, _: &[u8], _: PutOptions) -> kvfs_tiers::Result<ObjectMeta> {
+        Err(unsupported("put"))
+    }
+
+    async fn get_into(&self, key: &str, dst: &mut [u8]) -> kvfs_tiers::Result<ObjectMeta> {
+        let held = lock(&self.index).objects.get(key).cloned();
+        let not_found =
+            || kvfs_tiers::Error::new(kvfs_tiers::ErrorKind::NotFound, format!("node: {key:?}"));
+        let h = held.ok_or_else(not_found)?;
+        let size = kvfs_tiers::medium::check_dst(key, dst.len(), h.size)?;
+        match (h.dram, &self.nvme) {
+            (Some(off), _) => {
+                self.dram.read_at(off as usize, &mut dst[..size]).map_err(|e| {
+                    kvfs_tiers::Error::new(kvfs_tiers::ErrorKind::Io, format!("dram read: {e}"))
+                })?;
+                Ok(ObjectMeta {
+                    size_bytes: h.size,
+                    checksum: h.checksum.unwrap_or_default(),
+                    persistence: persistence_code(h.persistence),
+                    stored_at_unix_ms: 0,
+                    version: h.version,
+                    pin: h.pin.code(),
+                })
+            }
+            (None, Some(nvme)) if h.nvme.is_some() => nvme.get_into(key, dst).await,
+            _ => Err(not_found()),
+        }
+    }
+
+    async fn stat(&self, key: &str) -> kvfs_tiers::Result<ObjectMeta> {
+        let h = lock(&self.index).objects.get(key).cloned().ok_or_else(|| {
+            kvfs_tiers::Error::new(kvfs_tiers::ErrorKind::NotFound, format!("node: {key:?}"))
+        })?;
+        Ok(ObjectMeta {
+            size_bytes: h.size,
+            checksum: h.checksum.unwrap_or_default(),
+            persistence: persistence_code(h.persistence),
+            stored_at_unix_ms: 0,
+            version: h.version,
+            pin: h.pin.code(),
+        })
+    }
+
+    async fn remove(&self, _: &str) -> kvfs_tiers::Result<()> {
+        Err(unsupported("remove"))
+    }
+
+    async fn list(&self) -> kvfs_tiers::Result<Vec<(String, ObjectMeta)>> {
+        Err(unsupported("list"))
+    }
+
+    fn capacity_bytes(&self) -> Option<u64> {
+        None
+    }
+
+    fn used_bytes(&self) -> u64 {
+        0
+    }
+}
+
+/// Removes a key's NVMe file if it still holds `version` (a newer copy may have replaced it).
+async fn remove_nvme_version(nvme: &NvmeMedium, key: &str, version: u64) {
+    if nvme.stat(key).await.is_ok_and(|m| m.version == version)
+        && let Err(e) = nvme.remove(key).await
+    {
+        tracing::warn!(key, error = %e, "could not remove an NVMe copy");
+    }
+}
+
+impl Inner {
+    fn policy_tier(h: &Held) -> Option<PTier> {
+        match (h.dram, h.nvme) {
+            (Some(_), _) => Some(PTier::Dram),
+            (None, Some(_)) => Some(PTier::Nvme),
+            _ => None,
+        }
+    }
+
+    /// Tell the policy where `key` is now (or that it is gone).
+    fn policy_sync(&self, key: &str, h: Option<&Held>) {
+        let mut p = lock(&self.tiers.policy);
+        match h.and_then(|h| Self::policy_tier(h).map(|t| (h, t))) {
+            Some((h, t)) => {
+                if p.tier_of(key) != Some(t) {
+                    p.on_stored(key, t, h.size, self.now_ms());
+                }
+                p.set_durability(key, h.persisted, 0);
+                p.set_pinned(key, h.pin == kvfs_proto::store::Pin::Hard);
+            }
+            None => p.on_removed(key),
+        }
+    }
+
+    /// Index the NVMe objects found at start (they are re-reported at registration).
+    pub(super) async fn adopt_nvme_objects(&self) {
+        let Some(nvme) = &self.tiers.nvme else { return };
+        let listed = match nvme.list().await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "could not list the NVMe tier");
+                return;
+            }
+        };
+        let mut dropped = Vec::new();
+        let mut adopted = Vec::new();
+        {
+            let mut idx = lock(&self.index);
+            for (key, meta) in listed {
+                let Ok(off) = idx.nvme_alloc.alloc(meta.size_bytes) else {
+                    dropped.push((key, meta.version));
+                    continue;
+                };
+                let mut h = Held::new(
+                    meta.size_bytes,
+                    meta.version,
+                    persistence_of(meta.persistence),
+                    kvfs_proto::store::Pin::from_code(meta.pin),
+                );
+                h.checksum = Some(meta.checksum);
+                h.nvme = Some(off);
+                h.persisted = meta.persistence == kvfs_tiers::Persistence::Eager;
+                adopted.push((key.clone(), h.clone()));
+                idx.objects.insert(key, h);
+            }
+        }
+        for (key, h) in &adopted {
+            self.policy_sync(key, Some(h));
+        }
+        for (key, version) in dropped {
+            tracing::warn!(key, "NVMe object does not fit the configured NVMe capacity; removed");
+            remove_nvme_version(nvme, &key, version).await;
+        }
+        if !adopted.is_empty() {
+            tracing::info!(node = self.id, objects = adopted.len(), "NVMe objects to re-report");
+        }
+    }
+
+    /// `Commit` records: the objects are complete on the master.
+    pub(super) fn commit(self: &Arc<Self>, items: Vec<CommitItem>) {
+        let mut lazy = Vec::new();
+        let mut stale_nvme = Vec::new();
+        let mut synced = Vec::new();
+        {
+            let mut idx = lock(&self.index);
+            for it in items {
+                let same = idx.objects.get(&it.key).is_some_and(|h| h.version == it.version);
+                if !same
+                    && let Some(old) = idx.remove(&it.key)
+                    && old.nvme.is_some()
+                {
+                    stale_nvme.push((it.key.clone(), old.version));
+                }
+                let h = idx
+                    .objects
+                    .entry(it.key.clone())
+                    .or_insert_with(|| Held::new(it.size, it.version, it.persistence, it.pin));
+                h.checksum = h.checksum.or(it.checksum);
+                h.persisted |= it.persistence == Persistence::Eager;
+                let needs_writeback =
+                    it.persistence == Persistence::Lazy && !h.persisted && !h.queued;
+                idx.set_dram(&it.key, Some(it.offset));
+                let h = idx.objects.get(&it.key).cloned();
+                if needs_writeback && self.tiers.writeback.is_some() {
+                    lazy.push(it.key.clone());
+                }
+                synced.push((it.key, h));
+            }
+        }
+        for (key, h) in &synced {
+            self.policy_sync(key, h.as_ref());
+        }
+        if let Some(nvme) = self.tiers.nvme.clone().filter(|_| !stale_nvme.is_empty()) {
+            tokio::spawn(async move {
+                for (key, version) in stale_nvme {
+                    remove_nvme_version(&nvme, &key, version).await;
+                }
+            });
+        }
+        if !lazy.is_empty() {
+            let inner = self.clone();
+            tokio::spawn(async move { inner.enqueue_writebacks(lazy).await });
+        }
+    }
+
+    /// `Drop` records: the master no longer counts these copies.
+    pub(super) fn drop_copies(&self, items: Vec<DropItem>) {
+        let mut nvme_files = Vec::new();
+        let mut synced = Vec::new();
+        {
+            let mut idx = lock(&self.index);
+            for DropItem { key, segment, offset, .. } in items {
+                let Some(h) = idx.objects.get(&key) else { continue };
+                let version = h.version;
+                if segment == DRAM_SEGMENT && h.dram == Some(offset) {
+                    idx.set_dram(&key, None);
+                } else if segment == NVME_SEGMENT && h.nvme == Some(offset) {
+                    idx.clear_nvme(&key);
+                    nvme_files.push((key.clone(), version));
+                } else {
+                    continue;
+                }
+                idx.remove_if_empty(&key);
+                synced.push((key.clone(), idx.objects.get(&key).cloned()));
+            }
+        }
+        for (key, h) in &synced {
+            self.policy_sync(key, h.as_ref());
+        }
+        if let Some(nvme) = self.tiers.nvme.clone().filter(|_| !nvme_files.is_empty()) {
+            tokio::spawn(async move {
+                for (key, version) in nvme_files {
+                    remove_nvme_version(&nvme, &key, version).await;
+                }
+            });
+        }
+    }
+
+    /// A DRAM range of the segment, checked against its length.
+    fn dram_range(&self, offset: u64, size: u64) -> std::result::Result<*mut u8, WireError> {
+        let end = offset.checked_add(size).filter(|e| *e <= self.dram.len() as u64);
+        if end.is_none() {
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                format!("range {offset}+{size} is outside the {}-byte segment", self.dram.len()),
+            ));
+        }
+        // The offset is inside the buffer (checked above).
+        Ok(self.dram.as_ptr().wrapping_add(offset as usize))
+    }
+
+    /// `Persist`: write pending eager objects to the object store.
+    pub(super) async fn persist(&self, items: Vec<PersistItem>) -> Vec<ItemResult<[u8; 32]>> {
+        let mut out = Vec::with_capacity(items.len());
+        for it in items {
+            out.push(self.persist_one(&it).await);
+        }
+        out
+    }
+
+    async fn persist_one(&self, it: &PersistItem) -> ItemResult<[u8; 32]> {
+        let Some(store) = &self.tiers.object_store else {
+            return Err(WireError::new(ErrorCode::Unavailable, "this node has no object store"));
+        };
+        if it.segment != DRAM_SEGMENT {
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                "persist from a non-DRAM segment",
+            ));
+        }
+        let p = self.dram_range(it.offset, it.size)?;
+        let mut bytes = vec![0u8; it.size as usize];
+        // SAFETY: the range lies in the segment (checked); the master allocated it to the put
+        // being ended, whose writer finished writing before asking to end it.
+        bytes.copy_from_slice(unsafe { std::slice::from_raw_parts(p, it.size as usize) });
+        let opts = PutOptions {
+            mode: PutMode::Overwrite,
+            persistence: kvfs_tiers::Persistence::Eager,
+            checksum: it.checksum,
+            version: it.version,
+            pin: it.pin.code(),
+        };
+        let meta = store.put(&it.key, &bytes, opts).await.map_err(|e| wire(&e))?;
+        self.tiers.counters.eager_persisted.fetch_add(1, Ordering::Relaxed);
+        Ok(meta.checksum)
+    }
+
+    /// `Load`: fill DRAM ranges from NVMe or the object store, verified.
+    pub(super) async fn load(&self, items: Vec<LoadItem>) -> Vec<ItemResult<[u8; 32]>> {
+        let mut out = Vec::with_capacity(items.len());
+        for it in items {
+            out.push(self.load_one(&it).await);
+        }
+        out
+    }
+
+    async fn load_one(&self, it: &LoadItem) -> ItemResult<[u8; 32]> {
+        if it.segment != DRAM_SEGMENT {
+            return Err(WireError::new(ErrorCode::InvalidArgument, "load into a non-DRAM segment"));
+        }
+        let p = self.dram_range(it.offset, it.size)?;
+        // SAFETY: the range lies in the segment (checked); the master allocated it for this
+        // load alone and attaches it as a replica only after we answer.
+        let dst = unsafe { std::slice::from_raw_parts_mut(p, it.size as usize) };
+        let unavailable =
+            |what: &str| Err(WireError::new(ErrorCode::Unavailable, what.to_string()));
+        let meta = match it.source {
+            Tier::Nvme => {
+                let Some(nvme) = &self.tiers.nvme else { return unavailable("no NVMe tier") };
+                let m = nvme.stat(&it.key).await.map_err(|e| wire(&e))?;
+                if m.version != it.version {
+                    return Err(WireError::new(
+                        ErrorCode::NotFound,
+                        "the NVMe copy is another version",
+                    ));
+                }
+                nvme.get_into(&it.key, dst).await.map_err(|e| wire(&e))?
+            }
+            Tier::ObjectStore => {
+                let Some(store) = &self.tiers.object_store else {
+                    return unavailable("no object store");
+                };
+                store.get_into(&it.key, dst).await.map_err(|e| wire(&e))?
+            }
+            other => {
+                return Err(WireError::new(
+                    ErrorCode::InvalidArgument,
+                    format!("load from {other:?}"),
+                ));
+            }
+        };
+        if meta.version != it.version || meta.size_bytes != it.size {
+            return Err(WireError::new(ErrorCode::NotFound, "the stored copy is another version"));
+        }
+        if it.checksum.is_some_and(|c| c != meta.checksum) {
+            return Err(WireError::new(ErrorCode::Corrupt, "the stored copy has another checksum"));
+        }
+        let h = {
+            let mut idx = lock(&self.index);
+            if idx.objects.get(&it.key).is_some_and(|h| h.version != it.version) {
+                idx.remove(&it.key);
+            }
+            let h = idx
+                .objects
+                .entry(it.key.clone())
+                .or_insert_with(|| Held::new(it.size, it.version, it.persistence, it.pin));
+            h.checksum = Some(meta.checksum);
+            h.persisted |= it.source == Tier::ObjectStore;
+            idx.set_dram(&it.key, Some(it.offset));
+            idx.objects.get(&it.key).cloned()
+        };
+        self.policy_sync(&it.key, h.as_ref());
+        lock(&self.tiers.policy).on_access(&it.key, self.now_ms());
+        let c = &self.tiers.counters;
+        c.promotions.fetch_add(1, Ordering::Relaxed);
+        c.promoted_bytes.fetch_add(it.size, Ordering::Relaxed);
+        Ok(meta.checksum)
+    }
+
+    /// The reads the master saw of our objects: the policy's access signal.
+    pub(super) fn on_accessed(&self, accessed: Vec<(String, u32)>) {
+        let now = self.now_ms();
+        let mut p = lock(&self.tiers.policy);
+        for (key, n) in accessed {
+            for _ in 0..n.min(16) {
+                p.on_access(&key, now);
+            }
+        }
+    }
+
+    pub(super) fn stats(&self) -> NodeStats {
+        let dram_used = lock(&self.index).dram_bytes;
+        let nvme_objects = self.tiers.nvme.as_ref().map(|n| n.stats().objects as u64).unwrap_or(0);
+        let c = &self.tiers.counters;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let nvme = self.tiers.nvme.as_ref();
+        NodeStats {
+            dram_capacity_bytes: self.dram.len() as u64,
+            dram_used_bytes: dram_used,
+            nvme_capacity_bytes: nvme.and_then(|n| n.capacity_bytes()).unwrap_or(0),
+            nvme_used_bytes: nvme.map(|n| n.used_bytes()).unwrap_or(0),
+            nvme_objects,
+            demotions: load(&c.demotions),
+            demoted_bytes: load(&c.demoted_bytes),
+            promotions: load(&c.promotions),
+            promoted_bytes: load(&c.promoted_bytes),
+            nvme_drops: load(&c.nvme_drops),
+            rate_limited_rounds: lock(&self.tiers.policy).stats().rate_limited_rounds,
+            corrupt_reads_nvme: nvme.map(|n| n.stats().corrupt_reads).unwrap_or(0),
+            corrupt_reads_object_store: self
+                .tiers
+                .object_store
+                .as_ref()
+                .map(|s| s.corrupt_reads())
+                .unwrap_or(0),
+            writeback_queued: self
+                .tiers
+                .writeback
+                .as_ref()
+                .map(|q| q.depth().0 as u64)
+                .unwrap_or(0),
+            writeback_persisted: load(&c.writeback_persisted),
+            writeback_failed: load(&c.writeback_failed),
+            eager_persisted: load(&c.eager_persisted),
+            hbm_available: self.tiers.hbm_available,
+        }
+    }
+
+    pub(super) fn local_object_file(&self, key: &str) -> Option<(std::fs::File, u64)> {
+        let nvme = self.tiers.nvme.as_ref()?;
+        let version = lock(&self.index).objects.get(key).filter(|h| h.nvme.is_some())?.version;
+        match nvme.local_file(key) {
+            Ok((f, meta)) if meta.version == version => Some((f, meta.size_bytes)),
+            Ok(_) => None,
+            Err(e) => {
+                if e.kind() == kvfs_tiers::ErrorKind::Corrupt {
+                    tracing::warn!(key, error = %e, "corrupt NVMe copy not handed out");
+                }
+                None
+            }
+        }
+    }
+
+    // ----- lazy persistence ---------------------------------------------------------------
+
+    /// Enqueue lazy objects for write-back; a full queue leaves them for the next round.
+    async fn enqueue_writebacks(&self, keys: Vec<String>) {
+        let Some(q) = &self.tiers.writeback else { return };
+        let mut rest = keys.into_iter();
+        while let Some(key) = rest.next() {
+            let Some(h) = lock(&self.index).objects.get(&key).cloned() else { continue };
+            if h.persisted || h.queued {
+                continue;
+            }
+            let checksum = match h.checksum {
+                Some(c) => c,
+                None => match self.hash_copy(&key, &h).await {
+                    Some(c) => c,
+                    None => continue,
+                },
+            };
+            let meta = ObjectMeta {
+                size_bytes: h.size,
+                checksum,
+                persistence: kvfs_tiers::Persistence::Lazy,
+                stored_at_unix_ms: 0,
+                version: h.version,
+                pin: h.pin.code(),
+            };
+            {
+                let mut idx = lock(&self.index);
+                match idx.objects.get_mut(&key) {
+                    Some(cur) if cur.version == h.version && !cur.queued => {
+                        cur.queued = true;
+                        cur.checksum = Some(checksum);
+                    }
+                    _ => continue,
+                }
+            }
+            if let Err(e) = q.enqueue_meta(&key, &meta).await {
+                if let Some(cur) = lock(&self.index).objects.get_mut(&key) {
+                    cur.queued = false;
+                }
+                tracing::debug!(key, error = %e, "write-back enqueue refused; retried later");
+                let mut backlog = lock(&self.tiers.backlog);
+                backlog.insert(key);
+                if e.kind() == kvfs_tiers::ErrorKind::Busy {
+                    backlog.extend(rest);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// blake3 of the object's DRAM copy (NVMe copies always have one).
+    async fn hash_copy(&self, key: &str, h: &Held) -> Option<[u8; 32]> {
+        let off = h.dram?;
+        let mut bytes = vec![0u8; h.size as usize];
+        self.dram.read_at(off as usize, &mut bytes).ok()?;
+        let sum = tokio::task::spawn_blocking(move || kvfs_tiers::checksum(&bytes)).await.ok()?;
+        // Still the same copy (not dropped and reused while we hashed)?
+        let same = lock(&self.index)
+            .objects
+            .get(key)
+            .is_some_and(|c| c.dram == Some(off) && c.version == h.version);
+        same.then_some(sum)
+    }
+
+    /// Lazy objects whose enqueue was refused (the queue was full): at most 64 a round.
+    async fn retry_writebacks(&self) {
+        let keys: Vec<String> = {
+            let mut backlog = lock(&self.tiers.backlog);
+            let take: Vec<String> = backlog.iter().take(64).cloned().collect();
+            for k in &take {
+                backlog.remove(k);
+            }
+            take
+        };
+        if !keys.is_empty() {
+            self.enqueue_writebacks(keys).await;
+        }
+    }
+
+    // ----- tier moves ---------------------------------------------------------------------
+
+    async fn report(&self, link: &MasterLink, item: ReplicaReport) -> Result<ReportOutcome> {
+        let req = MasterRequest::ReportReplicas { node: self.id, items: vec![item] };
+        match link.call("report", &req).await? {
+            MasterResponse::ReportReplicas(mut v) if v.len() == 1 => {
+                v.pop().expect("one").map_err(|e| Error::from_wire("report", &e))
+            }
+            other => Err(Error::new(
+                ErrorKind::Internal,
+                "report",
+                format!("unexpected answer {other:?}"),
+            )),
+        }
+    }
+
+    /// Mark `key` busy for a move; returns its entry then.
+    fn claim(&self, key: &str) -> Option<Held> {
+        let mut idx = lock(&self.index);
+        let h = idx.objects.get_mut(key).filter(|h| !h.busy)?;
+        h.busy = true;
+        Some(h.clone())
+    }
+
+    fn release(&self, key: &str, version: u64) {
+        let h = {
+            let mut idx = lock(&self.index);
+            if let Some(h) = idx.objects.get_mut(key).filter(|h| h.version == version) {
+                h.busy = false;
+            }
+            idx.remove_if_empty(key);
+            idx.objects.get(key).cloned()
+        };
+        self.policy_sync(key, h.as_ref());
+    }
+
+    async fn demote(&self, link: &MasterLink, key: &str) -> bool {
+        let Some(nvme) = self.tiers.nvme.clone() else { return false };
+        let Some(snap) = self.claim(key) else { return false };
+        let ok = self.demote_claimed(link, &nvme, key, &snap).await;
+        self.release(key, snap.version);
+        ok
+    }
+
+    async fn demote_claimed(
+        &self,
+        link: &MasterLink,
+        nvme: &NvmeMedium,
+        key: &str,
+        snap: &Held,
+    ) -> bool {
+        let Some(dram_off) = snap.dram else { return false };
+        let remove =
+            Some(ReplicaLoc::Node { tier: Tier::Dram, segment: DRAM_SEGMENT, offset: dram_off });
+        if snap.nvme.is_some() {
+            // Already on NVMe (a promoted copy): only the DRAM copy goes.
+            let item = ReplicaReport {
+                key: key.into(),
+                version: snap.version,
+                checksum: None,
+                add: None,
+                remove,
+            };
+            let outcome = self.report(link, item).await;
+            self.defer_refused(key, &outcome);
+            let removed = matches!(outcome, Ok(o) if o.removed);
+            if removed {
+                self.forget_dram(key, snap.version, dram_off);
+            }
+            return removed;
+        }
+        let Ok(nvme_off) = lock(&self.index).nvme_alloc.alloc(snap.size) else { return false };
+        let free_off = |inner: &Self| lock(&inner.index).nvme_alloc.free(nvme_off, snap.size);
+        let Ok(p) = self.dram_range(dram_off, snap.size) else {
+            free_off(self);
+            return false;
+        };
+        // SAFETY: the range is the committed DRAM copy of `key`; the master reuses it only
+        // after dropping the replica, and then refuses this demotion's report (the source is
+        // no longer a replica), so bytes read after a reuse are never kept.
+        let bytes = unsafe { std::slice::from_raw_parts(p, snap.size as usize) };
+        let opts = PutOptions {
+            mode: PutMode::Overwrite,
+            persistence: persistence_code(snap.persistence),
+            checksum: snap.checksum,
+            version: snap.version,
+            pin: snap.pin.code(),
+        };
+        let meta = match nvme.put(key, bytes, opts).await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(key, error = %e, "demotion: NVMe write failed");
+                free_off(self);
+                return false;
+            }
+        };
+        let item = ReplicaReport {
+            key: key.into(),
+            version: snap.version,
+            checksum: snap.checksum.is_none().then_some(meta.checksum),
+            add: Some(ReplicaLoc::Node {
+                tier: Tier::Nvme,
+                segment: NVME_SEGMENT,
+                offset: nvme_off,
+            }),
+            remove,
+        };
+        let outcome = self.report(link, item).await;
+        let kept = {
+            let mut idx = lock(&self.index);
+            match (&outcome, idx.objects.get_mut(key)) {
+                (Ok(o), Some(h)) if o.added && h.version == snap.version && h.nvme.is_none() => {
+                    h.nvme = Some(nvme_off);
+                    h.checksum = Some(meta.checksum);
+                    true
+                }
+                _ => false,
+            }
+        };
+        if !kept {
+            if let Err(e) = &outcome {
+                tracing::debug!(key, error = %e, "demotion refused; NVMe copy removed");
+            }
+            free_off(self);
+            remove_nvme_version(nvme, key, snap.version).await;
+            return false;
+        }
+        let c = &self.tiers.counters;
+        c.demotions.fetch_add(1, Ordering::Relaxed);
+        c.demoted_bytes.fetch_add(snap.size, Ordering::Relaxed);
+        self.defer_refused(key, &outcome);
+        let removed = matches!(outcome, Ok(o) if o.removed);
+        if removed {
+            self.forget_dram(key, snap.version, dram_off);
+        }
+        removed
+    }
+
+    /// A refused remove says when to ask again: keep the key out of the policy until then.
+    fn defer_refused(&self, key: &str, outcome: &Result<ReportOutcome>) {
+        if let Ok(o) = outcome
+            && !o.removed
+            && o.retry_after_ms > 0
+        {
+            lock(&self.tiers.policy).defer(key, self.now_ms() + o.retry_after_ms);
+        }
+    }
+
+    fn forget_dram(&self, key: &str, version: u64, offset: u64) {
+        let mut idx = lock(&self.index);
+        if idx.objects.get(key).is_some_and(|h| h.version == version && h.dram == Some(offset)) {
+            idx.set_dram(key, None);
+        }
+    }
+
+    async fn drop_nvme(&self, link: &MasterLink, key: &str) -> bool {
+        let Some(nvme) = self.tiers.nvme.clone() else { return false };
+        let Some(snap) = self.claim(key) else { return false };
+        let ok = match snap.nvme {
+            Some(off) => {
+                let item = ReplicaReport {
+                    key: key.into(),
+                    version: snap.version,
+                    checksum: None,
+                    add: None,
+                    remove: Some(ReplicaLoc::Node {
+                        tier: Tier::Nvme,
+                        segment: NVME_SEGMENT,
+                        offset: off,
+                    }),
+                };
+                let outcome = self.report(link, item).await;
+                self.defer_refused(key, &outcome);
+                let removed = matches!(outcome, Ok(o) if o.removed);
+                if removed {
+                    let cleared = {
+                        let mut idx = lock(&self.index);
+                        let ours = idx
+                            .objects
+                            .get(key)
+                            .is_some_and(|h| h.version == snap.version && h.nvme == Some(off));
+                        ours && idx.clear_nvme(key).is_some()
+                    };
+                    if cleared {
+                        remove_nvme_version(&nvme, key, snap.version).await;
+                    }
+                    self.tiers.counters.nvme_drops.fetch_add(1, Ordering::Relaxed);
+                }
+                removed
+            }
+            None => false,
+        };
+        self.release(key, snap.version);
+        ok
+    }
+
+    async fn promote(&self, link: &MasterLink, key: &str) -> bool {
+        let req = MasterRequest::Promote { node: self.id, keys: vec![key.to_string()] };
+        matches!(link.call("promote", &req).await, Ok(MasterResponse::Promote(v)) if v.first().is_some_and(|r| r.is_ok()))
+    }
+
+    /// One round of the tier manager.
+    async fn round(&self, link: &MasterLink) {
+        self.retry_writebacks().await;
+        let Some(nvme) = &self.tiers.nvme else { return };
+        let dram = TierUsage {
+            used_bytes: lock(&self.index).dram_bytes,
+            capacity_bytes: self.dram.len() as u64,
+        };
+        let nvme_usage = TierUsage {
+            used_bytes: nvme.used_bytes(),
+            capacity_bytes: nvme.capacity_bytes().unwrap_or(0),
+        };
+        let actions = lock(&self.tiers.policy).decide(self.now_ms(), dram, nvme_usage);
+        for a in actions {
+            let ok = match &a {
+                Action::Demote { key, .. } => self.demote(link, key).await,
+                Action::Drop { key, .. } => self.drop_nvme(link, key).await,
+                Action::Promote { key, .. } => self.promote(link, key).await,
+            };
+            lock(&self.tiers.policy).on_action_done(&a, ok);
+            // The policy's view of where the object is now follows the index.
+            let h = lock(&self.index).objects.get(a.key()).cloned();
+            self.policy_sync(a.key(), h.as_ref());
+        }
+    }
+}
+
+/// The tier manager's timer: a round every `tick_ms` while registered.
+async fn rounds(inner: Arc<Inner>, link: Arc<MasterLink>) {
+    let mut every = tokio::time::interval(Duration::from_millis(inner.cfg.tiers.tick_ms.max(5)));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        if *inner.registered.borrow() {
+            inner.round(&link).await;
+        }
+    }
+}
+
+/// Reports finished write-backs to the master.
+async fn writeback_events(
+    inner: Arc<Inner>,
+    link: Arc<MasterLink>,
+    mut rx: mpsc::UnboundedReceiver<WritebackEvent>,
+) {
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            WritebackEvent::Persisted { key, version, .. } => {
+                inner.tiers.counters.writeback_persisted.fetch_add(1, Ordering::Relaxed);
+                let h = {
+                    let mut idx = lock(&inner.index);
+                    if let Some(h) = idx.objects.get_mut(&key).filter(|h| h.version == version) {
+                        h.persisted = true;
+                        h.queued = false;
+                    }
+                    idx.objects.get(&key).cloned()
+                };
+                inner.policy_sync(&key, h.as_ref());
+                let item = ReplicaReport {
+                    key: key.clone(),
+                    version,
+                    checksum: None,
+                    add: Some(ReplicaLoc::ObjectStore),
+                    remove: None,
+                };
+                // Lost reports are not retried: the registration carries `persisted`, and a
+                // restarted master finds the object in its scan.
+                if let Err(e) = inner.report(&link, item).await {
+                    tracing::debug!(key, error = %e, "write-back report not accepted");
+                }
+            }
+            WritebackEvent::Failed { key, error, .. } => {
+                inner.tiers.counters.writeback_failed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(key, %error, "write-back failed");
+            }
+        }
+    }
+}
