@@ -622,14 +622,16 @@ impl TcpPeer {
     }
 
     /// Slice size for a request of `len` bytes: `slice_bytes`, except that a request alone on an
-    /// otherwise idle peer is striped over every connection (slices of at least
+    /// otherwise idle peer is striped over the connections (one per CPU; slices of at least
     /// `STRIPE_SLICE_MIN`), so one mid-sized transfer still uses them all; when other requests
     /// are in flight the connections are busy anyway and bigger slices cost less per byte.
     fn slice_for(&self, len: u64) -> u64 {
         if self.busy.load(Ordering::Relaxed) > 1 {
             return self.slice_bytes;
         }
-        let conns = self.slots.len() as u64;
+        // More parallel slices than cores only adds wakeups: stripe over at most one
+        // connection per CPU.
+        let conns = (self.slots.len() as u64).min(cpus());
         len.div_ceil(conns)
             .next_multiple_of(4096)
             .clamp(STRIPE_SLICE_MIN, self.slice_bytes.max(STRIPE_SLICE_MIN))
@@ -740,6 +742,12 @@ impl TcpPeer {
     }
 }
 
+/// CPUs this process may use (at least 1).
+fn cpus() -> u64 {
+    static CPUS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *CPUS.get_or_init(|| std::thread::available_parallelism().map(|n| n.get() as u64).unwrap_or(1))
+}
+
 /// Counts a request as in flight for as long as it lives.
 struct BusyGuard<'a>(&'a AtomicUsize);
 
@@ -800,52 +808,112 @@ pub(crate) async fn serve_conn(mut stream: TcpStream, shared: Arc<Shared>) {
     }
 }
 
-/// Replies of one accepted connection: small ones are held back while more requests are
-/// queued (one send for many), payloads leave with their header in one vectored write.
+/// Replies of one accepted connection, in request order. Small replies and read payloads are
+/// held back while more requests are already queued behind them, then leave in one vectored
+/// write (many replies, many payloads, one system call); the connection's owner flushes before
+/// it waits for the next request, so nothing is held while the peer waits.
 struct Replies {
     wr: OwnedWriteHalf,
-    buf: Vec<u8>,
+    /// Reply bytes not yet placed in `segs`.
+    small: Vec<u8>,
+    segs: Vec<Seg>,
+    /// The regions whose memory `segs` points into, held until the write finishes.
+    holds: Vec<Region>,
+    payload_bytes: usize,
 }
 
+/// One piece of the next vectored write: reply bytes, or payload straight from registered
+/// memory (by address: the region is held in `Replies::holds`).
+enum Seg {
+    Bytes(Vec<u8>),
+    Payload { addr: usize, len: usize },
+}
+
+/// Payload bytes gathered into one vectored write at most.
+const REPLY_GATHER_BYTES_MAX: usize = 8 << 20;
+
 impl Replies {
+    fn new(wr: OwnedWriteHalf) -> Replies {
+        Replies {
+            wr,
+            small: Vec::with_capacity(4096),
+            segs: Vec::new(),
+            holds: Vec::new(),
+            payload_bytes: 0,
+        }
+    }
+
     async fn push(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        self.buf.extend_from_slice(bytes);
-        if self.buf.len() >= REPLY_BUFFER_BYTES_MAX {
+        self.small.extend_from_slice(bytes);
+        if self.small.len() >= REPLY_BUFFER_BYTES_MAX {
             self.flush().await?;
         }
         Ok(())
     }
 
-    /// Sends what is held back, then `payloads`, in one vectored write.
-    async fn send_with(&mut self, payloads: &[&[u8]]) -> std::io::Result<()> {
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(payloads.len() + 1);
-        if !self.buf.is_empty() {
-            slices.push(IoSlice::new(&self.buf));
+    /// Queues `len` bytes of registered memory at `addr` (inside `hold`) after the replies
+    /// pushed so far.
+    async fn payload(&mut self, addr: u64, len: u64, hold: Region) -> std::io::Result<()> {
+        if len == 0 {
+            return Ok(());
         }
-        slices.extend(payloads.iter().filter(|p| !p.is_empty()).map(|p| IoSlice::new(p)));
-        write_all_vectored(&mut self.wr, &mut slices).await?;
-        self.buf.clear();
+        if !self.small.is_empty() {
+            self.segs.push(Seg::Bytes(std::mem::take(&mut self.small)));
+        }
+        self.segs.push(Seg::Payload { addr: addr as usize, len: len as usize });
+        self.holds.push(hold);
+        self.payload_bytes += len as usize;
+        if self.payload_bytes >= REPLY_GATHER_BYTES_MAX || self.segs.len() >= IOV_MAX / 2 {
+            self.flush().await?;
+        }
         Ok(())
     }
 
+    fn has_payload(&self) -> bool {
+        self.payload_bytes > 0
+    }
+
     async fn flush(&mut self) -> std::io::Result<()> {
-        if !self.buf.is_empty() {
-            self.wr.write_all(&self.buf).await?;
-            self.buf.clear();
+        if !self.small.is_empty() {
+            self.segs.push(Seg::Bytes(std::mem::take(&mut self.small)));
         }
+        if self.segs.is_empty() {
+            return Ok(());
+        }
+        let mut slices: Vec<IoSlice<'_>> = self
+            .segs
+            .iter()
+            .map(|s| match s {
+                Seg::Bytes(b) => IoSlice::new(b),
+                // SAFETY: the range lies inside a region registered as remotely readable
+                // (checked when it was queued), held in `holds` until this write finishes.
+                Seg::Payload { addr, len } => {
+                    IoSlice::new(unsafe { std::slice::from_raw_parts(*addr as *const u8, *len) })
+                }
+            })
+            .collect();
+        write_all_vectored(&mut self.wr, &mut slices).await?;
+        drop(slices);
+        self.segs.clear();
+        self.holds.clear();
+        self.payload_bytes = 0;
         Ok(())
     }
 }
 
 async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::io::Result<()> {
     let (mut rd, wr) = stream.into_split();
-    let mut out = Replies { wr, buf: Vec::with_capacity(REPLY_BUFFER_BYTES_MAX) };
+    let mut out = Replies::new(wr);
     let mut hb = [0u8; DataHeader::SIZE];
     loop {
         if !next_header(&mut rd, &mut out, &mut hb).await? {
             return Ok(());
         }
         let hdr = DataHeader::decode(&hb).map_err(std::io::Error::other)?;
+        if out.has_payload() && matches!(hdr.op, DataOp::Write | DataOp::WriteV | DataOp::Notify) {
+            // Do not hold read payloads while waiting for this request's own payload.
+            out.flush().await?;
+        }
         match hdr.op {
             DataOp::Read => serve_read(&mut out, shared, &hdr).await?,
             DataOp::ReadV => serve_read_pack(&mut rd, &mut out, shared, &hdr).await?,
@@ -921,13 +989,9 @@ async fn serve_write(
 async fn serve_read(out: &mut Replies, shared: &Shared, hdr: &DataHeader) -> std::io::Result<()> {
     match remote_region(shared, hdr.addr, hdr.len) {
         Some(region) => {
-            let head = DataReply { status: DataStatus::Ok, id: hdr.id, len: hdr.len }.encode();
-            out.buf.extend_from_slice(&head);
-            // SAFETY: the range lies inside a region registered as remotely readable; held.
-            let src =
-                unsafe { std::slice::from_raw_parts(hdr.addr as *const u8, hdr.len as usize) };
-            out.send_with(&[src]).await?;
-            drop(region);
+            out.push(&DataReply { status: DataStatus::Ok, id: hdr.id, len: hdr.len }.encode())
+                .await?;
+            out.payload(hdr.addr, hdr.len, region).await?;
         }
         None => {
             let reply = DataReply { status: DataStatus::OutOfRange, id: hdr.id, len: 0 };
@@ -983,20 +1047,15 @@ async fn serve_read_pack(
         ranges.iter().map(|&(a, l)| range_status(shared, a, l)).collect();
     let ok_bytes: u64 =
         ranges.iter().zip(&checked).filter(|(_, c)| c.0 == DataStatus::Ok).map(|(r, _)| r.1).sum();
-    out.buf.extend_from_slice(
-        &DataReply { status: DataStatus::Ok, id: hdr.id, len: ok_bytes }.encode(),
-    );
-    out.buf.extend(checked.iter().map(|c| c.0 as u16 as u8));
-    let payloads: Vec<&[u8]> = ranges
-        .iter()
-        .zip(&checked)
-        .filter(|(_, c)| c.0 == DataStatus::Ok)
-        // SAFETY: each range lies inside a region registered as remotely readable, held by
-        // `checked` until the write finishes.
-        .map(|(r, _)| unsafe { std::slice::from_raw_parts(r.0 as *const u8, r.1 as usize) })
-        .collect();
-    out.send_with(&payloads).await?;
-    drop(checked);
+    let mut head =
+        DataReply { status: DataStatus::Ok, id: hdr.id, len: ok_bytes }.encode().to_vec();
+    head.extend(checked.iter().map(|c| c.0 as u16 as u8));
+    out.push(&head).await?;
+    for (r, (_, region)) in ranges.iter().zip(checked) {
+        if let Some(region) = region {
+            out.payload(r.0, r.1, region).await?;
+        }
+    }
     Ok(())
 }
 

@@ -118,7 +118,7 @@ pub async fn run(opts: TransferBench) -> anyhow::Result<()> {
             let limit = match kind {
                 TransportKind::Tcp => Limit::Tcp {
                     addr: peer.raw_addr,
-                    bytes: opts.limit_bytes / 4,
+                    bytes: opts.limit_bytes,
                     streams: opts.conns_per_peer,
                     dir: Some(if op == TransferOp::Read {
                         Direction::Receive
@@ -126,7 +126,7 @@ pub async fn run(opts: TransferBench) -> anyhow::Result<()> {
                         Direction::Send
                     }),
                 },
-                _ => Limit::Memcpy { bytes: opts.limit_bytes / 4 },
+                _ => Limit::Memcpy { bytes: opts.limit_bytes },
             };
             for &size in &opts.sizes {
                 for case in ["qd1", "batch"] {
