@@ -415,6 +415,10 @@ impl Client {
 
     /// Runs transfer requests in engine-sized batches; one result per request, in order.
     async fn transfer(&self, reqs: Vec<TransferRequest>) -> Vec<kvfs_transfer::Result<()>> {
+        if let [one] = reqs.as_slice() {
+            // One request runs on this task: no batch task to spawn and wake.
+            return vec![self.inner.engine.transfer_one(one).await];
+        }
         let max = self.inner.engine.config().batch_items_max;
         let mut results = Vec::with_capacity(reqs.len());
         let mut reqs = reqs.into_iter().peekable();

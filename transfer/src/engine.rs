@@ -217,7 +217,8 @@ struct Pack {
 
 /// Most items in one pack, and the largest item that is packed (larger ones are sliced).
 const PACK_ITEMS_MAX: usize = 256;
-const PACK_ITEM_BYTES_MAX: u64 = 256 << 10;
+const PACK_ITEM_BYTES_MAX: u64 = 1 << 20;
+const PACK_BYTES_MAX: u64 = 4 << 20;
 
 /// Splits a batch into items that run on their own and packs of small items that can share one
 /// tcp request: remote peers reached only over tcp (no shm mapping, no rdma link), valid
@@ -243,7 +244,7 @@ fn plan_batch(
             items: (Vec::new(), Vec::new(), Vec::new()),
         });
         let bytes: u64 = pack.items.1.iter().map(|r| r.len).sum();
-        if pack.items.0.len() >= PACK_ITEMS_MAX || bytes + req.len > shared.cfg.slice_bytes {
+        if pack.items.0.len() >= PACK_ITEMS_MAX || bytes + req.len > PACK_BYTES_MAX {
             let full = std::mem::take(&mut pack.items);
             packs.push(Pack { segment: pack.segment.clone(), op: pack.op, items: full });
         }

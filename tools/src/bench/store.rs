@@ -161,7 +161,7 @@ pub async fn run(opts: StoreBench) -> anyhow::Result<()> {
                 rep.emit(&figure(&ctx, op, Some(size), &mut s, Some((limit.name(), limit_gbps))));
             }
         }
-        for op in ["exists_batch", "remove_batch"] {
+        for op in ["exists", "exists_batch", "remove_batch"] {
             let mut s = run_meta(&mut ctx, op).await.with_context(|| format!("{mode} {op}"))?;
             rep.emit(&figure(&ctx, op, None, &mut s, None));
         }
@@ -308,6 +308,21 @@ async fn call(ctx: &Ctx, op: &str, keys: &[String], size: u64) -> anyhow::Result
 /// exists and remove rates on batches of 10 000 small objects.
 async fn run_meta(ctx: &mut Ctx, op: &str) -> anyhow::Result<Samples> {
     let mut s = Samples::default();
+    if op == "exists" {
+        // One key per call: the master round trip a lookup costs.
+        put_keys_small(ctx, &["bench/meta/one".to_string()]).await?;
+        let start = Instant::now();
+        while s.ops < 100 || start.elapsed() < ctx.min {
+            let t = Instant::now();
+            anyhow::ensure!(ctx.client.exists("bench/meta/one").await?, "the key vanished");
+            let took = t.elapsed();
+            s.lat_us.push(took.as_secs_f64() * 1e6);
+            s.ops += 1;
+            s.elapsed_s += took.as_secs_f64();
+        }
+        ctx.client.remove("bench/meta/one", true).await?;
+        return Ok(s);
+    }
     let start = Instant::now();
     while s.ops < (5 * META_KEYS) as u64 || start.elapsed() < ctx.min {
         ctx.round += 1;
