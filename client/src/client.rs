@@ -240,6 +240,15 @@ impl Client {
         items: &[PutFrom<'_>],
         opts: &PutOptions,
     ) -> Vec<Result<()>> {
+        let chunks = pipeline_chunks(items.iter().map(|i| i.len));
+        if chunks.len() > 1 {
+            let runs = chunks.iter().map(|r| self.put_from_chunk(&items[r.clone()], opts));
+            return futures_util::future::join_all(runs).await.into_iter().flatten().collect();
+        }
+        self.put_from_chunk(items, opts).await
+    }
+
+    async fn put_from_chunk(&self, items: &[PutFrom<'_>], opts: &PutOptions) -> Vec<Result<()>> {
         let mut out: Vec<Option<Result<()>>> = vec![None; items.len()];
         let deadline = Instant::now() + Duration::from_millis(self.inner.cfg.retry_budget_ms);
         let mut todo: Vec<usize> = (0..items.len()).collect();
@@ -488,6 +497,15 @@ impl Client {
     /// Zero-copy get of many objects: one master round trip, one transfer batch (plus one per
     /// replica fallback round). Returns each object's size.
     pub async fn get_into_batch(&self, items: &[GetInto<'_>]) -> Vec<Result<u64>> {
+        let chunks = pipeline_chunks(items.iter().map(|i| i.cap));
+        if chunks.len() > 1 {
+            let runs = chunks.iter().map(|r| self.get_into_chunk(&items[r.clone()]));
+            return futures_util::future::join_all(runs).await.into_iter().flatten().collect();
+        }
+        self.get_into_chunk(items).await
+    }
+
+    async fn get_into_chunk(&self, items: &[GetInto<'_>]) -> Vec<Result<u64>> {
         let views = self.views("get", items.iter().map(|g| g.key)).await;
         let dsts: Vec<(u64, u64)> = items.iter().map(|g| (g.addr, g.cap)).collect();
         self.read_views(views, &dsts)
@@ -809,6 +827,30 @@ impl Client {
     }
 }
 
+/// Most objects, and most bytes, in one chunk of a pipelined batch.
+const CHUNK_ITEMS_MAX: usize = 64;
+const CHUNK_BYTES_MAX: u64 = 8 << 20;
+
+/// Cuts a large batch into chunks that run concurrently, so the master's work for one chunk
+/// (allocating, committing) overlaps the transfers of another instead of adding to them.
+fn pipeline_chunks(lens: impl Iterator<Item = u64>) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes, mut end) = (0usize, 0u64, 0usize);
+    for (i, len) in lens.enumerate() {
+        if i > start && (i - start >= CHUNK_ITEMS_MAX || bytes + len > CHUNK_BYTES_MAX) {
+            out.push(start..i);
+            start = i;
+            bytes = 0;
+        }
+        bytes += len;
+        end = i + 1;
+    }
+    if end > start || out.is_empty() {
+        out.push(start..end);
+    }
+    out
+}
+
 fn fail_all(todo: &[usize], out: &mut [Option<Result<()>>], e: Error) -> Vec<(usize, Error)> {
     for &i in todo {
         out[i] = Some(Err(e.clone()));
@@ -826,4 +868,21 @@ fn registered_blake3(addr: u64, len: u64) -> [u8; 32] {
     // read it succeeded), and promised it stays valid while the put runs.
     let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
     *blake3::hash(bytes).as_bytes()
+}
+
+#[cfg(test)]
+mod chunk_tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_every_item_once_within_bounds() {
+        assert_eq!(pipeline_chunks(std::iter::empty()), vec![0..0]);
+        assert_eq!(pipeline_chunks([5u64].into_iter()), vec![0..1]);
+        let small = pipeline_chunks(std::iter::repeat_n(64 << 10, 300));
+        assert_eq!(small, vec![0..64, 64..128, 128..192, 192..256, 256..300]);
+        let big = pipeline_chunks(std::iter::repeat_n(64 << 20, 3));
+        assert_eq!(big, vec![0..1, 1..2, 2..3]);
+        let mixed = pipeline_chunks([5u64 << 20, 5 << 20, 1].into_iter());
+        assert_eq!(mixed, vec![0..1, 1..3]);
+    }
 }
