@@ -475,7 +475,8 @@ pub struct UpArgs {
     pub master: MasterArgs,
     #[command(flatten)]
     pub node: NodeArgs,
-    /// Also mount the pool here (master, node and mount in this one process).
+    /// Also mount the pool here, a directory made if missing (master, node and mount in this
+    /// one process).
     #[arg(long)]
     pub mount: Option<PathBuf>,
     #[command(flatten)]

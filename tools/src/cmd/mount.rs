@@ -95,6 +95,14 @@ pub async fn start_with(
         Client::connect(ClientConfig { master: master.to_string(), ..ClientConfig::default() })
             .await
             .with_context(|| format!("connecting to the master at {master}"))?;
+    // A missing mountpoint is made (a dead mount left by a killed daemon is still there, and
+    // the mount clears it).
+    if let Err(e) = std::fs::symlink_metadata(&mountpoint)
+        && e.kind() == std::io::ErrorKind::NotFound
+    {
+        std::fs::create_dir_all(&mountpoint)
+            .with_context(|| format!("creating the mountpoint {}", mountpoint.display()))?;
+    }
     let mut cfg = args.config(mountpoint.clone());
     if cfg.passthrough.is_none() {
         cfg.passthrough = source;
@@ -112,7 +120,7 @@ pub async fn stop(m: Mount) {
 
 #[derive(Args, Debug)]
 pub struct MountCmd {
-    /// Where to mount (an existing directory).
+    /// Where to mount (a directory; made if missing).
     pub mountpoint: PathBuf,
     #[command(flatten)]
     pub opts: MountArgs,
