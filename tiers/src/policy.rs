@@ -31,6 +31,10 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 
+/// Object keys are hashed on every put and drop a node records: foldhash, not SipHash (keys
+/// come from the cluster's own writers; the policy needs speed, not DoS resistance).
+type KeyMap<V> = HashMap<String, V, foldhash::fast::RandomState>;
+
 /// Tiers the policy moves objects between.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Tier {
@@ -183,6 +187,18 @@ impl Bucket {
     }
 }
 
+/// A copy as its holder reports it to [`TierPolicy::sync_held`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    pub tier: Tier,
+    pub size_bytes: u64,
+    /// In object storage.
+    pub persisted: bool,
+    /// Replicas of the object on other nodes.
+    pub replicas_elsewhere: u32,
+    pub pinned: bool,
+}
+
 #[derive(Debug, Clone)]
 struct ObjState {
     tier: Tier,
@@ -212,7 +228,7 @@ pub struct PolicyStats {
 /// The tier policy state machine.
 pub struct TierPolicy {
     cfg: PolicyConfig,
-    objects: HashMap<String, ObjState>,
+    objects: KeyMap<ObjState>,
     sketch: CountMinSketch,
     last_aging_ms: u64,
     demote_bucket: Bucket,
@@ -230,7 +246,7 @@ impl TierPolicy {
             demote_bucket: Bucket::new(cfg.demote_bytes_per_s, cfg.demote_burst_bytes),
             promote_bucket: Bucket::new(cfg.promote_bytes_per_s, cfg.promote_burst_bytes),
             cfg,
-            objects: HashMap::new(),
+            objects: KeyMap::default(),
             last_aging_ms: 0,
             inflight_demote_bytes: 0,
             inflight_promote_bytes: 0,
@@ -268,16 +284,37 @@ impl TierPolicy {
 
     /// An object landed in `tier` (a put, or a re-report after restart).
     pub fn on_stored(&mut self, key: &str, tier: Tier, size_bytes: u64, now_ms: u64) {
+        let held =
+            Held { tier, size_bytes, persisted: false, replicas_elsewhere: 0, pinned: false };
+        self.store(key.to_owned(), held, now_ms);
+    }
+
+    /// What a node knows of a copy it holds, in one call and (when the tier is unchanged) one
+    /// lookup: `on_stored` when `key` is new to the policy or changed tier, then
+    /// `set_durability` and `set_pinned`. The node calls this for every object it records.
+    pub fn sync_held(&mut self, key: &str, held: Held, now_ms: u64) {
+        if let Some(o) = self.objects.get_mut(key)
+            && o.tier == held.tier
+        {
+            o.persisted = held.persisted;
+            o.replicas_elsewhere = held.replicas_elsewhere;
+            o.pinned = held.pinned;
+            return;
+        }
+        self.store(key.to_owned(), held, now_ms);
+    }
+
+    fn store(&mut self, key: String, held: Held, now_ms: u64) {
         self.age_to(now_ms);
         let prev = self.objects.insert(
-            key.to_owned(),
+            key,
             ObjState {
-                tier,
-                size_bytes,
+                tier: held.tier,
+                size_bytes: held.size_bytes,
                 last_access_ms: now_ms,
-                persisted: false,
-                replicas_elsewhere: 0,
-                pinned: false,
+                persisted: held.persisted,
+                replicas_elsewhere: held.replicas_elsewhere,
+                pinned: held.pinned,
                 moving: false,
                 not_before_ms: 0,
             },
@@ -532,6 +569,45 @@ mod tests {
         for a in actions {
             p.on_action_done(a, true);
         }
+    }
+
+    #[test]
+    fn sync_held_matches_stored_then_durability_then_pin() {
+        let held = |tier, persisted, pinned| Held {
+            tier,
+            size_bytes: MB,
+            persisted,
+            replicas_elsewhere: 0,
+            pinned,
+        };
+        let mut a = TierPolicy::new(cfg());
+        let mut b = TierPolicy::new(cfg());
+        // New key: stored with its flags.
+        a.sync_held("k", held(Tier::Dram, true, true), 5);
+        b.on_stored("k", Tier::Dram, MB, 5);
+        b.set_durability("k", true, 0);
+        b.set_pinned("k", true);
+        // Same tier: flags change, the object's access history does not.
+        a.on_access("k", 7);
+        b.on_access("k", 7);
+        a.sync_held("k", held(Tier::Dram, false, false), 9);
+        b.set_durability("k", false, 0);
+        b.set_pinned("k", false);
+        // Another tier: stored afresh.
+        a.sync_held("j", held(Tier::Dram, false, false), 10);
+        b.on_stored("j", Tier::Dram, MB, 10);
+        a.sync_held("j", held(Tier::Nvme, true, false), 11);
+        b.on_stored("j", Tier::Nvme, MB, 11);
+        b.set_durability("j", true, 0);
+        for key in ["k", "j"] {
+            let (x, y) = (&a.objects[key], &b.objects[key]);
+            assert_eq!(
+                (x.tier, x.last_access_ms, x.persisted, x.pinned, x.size_bytes),
+                (y.tier, y.last_access_ms, y.persisted, y.pinned, y.size_bytes),
+                "{key}"
+            );
+        }
+        assert_eq!(a.objects["k"].last_access_ms, 7);
     }
 
     #[test]

@@ -2,8 +2,8 @@
 //! file (with an offset in the NVMe segment the master accounts), and whether the object store
 //! holds it.
 //!
-//! Mechanism: one `HashMap` under a mutex; every change happens under it and no I/O is done
-//! while it is held. The NVMe "offsets" are the node's own: the master accounts NVMe capacity
+//! Mechanism: one `HashMap` (foldhash: every put and drop hashes its key here) under a mutex;
+//! every change happens under it and no I/O is done while it is held. The NVMe "offsets" are the node's own: the master accounts NVMe capacity
 //! with a segment like DRAM's, and the node, the only writer of its NVMe tier, allocates
 //! ranges of that segment for its files ([`Index::nvme_alloc`]). After a restart they are
 //! allocated afresh when the files are re-reported.
@@ -65,7 +65,7 @@ impl Held {
 
 /// The node's objects and its NVMe segment allocator.
 pub struct Index {
-    pub objects: HashMap<String, Held>,
+    pub objects: HashMap<String, Held, foldhash::fast::RandomState>,
     pub nvme_alloc: OffsetAllocator,
     /// Bytes of DRAM copies.
     pub dram_bytes: u64,
@@ -74,7 +74,7 @@ pub struct Index {
 impl Index {
     pub fn new(nvme_region_bytes: u64) -> Index {
         Index {
-            objects: HashMap::new(),
+            objects: HashMap::default(),
             nvme_alloc: OffsetAllocator::new(nvme_region_bytes, 4096),
             dram_bytes: 0,
         }

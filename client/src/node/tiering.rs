@@ -43,7 +43,7 @@ use kvfs_proto::store::{
     CommitItem, DropItem, ErrorCode, ItemResult, LoadItem, MasterRequest, MasterResponse,
     NodeStats, PersistItem, Persistence, ReplicaLoc, ReplicaReport, ReportOutcome, Tier, WireError,
 };
-use kvfs_tiers::policy::{Action, Tier as PTier, TierPolicy, TierUsage};
+use kvfs_tiers::policy::{Action, Held as PHeld, Tier as PTier, TierPolicy, TierUsage};
 use kvfs_tiers::writeback::{WritebackConfig, WritebackEvent, WritebackQueue};
 use kvfs_tiers::{Medium, NvmeMedium, ObjectMeta, ObjectStoreMedium, PutMode, PutOptions};
 use kvfs_transfer::Buffer;
@@ -262,28 +262,35 @@ async fn remove_nvme_version(nvme: &NvmeMedium, key: &str, version: u64) {
     }
 }
 
-impl Inner {
-    fn policy_tier(h: &Held) -> Option<PTier> {
-        match (h.dram, h.nvme) {
-            (Some(_), _) => Some(PTier::Dram),
-            (None, Some(_)) => Some(PTier::Nvme),
-            _ => None,
-        }
-    }
+/// What the policy should know of a copy the index holds; `None` when it names no copy.
+fn policy_facts(h: &Held) -> Option<PHeld> {
+    let tier = match (h.dram, h.nvme) {
+        (Some(_), _) => PTier::Dram,
+        (None, Some(_)) => PTier::Nvme,
+        _ => return None,
+    };
+    Some(PHeld {
+        tier,
+        size_bytes: h.size,
+        persisted: h.persisted,
+        replicas_elsewhere: 0,
+        pinned: h.pin == kvfs_proto::store::Pin::Hard,
+    })
+}
 
+/// Tell the policy where `key` is now (or that it is gone).
+fn sync_policy(p: &mut TierPolicy, key: &str, h: Option<&Held>, now_ms: u64) {
+    match h.and_then(policy_facts) {
+        Some(facts) => p.sync_held(key, facts, now_ms),
+        None => p.on_removed(key),
+    }
+}
+
+impl Inner {
     /// Tell the policy where `key` is now (or that it is gone).
     fn policy_sync(&self, key: &str, h: Option<&Held>) {
-        let mut p = lock(&self.tiers.policy);
-        match h.and_then(|h| Self::policy_tier(h).map(|t| (h, t))) {
-            Some((h, t)) => {
-                if p.tier_of(key) != Some(t) {
-                    p.on_stored(key, t, h.size, self.now_ms());
-                }
-                p.set_durability(key, h.persisted, 0);
-                p.set_pinned(key, h.pin == kvfs_proto::store::Pin::Hard);
-            }
-            None => p.on_removed(key),
-        }
+        let now = self.now_ms();
+        sync_policy(&mut lock(&self.tiers.policy), key, h, now);
     }
 
     /// Index the NVMe objects found at start (they are re-reported at registration).
@@ -331,38 +338,42 @@ impl Inner {
     }
 
     /// `Commit` records: the objects are complete on the master.
+    ///
+    /// The whole batch is recorded under one hold of the index lock and of the policy lock
+    /// (lock order: index, then policy; nothing takes them the other way round), each key
+    /// hashed a few times and copied at most once (for the policy, when new to it).
     pub(super) fn commit(self: &Arc<Self>, items: Vec<CommitItem>) {
         let mut lazy = Vec::new();
         let mut stale_nvme = Vec::new();
-        let mut synced = Vec::new();
+        let now = self.now_ms();
         {
             let mut idx = lock(&self.index);
+            let mut policy = lock(&self.tiers.policy);
             for it in items {
-                let same = idx.objects.get(&it.key).is_some_and(|h| h.version == it.version);
-                if !same
+                if idx.objects.get(&it.key).is_some_and(|h| h.version != it.version)
                     && let Some(old) = idx.remove(&it.key)
                     && old.nvme.is_some()
                 {
                     stale_nvme.push((it.key.clone(), old.version));
                 }
-                let h = idx
-                    .objects
-                    .entry(it.key.clone())
-                    .or_insert_with(|| Held::new(it.size, it.version, it.persistence, it.pin));
+                let (key, mut h) = match idx.objects.remove_entry(&it.key) {
+                    Some(entry) => entry,
+                    None => (it.key, Held::new(it.size, it.version, it.persistence, it.pin)),
+                };
                 h.checksum = h.checksum.or(it.checksum);
                 h.persisted |= it.persistence == Persistence::Eager;
                 let needs_writeback =
                     it.persistence == Persistence::Lazy && !h.persisted && !h.queued;
-                idx.set_dram(&it.key, Some(it.offset));
-                let h = idx.objects.get(&it.key).cloned();
-                if needs_writeback && self.tiers.writeback.is_some() {
-                    lazy.push(it.key.clone());
+                if h.dram.is_none() {
+                    idx.dram_bytes += h.size;
                 }
-                synced.push((it.key, h));
+                h.dram = Some(it.offset);
+                sync_policy(&mut policy, &key, Some(&h), now);
+                if needs_writeback && self.tiers.writeback.is_some() {
+                    lazy.push(key.clone());
+                }
+                idx.objects.insert(key, h);
             }
-        }
-        for (key, h) in &synced {
-            self.policy_sync(key, h.as_ref());
         }
         if let Some(nvme) = self.tiers.nvme.clone().filter(|_| !stale_nvme.is_empty()) {
             tokio::spawn(async move {
@@ -377,12 +388,14 @@ impl Inner {
         }
     }
 
-    /// `Drop` records: the master no longer counts these copies.
+    /// `Drop` records: the master no longer counts these copies. One hold of the index and
+    /// policy locks for the batch, as in `commit`.
     pub(super) fn drop_copies(&self, items: Vec<DropItem>) {
         let mut nvme_files = Vec::new();
-        let mut synced = Vec::new();
+        let now = self.now_ms();
         {
             let mut idx = lock(&self.index);
+            let mut policy = lock(&self.tiers.policy);
             for DropItem { key, segment, offset, .. } in items {
                 let Some(h) = idx.objects.get(&key) else { continue };
                 let version = h.version;
@@ -395,11 +408,8 @@ impl Inner {
                     continue;
                 }
                 idx.remove_if_empty(&key);
-                synced.push((key.clone(), idx.objects.get(&key).cloned()));
+                sync_policy(&mut policy, &key, idx.objects.get(&key), now);
             }
-        }
-        for (key, h) in &synced {
-            self.policy_sync(key, h.as_ref());
         }
         if let Some(nvme) = self.tiers.nvme.clone().filter(|_| !nvme_files.is_empty()) {
             tokio::spawn(async move {

@@ -510,10 +510,15 @@ async fn put_start(
     let mut fx = Vec::new();
     let out = {
         let dir = &mut *state.lock();
-        let by_endpoint: HashMap<String, NodeId> = dir
-            .node_ids()
-            .filter_map(|n| dir.node_endpoint(n).map(|(_, e)| (e.to_string(), n)))
-            .collect();
+        // Only batches that name preferred nodes pay for the endpoint map.
+        let by_endpoint: HashMap<String, NodeId> =
+            if items.iter().any(|it| !it.preferred_endpoints.is_empty()) {
+                dir.node_ids()
+                    .filter_map(|n| dir.node_endpoint(n).map(|(_, e)| (e.to_string(), n)))
+                    .collect()
+            } else {
+                HashMap::new()
+            };
         let reqs: Vec<PutStart> = items
             .into_iter()
             .map(|it| PutStart {
@@ -700,15 +705,20 @@ async fn deliver(state: &Arc<State>, fx: Vec<NodeEffect>, wait: bool) {
             }
         });
     }
-    let all = futures_join_all(calls);
-    if wait {
-        all.await;
-    } else {
-        tokio::spawn(all);
+    if !wait {
+        for c in calls {
+            tokio::spawn(c);
+        }
+        return;
     }
-}
-
-async fn futures_join_all<F: std::future::Future<Output = ()> + Send + 'static>(calls: Vec<F>) {
+    // One node (the common case): its call runs on this task, no spawn and no extra wakeup
+    // between the node's answer and the caller's.
+    if calls.len() == 1 {
+        for c in calls {
+            c.await;
+        }
+        return;
+    }
     let mut set = tokio::task::JoinSet::new();
     for c in calls {
         set.spawn(c);
