@@ -531,6 +531,12 @@ impl Client {
         self.get_batch_staged(keys).await.into_iter().map(|r| r.map(|s| s.to_vec_huge())).collect()
     }
 
+    /// Gets an object into a staging buffer and lends it out (see [`Client::get_batch_staged`]).
+    pub async fn get_staged(&self, key: &str) -> Result<StagedBytes> {
+        let mut r = self.get_batch_staged(&[key]).await;
+        r.pop().unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "get", "no result")))
+    }
+
     /// Gets many objects into staging buffers and lends them out: a binding copies each once,
     /// straight into its own object, instead of through an intermediate `Vec`. Each buffer
     /// goes back to the pool (and its bytes count against `staging_bytes_max`) until dropped.

@@ -235,10 +235,7 @@ impl Filesystem for KvFs {
         let name = name.to_os_string();
         self.spawn(
             move |inner| async move { inner.unlink(parent.0, &name).await },
-            move |r| match r {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(err(e)),
-            },
+            answer_empty(reply),
         );
     }
 
@@ -246,10 +243,7 @@ impl Filesystem for KvFs {
         let name = name.to_os_string();
         self.spawn(
             move |inner| async move { inner.rmdir(parent.0, &name).await },
-            move |r| match r {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(err(e)),
-            },
+            answer_empty(reply),
         );
     }
 
@@ -385,10 +379,7 @@ impl Filesystem for KvFs {
                 }
                 inner.commit(&mut w).await
             },
-            move |r| match r {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(err(e)),
-            },
+            answer_empty(reply),
         );
     }
 
@@ -452,10 +443,7 @@ impl Filesystem for KvFs {
         };
         self.spawn(
             move |inner| async move { inner.commit(&mut *w.lock().await).await },
-            move |r| match r {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(err(e)),
-            },
+            answer_empty(reply),
         );
     }
 
@@ -722,5 +710,13 @@ fn finish_open(inner: &Arc<Inner>, ino: u64, plan: OpenPlan, reply: ReplyOpen) {
                 }
             }
         }
+    }
+}
+
+/// The answer to a request whose success carries nothing.
+fn answer_empty(reply: ReplyEmpty) -> impl FnOnce(Result<(), i32>) + Send + 'static {
+    move |r| match r {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(err(e)),
     }
 }

@@ -341,16 +341,7 @@ impl PyClient {
         let got = raise(
             py,
             runtime::call(py, "get", s.call_timeout, async {
-                let mut v = s.client.get_batch_staged(&[key]).await;
-                v.pop()
-                    .unwrap_or_else(|| {
-                        Err(kvfs_client::Error::new(
-                            kvfs_client::ErrorKind::Internal,
-                            "get",
-                            "no result",
-                        ))
-                    })
-                    .map_err(Failure::from)
+                s.client.get_staged(key).await.map_err(Failure::from)
             }),
         )?;
         Ok(bytes_of(py, &got))

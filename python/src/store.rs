@@ -103,24 +103,6 @@ impl MooncakeCore {
         rc(op, r)
     }
 
-    fn put_one(
-        &self,
-        py: Python<'_>,
-        key: &str,
-        data: &[u8],
-        cfg: Option<Cfg>,
-        upsert: bool,
-    ) -> i64 {
-        let opts = match options(cfg, upsert) {
-            Ok(o) => o,
-            Err(f) => return log_code("put", &f),
-        };
-        let c = self.code_call(py, "put", move |s: Arc<Session>| async move {
-            s.client.put(key, data, &opts).await.map_err(Failure::from)
-        });
-        upsert_rc(upsert, c)
-    }
-
     fn put_parts_inner(
         &self,
         py: Python<'_>,
@@ -270,7 +252,7 @@ impl MooncakeCore {
         upsert: bool,
     ) -> PyResult<i64> {
         let view = View::new(value, false)?;
-        Ok(self.put_one(py, key, view.bytes(), cfg, upsert))
+        Ok(self.put_parts_inner(py, key, &[view.bytes()], cfg, upsert))
     }
 
     #[pyo3(signature = (key, parts, cfg=None, upsert=false))]
@@ -318,16 +300,7 @@ impl MooncakeCore {
     fn get<'py>(&self, py: Python<'py>, key: &str) -> Bound<'py, PyBytes> {
         let r = self.session().and_then(|s| {
             runtime::call(py, "get", s.call_timeout, async {
-                let mut v = s.client.get_batch_staged(&[key]).await;
-                v.pop()
-                    .unwrap_or_else(|| {
-                        Err(kvfs_client::Error::new(
-                            kvfs_client::ErrorKind::Internal,
-                            "get",
-                            "no result",
-                        ))
-                    })
-                    .map_err(Failure::from)
+                s.client.get_staged(key).await.map_err(Failure::from)
             })
         });
         match r {
