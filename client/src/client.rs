@@ -382,10 +382,9 @@ impl Client {
         let mut status: Vec<Result<()>> = vec![Ok(()); granted.len()];
         let mut reqs = Vec::with_capacity(granted.len());
         let mut owner = Vec::with_capacity(granted.len());
-        let mut segments = Segments::default();
         for (gi, (i, g)) in granted.iter().enumerate() {
             for r in &g.replicas {
-                match self.writable_segment(r, &mut segments).await {
+                match self.writable_segment(r).await {
                     Ok(seg) => {
                         reqs.push(TransferRequest {
                             op: TransferOp::Write,
@@ -408,11 +407,7 @@ impl Client {
         status
     }
 
-    async fn writable_segment(
-        &self,
-        r: &ReplicaDesc,
-        segments: &mut Segments,
-    ) -> Result<SegmentHandle> {
+    async fn writable_segment(&self, r: &ReplicaDesc) -> Result<SegmentHandle> {
         if !matches!(r.tier, Tier::Dram | Tier::Hbm) {
             return Err(Error::new(
                 ErrorKind::Internal,
@@ -420,8 +415,9 @@ impl Client {
                 format!("cannot write a {:?} replica directly", r.tier),
             ));
         }
-        segments
-            .open(&self.inner.engine, &r.endpoint)
+        self.inner
+            .engine
+            .open_segment(&r.endpoint)
             .await
             .map_err(|e| Error::from_transfer("put", &e))
     }
@@ -635,11 +631,10 @@ impl Client {
             let mut reqs = Vec::new();
             let mut owners = Vec::new();
             let mut again = Vec::new();
-            let mut segments = Segments::default();
             for mut p in pending {
                 let Some(r) = p.replicas.get(p.next).cloned() else { continue };
                 p.next += 1;
-                match segments.open(&self.inner.engine, &r.endpoint).await {
+                match self.inner.engine.open_segment(&r.endpoint).await {
                     Ok(seg) => {
                         let (addr, size) = (dsts[p.item].0, p.size);
                         reqs.push(TransferRequest {
@@ -835,30 +830,6 @@ impl Client {
             MasterResponse::Stats(s) => Ok(s),
             other => Err(unexpected("stats", &other)),
         }
-    }
-}
-
-/// The segments one batch has opened, by endpoint: a batch names a few nodes many times, and
-/// this spares each item the engine's (async, shared) segment table. A batch is short-lived,
-/// so a segment that dies meanwhile fails its transfers as it would have anyway.
-#[derive(Default)]
-struct Segments(Vec<(String, SegmentHandle)>);
-
-impl Segments {
-    async fn open(
-        &mut self,
-        engine: &Engine,
-        endpoint: &str,
-    ) -> kvfs_transfer::Result<SegmentHandle> {
-        if let Some((_, seg)) = self.0.iter().find(|(e, _)| e == endpoint) {
-            return Ok(seg.clone());
-        }
-        let seg = engine.open_segment(endpoint).await?;
-        // Few distinct nodes per batch; past that, a linear scan costs more than it saves.
-        if self.0.len() < 16 {
-            self.0.push((endpoint.to_string(), seg.clone()));
-        }
-        Ok(seg)
     }
 }
 

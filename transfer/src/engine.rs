@@ -350,7 +350,11 @@ impl Batch {
 struct Inner {
     shared: Arc<Shared>,
     local_addr: SocketAddr,
-    peers: tokio::sync::Mutex<HashMap<String, SegmentHandle>>,
+    /// Opened segments by name; looked up on every transfer's open, so a plain lock.
+    peers: std::sync::Mutex<HashMap<String, SegmentHandle>>,
+    /// Held while a segment is being connected: one handshake at a time, and a task that
+    /// waited for it finds the segment opened instead of connecting again.
+    connecting: tokio::sync::Mutex<()>,
     notify_rx: tokio::sync::Mutex<mpsc::Receiver<Notification>>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -405,7 +409,8 @@ impl Engine {
             inner: Arc::new(Inner {
                 shared,
                 local_addr,
-                peers: tokio::sync::Mutex::new(HashMap::new()),
+                peers: std::sync::Mutex::new(HashMap::new()),
+                connecting: tokio::sync::Mutex::new(()),
                 notify_rx: tokio::sync::Mutex::new(notify_rx),
                 tasks,
             }),
@@ -469,20 +474,30 @@ impl Engine {
 
     /// Opens (or returns the already opened) segment `name`, given as `host:port`.
     pub async fn open_segment(&self, name: &str) -> Result<SegmentHandle> {
-        let mut peers = self.inner.peers.lock().await;
-        if let Some(h) = peers.get(name)
-            && !h.is_dead()
-        {
-            return Ok(h.clone());
+        if let Some(h) = self.opened(name) {
+            return Ok(h);
+        }
+        let _connecting = self.inner.connecting.lock().await;
+        if let Some(h) = self.opened(name) {
+            return Ok(h);
         }
         let handle = self.connect_segment(name).await?;
-        peers.insert(name.to_string(), handle.clone());
+        self.peers().insert(name.to_string(), handle.clone());
         Ok(handle)
     }
 
     /// Forgets an opened segment; the next open performs a fresh handshake.
     pub async fn close_segment(&self, name: &str) {
-        self.inner.peers.lock().await.remove(name);
+        self.peers().remove(name);
+    }
+
+    fn peers(&self) -> std::sync::MutexGuard<'_, HashMap<String, SegmentHandle>> {
+        self.inner.peers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The live segment `name`, if it is open.
+    fn opened(&self, name: &str) -> Option<SegmentHandle> {
+        self.peers().get(name).filter(|h| !h.is_dead()).cloned()
     }
 
     async fn connect_segment(&self, name: &str) -> Result<SegmentHandle> {
