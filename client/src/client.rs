@@ -253,8 +253,11 @@ impl Client {
         let deadline = Instant::now() + Duration::from_millis(self.inner.cfg.retry_budget_ms);
         let mut todo: Vec<usize> = (0..items.len()).collect();
         let mut backoff = Duration::from_millis(5);
+        let mut replacements_left = PUT_REPLACEMENTS_MAX;
         while !todo.is_empty() {
-            let retry = self.put_round(items, &todo, opts, &mut out).await;
+            let replace = replacements_left > 0;
+            let (retry, replaced) = self.put_round(items, &todo, opts, replace, &mut out).await;
+            replacements_left -= u32::from(replaced);
             if retry.is_empty() {
                 break;
             }
@@ -274,14 +277,17 @@ impl Client {
     }
 
     /// One round of puts for the items `todo`; returns the items to retry (another writer's put
-    /// in progress, master recovering) with the error to report if the budget runs out.
+    /// in progress, master recovering, and with `replace` a replica on a segment that turned
+    /// out dead) with the error to report if the budget runs out, and whether any item is
+    /// retried for a dead segment.
     async fn put_round(
         &self,
         items: &[PutFrom<'_>],
         todo: &[usize],
         opts: &PutOptions,
+        replace: bool,
         out: &mut [Option<Result<()>>],
-    ) -> Vec<(usize, Error)> {
+    ) -> (Vec<(usize, Error)>, bool) {
         let starts: Vec<PutStartItem> = todo
             .iter()
             .map(|&i| PutStartItem {
@@ -298,8 +304,8 @@ impl Client {
         let req = MasterRequest::PutStart { client_host: self.inner.host.clone(), items: starts };
         let grants = match self.call("put", &req).await {
             Ok(MasterResponse::PutStart(g)) if g.len() == todo.len() => g,
-            Ok(other) => return fail_all(todo, out, unexpected("put", &other)),
-            Err(e) => return fail_all(todo, out, e),
+            Ok(other) => return (fail_all(todo, out, unexpected("put", &other)), false),
+            Err(e) => return (fail_all(todo, out, e), false),
         };
         let mut retry = Vec::new();
         let mut granted = Vec::new();
@@ -317,16 +323,26 @@ impl Client {
             }
         }
         if granted.is_empty() {
-            return retry;
+            return (retry, false);
         }
         let written = self.write_replicas(items, &granted).await;
         let mut ends = Vec::new();
         let mut revokes = Vec::new();
+        let mut replaced = false;
         for ((i, g), w) in granted.iter().zip(written) {
             match w {
                 Ok(()) => ends.push((*i, g.version)),
-                Err(e) => {
-                    out[*i] = Some(Err(e.with_key(items[*i].key)));
+                Err(Failed { error, dead_segment }) => {
+                    // A replica on a dead segment: the master stops placing there as soon as
+                    // the owner's connection closes, so the same put placed again lands on a
+                    // live node.
+                    let error = error.with_key(items[*i].key);
+                    if replace && dead_segment {
+                        replaced = true;
+                        retry.push((*i, error));
+                    } else {
+                        out[*i] = Some(Err(error));
+                    }
                     revokes.push(items[*i].key.to_string());
                 }
             }
@@ -338,7 +354,7 @@ impl Client {
         if !ends.is_empty() {
             self.put_end(items, &ends, opts.checksum, out).await;
         }
-        retry
+        (retry, replaced)
     }
 
     async fn put_end(
@@ -378,8 +394,8 @@ impl Client {
         &self,
         items: &[PutFrom<'_>],
         granted: &[(usize, PutGrant)],
-    ) -> Vec<Result<()>> {
-        let mut status: Vec<Result<()>> = vec![Ok(()); granted.len()];
+    ) -> Vec<Result<(), Failed>> {
+        let mut status: Vec<Result<(), Failed>> = vec![Ok(()); granted.len()];
         let mut reqs = Vec::with_capacity(granted.len());
         let mut owner = Vec::with_capacity(granted.len());
         for (gi, (i, g)) in granted.iter().enumerate() {
@@ -393,33 +409,50 @@ impl Client {
                             remote_addr: r.addr,
                             len: items[*i].len,
                         });
-                        owner.push(gi);
+                        owner.push((gi, r.endpoint.as_str()));
                     }
                     Err(e) => status[gi] = Err(e),
                 }
             }
         }
-        for (gi, r) in owner.into_iter().zip(self.transfer(reqs).await) {
-            if let (Err(e), Ok(())) = (r, &status[gi]) {
-                status[gi] = Err(Error::from_transfer("put", &e));
+        let results = self.transfer(reqs).await;
+        for ((gi, endpoint), r) in owner.into_iter().zip(results) {
+            let Err(e) = r else { continue };
+            let dead_segment = self.forget_if_dead(endpoint, &e).await;
+            if status[gi].is_ok() {
+                status[gi] = Err(Failed { error: Error::from_transfer("put", &e), dead_segment });
             }
         }
         status
     }
 
-    async fn writable_segment(&self, r: &ReplicaDesc) -> Result<SegmentHandle> {
-        if !matches!(r.tier, Tier::Dram | Tier::Hbm) {
-            return Err(Error::new(
-                ErrorKind::Internal,
-                "put",
-                format!("cannot write a {:?} replica directly", r.tier),
-            ));
+    /// After a failed transfer with `endpoint`: whether the failure says the segment's owner is
+    /// gone (or unreachable) rather than the request being bad, in which case the opened
+    /// segment is forgotten so the next use handshakes afresh (a restarted owner on the same
+    /// address is a new segment).
+    async fn forget_if_dead(&self, endpoint: &str, e: &kvfs_transfer::Error) -> bool {
+        use kvfs_transfer::ErrorKind as T;
+        let dead =
+            matches!(e.kind(), T::PeerGone | T::UnknownSegment | T::Refused | T::Timeout | T::Io);
+        if dead {
+            self.inner.engine.close_segment(endpoint).await;
         }
-        self.inner
-            .engine
-            .open_segment(&r.endpoint)
-            .await
-            .map_err(|e| Error::from_transfer("put", &e))
+        dead
+    }
+
+    async fn writable_segment(&self, r: &ReplicaDesc) -> Result<SegmentHandle, Failed> {
+        if !matches!(r.tier, Tier::Dram | Tier::Hbm) {
+            let detail = format!("cannot write a {:?} replica directly", r.tier);
+            let error = Error::new(ErrorKind::Internal, "put", detail);
+            return Err(Failed { error, dead_segment: false });
+        }
+        match self.inner.engine.open_segment(&r.endpoint).await {
+            Ok(seg) => Ok(seg),
+            Err(e) => {
+                let dead_segment = self.forget_if_dead(&r.endpoint, &e).await;
+                Err(Failed { error: Error::from_transfer("put", &e), dead_segment })
+            }
+        }
     }
 
     /// Runs transfer requests in engine-sized batches; one result per request, in order.
@@ -647,6 +680,7 @@ impl Client {
                         owners.push((p, r.endpoint));
                     }
                     Err(e) => {
+                        self.forget_if_dead(&r.endpoint, &e).await;
                         out[p.item] = Err(Error::from_transfer("get", &e));
                         again.push(p);
                     }
@@ -657,10 +691,11 @@ impl Client {
             self.track(&load, true);
             let results = self.transfer(reqs).await;
             self.track(&load, false);
-            for ((p, _), r) in owners.into_iter().zip(results) {
+            for ((p, endpoint), r) in owners.into_iter().zip(results) {
                 match r {
                     Ok(()) => out[p.item] = Ok(p.size),
                     Err(e) => {
+                        self.forget_if_dead(&endpoint, &e).await;
                         // A bad local range fails the same way on every replica.
                         let local = matches!(
                             e.kind(),
@@ -834,6 +869,17 @@ impl Client {
 }
 
 /// Most objects, and most bytes, in one chunk of a pipelined batch.
+/// Rounds in which a put whose replica sat on a dead segment is placed again (each round
+/// re-places every such item of the chunk at once).
+const PUT_REPLACEMENTS_MAX: u32 = 3;
+
+/// A replica write that failed, and whether its segment's owner is gone.
+#[derive(Clone)]
+struct Failed {
+    error: Error,
+    dead_segment: bool,
+}
+
 const CHUNK_ITEMS_MAX: usize = 64;
 const CHUNK_BYTES_MAX: u64 = 8 << 20;
 

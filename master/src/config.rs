@@ -19,6 +19,9 @@ pub struct Config {
     pub lease_ttl_ms: u64,
     /// A node silent for longer is removed by `expire`.
     pub node_ttl_ms: u64,
+    /// A node whose control connection closed gets no new replicas at once and is removed
+    /// after this grace unless it registers again (a live node reconnects within its backoff).
+    pub disconnect_grace_ms: u64,
     /// Replicas dropped at most per eviction pass (`evict`, or one make-room round of a put).
     pub evict_round_objects_max: usize,
     /// Replicas looked at (skipping leased ones) at most per eviction pass.
@@ -49,6 +52,7 @@ impl Default for Config {
             put_timeout_ms: 30_000,
             lease_ttl_ms: 10_000,
             node_ttl_ms: 10_000,
+            disconnect_grace_ms: 2_000,
             evict_round_objects_max: 1024,
             evict_round_scan_max: 8192,
             put_evict_rounds_max: 3,

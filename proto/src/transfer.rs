@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 /// Version of the Transfer Engine protocol; peers with a different version are refused.
 /// Version 2 added the rdma fields of [`Hello`] and [`Welcome`].
-pub const TE_PROTOCOL_VERSION: u32 = 3;
+pub const TE_PROTOCOL_VERSION: u32 = 4;
 
 /// Largest handshake frame accepted.
 pub const HANDSHAKE_FRAME_MAX: usize = 1 << 20;
@@ -60,6 +60,9 @@ pub struct Welcome {
     pub rdma: bool,
     /// The answer to a [`Hello`] carrying [`RdmaHello`] (unless refused).
     pub rdma_endpoint: Option<RdmaWelcome>,
+    /// Start of the lowest remotely accessible region the engine had registered when it
+    /// answered (0: none), the reference's `get_first_buffer_address`.
+    pub first_buffer_addr: u64,
 }
 
 /// Length of an encoded `kvfs_rdma::EndpointInfo` (version 1).
@@ -402,6 +405,7 @@ mod tests {
             refused: None,
             rdma: true,
             rdma_endpoint: None,
+            first_buffer_addr: 0x7f00_0000_0000,
         };
         assert_eq!(round_trip(&welcome), welcome);
         welcome.rdma_endpoint =
@@ -427,6 +431,7 @@ mod tests {
             refused: None,
             rdma: true,
             rdma_endpoint: Some(RdmaWelcome { endpoint: vec![0xff; 40], regions: chunk }),
+            first_buffer_addr: u64::MAX,
         };
         let frame = crate::encode_frame(&welcome).unwrap();
         assert!(frame.len() - 4 <= HANDSHAKE_FRAME_MAX, "{} bytes", frame.len());

@@ -308,3 +308,32 @@ async fn listing_pages_and_directories() {
     let exists = c.exists_batch(&keys).await;
     assert!(exists.iter().all(|r| *r.as_ref().unwrap()));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn puts_right_after_a_node_is_killed_all_land_on_live_nodes() {
+    let mut cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client().await;
+    // Warm connections to every node, so the client holds a handle of the one that dies.
+    for i in 0..30 {
+        c.put(&format!("warm/{i}"), &content(i, 4096), &opts()).await.unwrap();
+    }
+    cluster.kill_node(0);
+    // At once, well inside the node TTL: no put may fail or be lost because of the dead
+    // segment (the master stops placing there when the node's connection closes, and a put
+    // that was already placed there is placed again).
+    let vals: Vec<Vec<u8>> = (0..200).map(|i| content(500 + i, 10_000 + i as usize)).collect();
+    let keys: Vec<String> = (0..200).map(|i| format!("after/{i}")).collect();
+    let items: Vec<(&str, &[u8])> =
+        keys.iter().map(|k| k.as_str()).zip(vals.iter().map(|v| v.as_slice())).collect();
+    for (k, r) in keys.iter().zip(c.put_batch(&items, &opts()).await) {
+        r.unwrap_or_else(|e| panic!("{k}: {e}"));
+    }
+    for i in 0..50 {
+        c.put(&format!("single/{i}"), &content(i, 3000), &opts()).await.unwrap();
+    }
+    for (k, v) in keys.iter().zip(&vals) {
+        assert_eq!(&c.get(k).await.unwrap(), v, "{k}");
+        assert_eq!(c.stat(k).await.unwrap().replicas.len(), 1);
+    }
+    cluster.wait_nodes(2).await;
+}

@@ -99,6 +99,8 @@ enum PeerKind {
 struct Peer {
     name: String,
     kind: PeerKind,
+    /// The peer's lowest remote region when the segment was opened (0: none).
+    first_buffer_addr: u64,
 }
 
 /// An opened segment: cheap to clone, usable in any number of batches.
@@ -109,6 +111,15 @@ impl SegmentHandle {
     /// The segment's name, as the peer itself reports it.
     pub fn name(&self) -> &str {
         &self.0.name
+    }
+
+    /// Start of the lowest region the peer had registered as remotely accessible when the
+    /// segment was opened (0: none); for the engine's own segment, the current one.
+    pub fn first_buffer_addr(&self, engine: &Engine) -> u64 {
+        match self.0.kind {
+            PeerKind::Local => engine.inner.shared.registry.first_remote_addr(),
+            PeerKind::Remote { .. } => self.0.first_buffer_addr,
+        }
     }
 
     /// Whether the peer is known to be gone (its shm liveness watch closed).
@@ -467,6 +478,11 @@ impl Engine {
         self.inner.shared.registry.insert(Region { addr, len, remote, mr, buffer: None })
     }
 
+    /// Whether `[addr, addr+len)` lies inside one region registered with this engine.
+    pub fn is_registered(&self, addr: u64, len: u64) -> bool {
+        self.inner.shared.registry.find(addr, len).is_some()
+    }
+
     /// Unregisters the region starting at `addr`.
     pub fn unregister(&self, addr: u64) -> Result<()> {
         self.inner.shared.registry.remove(addr).map(|_| ())
@@ -506,6 +522,7 @@ impl Engine {
             return Ok(SegmentHandle(Arc::new(Peer {
                 name: name.to_string(),
                 kind: PeerKind::Local,
+                first_buffer_addr: 0,
             })));
         }
         let addr = resolve(name).await?;
@@ -553,7 +570,8 @@ impl Engine {
             "segment opened"
         );
         let kind = PeerKind::Remote { tcp, shm, rdma };
-        Ok(SegmentHandle(Arc::new(Peer { name: info.name, kind })))
+        let first_buffer_addr = info.first_buffer_addr;
+        Ok(SegmentHandle(Arc::new(Peer { name: info.name, kind, first_buffer_addr })))
     }
 
     /// Submits a batch; items run concurrently and report individually.

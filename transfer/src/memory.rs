@@ -398,6 +398,12 @@ impl Registry {
         (chunk, it.next().is_some())
     }
 
+    /// Start of the lowest remotely accessible region (0: none).
+    pub fn first_remote_addr(&self) -> u64 {
+        let map = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        map.values().find(|r| r.remote).map_or(0, |r| r.addr)
+    }
+
     /// Every remotely accessible region backed by a shareable buffer.
     pub fn shareable(&self) -> Vec<Arc<Buffer>> {
         let map = self.regions.read().unwrap_or_else(|e| e.into_inner());

@@ -226,6 +226,8 @@ pub(crate) async fn serve_control(mut stream: TcpStream, shared: Arc<Shared>, he
         refused,
         rdma: true,
         rdma_endpoint,
+
+        first_buffer_addr: shared.registry.first_remote_addr(),
     };
     let timeout = shared.cfg.connect_timeout();
     let sent = tokio::time::timeout(timeout, write_msg(&mut stream, &welcome)).await;

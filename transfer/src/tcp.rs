@@ -170,6 +170,8 @@ pub(crate) struct PeerInfo {
     /// The peer serves rdma control connections.
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub rdma: bool,
+    /// The peer's lowest remote region when it answered (0: none).
+    pub first_buffer_addr: u64,
 }
 
 /// Connects and performs the handshake, within the connect timeout.
@@ -553,6 +555,7 @@ impl TcpPeer {
             instance: welcome.instance,
             shm_socket: welcome.shm_socket,
             rdma: welcome.rdma,
+            first_buffer_addr: welcome.first_buffer_addr,
         };
         let n = shared.cfg.tcp_conns_per_peer;
         let first = start_conn(stream, &shared)?;
@@ -799,6 +802,8 @@ pub(crate) async fn serve_conn(mut stream: TcpStream, shared: Arc<Shared>) {
         refused: refused.clone(),
         rdma: shared.rdma.is_some(),
         rdma_endpoint: None,
+
+        first_buffer_addr: shared.registry.first_remote_addr(),
     };
     if write_msg(&mut stream, &welcome).await.is_err() || refused.is_some() {
         return;

@@ -143,6 +143,8 @@ struct Node {
     /// Segment ids, in registration order.
     segs: Vec<NonZeroU32>,
     last_seen_ms: u64,
+    /// When its control connection closed; such a node gets no new replicas.
+    disconnected_ms: Option<u64>,
 }
 
 #[derive(Debug)]

@@ -20,7 +20,10 @@
 //!
 //! Expiry: a node silent for more than `node_ttl_ms` loses its segments; replicas there are
 //! dropped (no effects: the node is gone); objects left without any replica are gone; pending
-//! puts lose their ranges there (and are revoked if none are left).
+//! puts lose their ranges there (and are revoked if none are left). A node whose control
+//! connection closed is no longer placed on at once and goes the same way after
+//! `disconnect_grace_ms`, unless it registers again first: a process killed with SIGKILL costs
+//! writers at most the one batch that was already placed there.
 //!
 //! Not handled: graceful drain (moving replicas off a leaving node); adopting objects that
 //! only the object store holds (the tier manager re-adds them with `add_replica` on a live
@@ -55,6 +58,7 @@ impl Directory {
             endpoint: reg.endpoint.clone(),
             segs,
             last_seen_ms: now_ms,
+            disconnected_ms: None,
         };
         self.nodes.insert(reg.node, node);
         for held in &reg.held {
@@ -77,16 +81,36 @@ impl Directory {
         }
     }
 
-    /// Remove every node silent for more than `node_ttl_ms`, in node id order.
+    /// Remove every node silent for more than `node_ttl_ms`, and every node whose control
+    /// connection closed more than `disconnect_grace_ms` ago, in node id order.
     pub fn expire(&mut self, now_ms: u64) -> NodeLoss {
         let ttl = self.cfg.node_ttl_ms;
+        let grace = self.cfg.disconnect_grace_ms.min(ttl);
         let dead: Vec<NodeId> = self
             .nodes
             .iter()
-            .filter(|(_, n)| now_ms.saturating_sub(n.last_seen_ms) > ttl)
+            .filter(|(_, n)| {
+                now_ms.saturating_sub(n.last_seen_ms) > ttl
+                    || n.disconnected_ms.is_some_and(|t| now_ms.saturating_sub(t) > grace)
+            })
             .map(|(&id, _)| id)
             .collect();
         self.remove_nodes(dead)
+    }
+
+    /// The node's control connection closed: from now on no replica is placed on it, and it
+    /// is removed after `disconnect_grace_ms` unless it registers again (which clears this).
+    /// Its complete objects stay readable meanwhile (a node that lives reconnects and reports
+    /// them; readers of a dead one fall back to other replicas). Unknown nodes are ignored.
+    pub fn node_disconnected(&mut self, node: NodeId, now_ms: u64) {
+        if let Some(n) = self.nodes.get_mut(&node) {
+            n.disconnected_ms.get_or_insert(now_ms);
+        }
+    }
+
+    /// Whether new replicas may be placed on the node.
+    pub(super) fn placeable(&self, node: NodeId) -> bool {
+        self.nodes.get(&node).is_some_and(|n| n.disconnected_ms.is_none())
     }
 
     /// A node leaves on purpose; same consequences as expiry.

@@ -10,7 +10,8 @@
 //! 4. every strategy: a cyclic scan of the tier's segments from a seeded random start
 //!    (Mooncake's `random` strategy), so a put fails only when no segment has room.
 //!
-//! Policy: replicas always on distinct nodes; best effort (fewer nodes than replicas gives
+//! Policy: replicas always on distinct nodes, never on a node whose control connection closed
+//! (`node_disconnected`); best effort (fewer nodes than replicas gives
 //! fewer replicas). When fewer were placed than there are usable nodes, up to
 //! `put_evict_rounds_max` make-room rounds evict LRU replicas from the segments with the most
 //! free bytes (those closest to holding the object) and placement is retried.
@@ -106,7 +107,7 @@ impl Directory {
             return;
         }
         let node = self.segment(seg).node;
-        if chosen.iter().any(|&(s, _)| self.segment(s).node == node) {
+        if !self.placeable(node) || chosen.iter().any(|&(s, _)| self.segment(s).node == node) {
             return;
         }
         let alloc = &mut self.segment_mut(seg).alloc;
@@ -129,8 +130,11 @@ impl Directory {
 
     /// Distinct nodes with a segment in the request's tier, counting those already chosen.
     fn usable_nodes(&self, req: &PutStart, chosen: &[(NonZeroU32, u64)]) -> usize {
-        let mut nodes: Vec<NodeId> =
-            self.tier_segs[req.tier.index()].iter().map(|&s| self.segment(s).node).collect();
+        let mut nodes: Vec<NodeId> = self.tier_segs[req.tier.index()]
+            .iter()
+            .map(|&s| self.segment(s).node)
+            .filter(|&n| self.placeable(n))
+            .collect();
         nodes.sort_unstable();
         nodes.dedup();
         nodes.len().max(chosen.len())
@@ -151,7 +155,9 @@ impl Directory {
         let mut segs: Vec<NonZeroU32> = self.tier_segs[req.tier.index()]
             .iter()
             .copied()
-            .filter(|&s| !taken.contains(&self.segment(s).node))
+            .filter(|&s| {
+                !taken.contains(&self.segment(s).node) && self.placeable(self.segment(s).node)
+            })
             .collect();
         segs.sort_by_key(|&s| (std::cmp::Reverse(self.segment(s).alloc.free_bytes()), s));
         let mut budget = Budget::new(&self.cfg);

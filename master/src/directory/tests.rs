@@ -790,3 +790,40 @@ fn stats_count_tiers_and_metadata_per_object() {
     assert!(s.metadata_bytes_per_object < 300.0, "{} bytes/object", s.metadata_bytes_per_object);
     assert!(s.metadata_bytes_per_object > 150.0, "{} bytes/object", s.metadata_bytes_per_object);
 }
+
+#[test]
+fn a_disconnected_node_gets_no_replicas_and_goes_after_its_grace() {
+    let c = Config { node_ttl_ms: 10_000, disconnect_grace_ms: 2_000, ..cfg() };
+    let mut d = cluster_with(c, 2, 64 * MIB);
+    let mut on2 = PutStart::new("on2", MIB);
+    on2.preferred_segments = vec![SegmentRef { node: NodeId(2), index: 0 }];
+    put_with(&mut d, &on2, 0).unwrap();
+    d.node_disconnected(NodeId(2), 100);
+    d.node_disconnected(NodeId(99), 100); // unknown: ignored
+    for i in 0..200 {
+        let mut req = PutStart::new(key(i), MIB / 4);
+        req.replicas = 2;
+        if i % 2 == 0 {
+            req.preferred_segments = vec![SegmentRef { node: NodeId(2), index: 0 }];
+        }
+        put_with(&mut d, &req, 100 + i).unwrap();
+        assert_eq!(nodes_of(&d.stat(&key(i)).unwrap()), vec![NodeId(1)], "never on node 2");
+    }
+    assert_eq!(nodes_of(&d.stat("on2").unwrap()), vec![NodeId(2)], "still readable in the grace");
+    assert_eq!(d.expire(2_100).nodes, vec![], "exactly at the grace");
+    let loss = d.expire(2_101);
+    assert_eq!(loss.nodes, vec![NodeId(2)]);
+    assert_eq!(loss.lost_keys.iter().map(|k| k.to_string()).collect::<Vec<_>>(), vec!["on2"]);
+
+    // A node that registers again within its grace is placed on again and is not removed.
+    let mut d = cluster_with(Config { disconnect_grace_ms: 2_000, ..cfg() }, 2, 64 * MIB);
+    d.node_disconnected(NodeId(2), 0);
+    let r = reg(2, "host2", vec![seg(0, Tier::Dram, 64 * MIB)]);
+    d.register_node(&r, 500, &mut Vec::new()).unwrap();
+    assert_eq!(d.expire(5_000).nodes, vec![]);
+    let mut req = PutStart::new("back", MIB);
+    req.preferred_segments = vec![SegmentRef { node: NodeId(2), index: 0 }];
+    put_with(&mut d, &req, 5_000).unwrap();
+    assert_eq!(nodes_of(&d.stat("back").unwrap()), vec![NodeId(2)]);
+    d.verify().unwrap();
+}

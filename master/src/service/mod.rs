@@ -599,12 +599,19 @@ async fn register(
             .fetch_max(state.started_ms + state.cfg.recovery_grace_ms, Ordering::AcqRel);
     }
     let mut fx = Vec::new();
-    let r = state.lock().register_node(&convert::registration(&reg), now, &mut fx);
+    // The directory and the connection map change under one hold of the nodes lock (taken
+    // before the directory's, as in `watch_node`), so the close of a previous connection can
+    // never mark this registration disconnected.
+    let (r, previous) = {
+        let mut nodes = state.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        let r = state.lock().register_node(&convert::registration(&reg), now, &mut fx);
+        let previous = if r.is_ok() { nodes.insert(node, conn.clone()) } else { None };
+        (r, previous)
+    };
     let reg = match r {
         Ok(reg) => reg,
         Err(e) => return MasterResponse::Registered(Err(convert::error(&e))),
     };
-    let previous = state.nodes.lock().unwrap_or_else(|e| e.into_inner()).insert(node, conn.clone());
     if let Some(prev) = previous.filter(|p| !p.is_closed() && p.peer() != conn.peer()) {
         prev.close();
     }
@@ -623,8 +630,8 @@ async fn register(
     }))
 }
 
-/// Forgets a node's connection when it closes (the node itself expires by its TTL unless it
-/// reconnects and registers again).
+/// Forgets a node's connection when it closes and stops placing on the node at once (it is
+/// removed after the disconnect grace unless it reconnects and registers again).
 fn watch_node(state: &Arc<State>, node: u64, conn: RpcConn) {
     let state = Arc::downgrade(state);
     tokio::spawn(async move {
@@ -633,6 +640,10 @@ fn watch_node(state: &Arc<State>, node: u64, conn: RpcConn) {
         let mut nodes = state.nodes.lock().unwrap_or_else(|e| e.into_inner());
         if nodes.get(&node).is_some_and(|c| c.peer() == conn.peer()) {
             nodes.remove(&node);
+            // Still under the nodes lock, so a registration on a new connection cannot slip
+            // in between and be marked disconnected.
+            state.lock().node_disconnected(NodeId(node), now_ms());
+            tracing::info!(node, endpoint = %conn.peer(), "node connection closed; no new replicas there");
         }
     });
 }

@@ -35,6 +35,10 @@ pub struct MasterArgs {
     /// A node silent for longer loses its segments (objects only there are gone).
     #[arg(long, default_value_t = 10_000)]
     pub node_ttl_ms: u64,
+    /// A node whose control connection closed (its process died, or the network broke) gets
+    /// no new replicas at once, and loses its segments after this unless it reconnects.
+    #[arg(long, default_value_t = 2_000)]
+    pub disconnect_grace_ms: u64,
     /// Heartbeat period nodes are asked to keep.
     #[arg(long, default_value_t = 1_000)]
     pub heartbeat_ms: u64,
@@ -192,6 +196,7 @@ impl MasterArgs {
         let d = &mut cfg.directory;
         d.lease_ttl_ms = self.lease_ttl_ms;
         d.node_ttl_ms = self.node_ttl_ms;
+        d.disconnect_grace_ms = self.disconnect_grace_ms;
         d.put_timeout_ms = self.put_timeout_ms;
         d.evict_high_watermark = self.eviction_high_watermark;
         d.evict_low_watermark = self.eviction_low_watermark;
