@@ -11,10 +11,14 @@
 //! memory reaches the engine only through buffer exports held for the call or registration
 //! ([`memory`]) or through raw addresses the caller vouches for, as in the reference API.
 //!
-//! Not handled here: the reference's tensor, session, multi-buffer, replica-task and segment
-//! management calls (docs/mooncake-compat.md lists them), and CUDA memory.
+//! A third face, `TransferEngine` (`engine`), is the reference's `mooncake.engine` on the
+//! kvfs Transfer Engine: raw reads and writes between processes' registered memory.
+//!
+//! Not handled here: the reference's session, replica-task and segment management calls
+//! (docs/mooncake-compat.md lists them), and CUDA memory.
 
 mod client;
+mod engine;
 mod errors;
 mod memory;
 mod runtime;
@@ -39,6 +43,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<client::PyClient>()?;
     m.add_class::<store::MooncakeCore>()?;
     m.add_class::<memory::BufferHandle>()?;
+    m.add_class::<engine::TransferEngine>()?;
+    m.add_class::<engine::TransferNotify>()?;
     let py = m.py();
     let codes = PyDict::new(py);
     for &(name, value) in errors::code::ALL {
