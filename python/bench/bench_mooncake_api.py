@@ -7,6 +7,12 @@ zero-copy ``batch_put_from``/``batch_get_into`` into registered numpy buffers, f
 (``global_segment_size=0``), and a ``kvfs node`` process holds the data (plus a ``kvfs master``
 process for metadata).
 
+The Transfer Engine calls a P/D connector makes (``mooncake.engine.TransferEngine``
+``batch_transfer_sync_write``/``read``) run between this process and a second Python process
+holding a registered numpy buffer: transport ``tcp`` is memory registered by address (what
+vLLM registers: its KV cache), ``shm`` is managed buffers (``allocate_managed_buffer``) on both
+sides; each batch moves ``--batch-bytes`` in items of the given size.
+
 Limits measured in the same run:
 * raw loopback TCP: plain Python sockets between this process and a child process, one stream
   and four (threads), the better of the two, measured before and after the kvfs figures (the
@@ -321,6 +327,75 @@ def run_transport(cluster, transport, sizes, args, limits, emit):
         store.close()
 
 
+_TE_TARGET = r"""
+import json, sys
+import numpy as np
+from mooncake.engine import TransferEngine
+size, managed = int(sys.argv[1]), sys.argv[2] == "managed"
+te = TransferEngine()
+assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+if managed:
+    addr = te.allocate_managed_buffer(size)
+else:
+    buf = np.ones(size, dtype=np.uint8)
+    addr = buf.ctypes.data
+    assert te.register_memory(addr, size) == 0
+print(json.dumps({"name": f"127.0.0.1:{te.get_rpc_port()}", "addr": addr}), flush=True)
+sys.stdin.read()
+"""
+
+
+def run_te(transport, sizes, args, emit, limit, limit_gbps):
+    """TransferEngine batch writes and reads between this process and a target process."""
+    from mooncake.engine import TransferEngine
+
+    managed = transport == "shm"
+    size_all = args.batch_bytes
+    child = subprocess.Popen(
+        [sys.executable, "-c", _TE_TARGET, str(size_all), "managed" if managed else "raw"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        info = json.loads(child.stdout.readline())
+        te = TransferEngine()
+        check(te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), "te initialize")
+        if managed:
+            src = te.allocate_managed_buffer(size_all)
+            dst = te.allocate_managed_buffer(size_all)
+            pattern = np.random.default_rng(2).integers(0, 255, size_all, dtype=np.uint8).tobytes()
+            check(te.write_bytes_to_buffer(src, pattern, size_all), "write_bytes_to_buffer")
+            te.write_bytes_to_buffer(dst, b"\1" * size_all, size_all)
+        else:
+            a = np.random.default_rng(2).integers(0, 255, size_all, dtype=np.uint8)
+            b = np.ones_like(a)
+            src, dst = a.ctypes.data, b.ctypes.data
+            check(te.register_memory(src, size_all), "te register_memory")
+            check(te.register_memory(dst, size_all), "te register_memory")
+        for size in sizes:
+            n = max(1, size_all // size)
+            offs = [i * size for i in range(n)]
+            peer = [info["addr"] + o for o in offs]
+            lens = [size] * n
+
+            def write():
+                check(te.batch_transfer_sync_write(info["name"], [src + o for o in offs], peer, lens), "te write")
+
+            def read():
+                check(te.batch_transfer_sync_read(info["name"], [dst + o for o in offs], peer, lens), "te read")
+
+            t = timed(write, args.min_s)
+            emit(figure("te_batch_write", transport, size, n * size, n, t, limit, limit_gbps))
+            t = timed(read, args.min_s)
+            got = te.read_bytes_from_buffer(dst, n * size) if managed else b[: n * size].tobytes()
+            want = te.read_bytes_from_buffer(src, n * size) if managed else a[: n * size].tobytes()
+            if got != want:
+                raise RuntimeError("TransferEngine read back wrong bytes")
+            emit(figure("te_batch_read", transport, size, n * size, n, t, limit, limit_gbps))
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="64K,1M,16M,64M", help="object sizes (K/M/G binary)")
@@ -331,6 +406,8 @@ def main():
     ap.add_argument("--node-bytes", default="1G", help="DRAM of the node process")
     ap.add_argument("--json", action="store_true", help="one JSON object per figure")
     ap.add_argument("--kvfs-bin", default=None)
+    ap.add_argument("--no-te", action="store_true", help="skip the TransferEngine figures")
+    ap.add_argument("--no-store", action="store_true", help="skip the store figures")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     args.batch_bytes = max(parse_size(args.batch_bytes), max(sizes))
@@ -348,8 +425,12 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(kvfs_bin(args.kvfs_bin), parse_size(args.node_bytes), tmp)
         try:
+            limits = {"tcp": ("tcp", 1.0), "shm": ("memcpy", copy_limit)}
             for t in transports:
-                run_transport(cluster, t, sizes, args, {"tcp": ("tcp", 1.0), "shm": ("memcpy", copy_limit)}, rows.append)
+                if not args.no_store:
+                    run_transport(cluster, t, sizes, args, limits, rows.append)
+                if not args.no_te:
+                    run_te(t, sizes, args, rows.append, *limits[t])
         finally:
             cluster.stop()
     one_after, four_after = tcp_limits()

@@ -841,8 +841,8 @@ mod tests {
         let n = TransferNotify { name: "decode-0".into(), msg: "req-17 done".into() };
         let back = decode_notify("x:1", &encode_notify(&n));
         assert_eq!((back.name.as_str(), back.msg.as_str()), ("decode-0", "req-17 done"));
-        let raw = decode_notify("10.0.0.1:15001", &[0xff, 0xff, 0xff, 0x7f, b'a']);
-        assert_eq!((raw.name.as_str(), raw.msg.len()), ("10.0.0.1:15001", 5));
+        let raw = decode_notify("10.0.0.1:15001", b"\x09\0\0\0ab");
+        assert_eq!((raw.name.as_str(), raw.msg.as_str()), ("10.0.0.1:15001", "\t\0\0\0ab"));
     }
 
     #[test]

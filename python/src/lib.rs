@@ -14,8 +14,9 @@
 //! A third face, `TransferEngine` (`engine`), is the reference's `mooncake.engine` on the
 //! kvfs Transfer Engine: raw reads and writes between processes' registered memory.
 //!
-//! Not handled here: the reference's session, replica-task and segment management calls
-//! (docs/mooncake-compat.md lists them), and CUDA memory.
+//! Tensor calls are pure Python over `MooncakeCore` (`py/kvfs/_tensor.py`, the reference's
+//! 304-byte tensor header). Not handled here: the reference's session, replica-task and
+//! segment management calls (docs/mooncake-compat.md lists them), and CUDA memory.
 
 mod client;
 mod engine;

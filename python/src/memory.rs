@@ -12,12 +12,21 @@
 //! so dropping one anywhere is safe); its bytes are read or written with the GIL released only
 //! while the `View` itself is alive on the calling thread's stack.
 //!
+//! Host memory for the caller ([`host_alloc`], the reference's `MooncakeHostMemAllocator`): a
+//! memfd-backed shared mapping (huge pages with `MC_STORE_USE_HUGEPAGE`, as the reference),
+//! faulted in at allocation, recorded in a process-wide table until [`host_free`]. The caller
+//! registers it for the zero-copy calls like any other memory.
+//!
 //! Not handled: strided or non-contiguous arrays are refused (`BufferError` from the exporter);
-//! device memory is not reachable (HBM is the tiers crate's business).
+//! device memory is not reachable (HBM is the tiers crate's business); freeing host memory that
+//! is still registered is the caller's error, as with the reference.
 
+use std::collections::HashMap;
 use std::os::raw::c_int;
+use std::sync::Mutex;
 
 use kvfs_client::StagedBytes;
+use kvfs_transfer::{Buffer, BufferOptions};
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -72,7 +81,9 @@ impl View {
 
 impl Drop for View {
     fn drop(&mut self) {
-        Python::attach(|_py| {
+        // An interpreter that is shutting down cannot be attached to: the export is then left
+        // to the process's end (releasing it needs the interpreter).
+        let _ = Python::try_attach(|_py| {
             // SAFETY: raw was filled by a successful PyObject_GetBuffer and is released once.
             unsafe { ffi::PyBuffer_Release(&mut *self.raw) }
         });
@@ -172,4 +183,61 @@ impl BufferHandle {
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// Host memory handed out by [`host_alloc`], by address.
+static HOST_MEMORY: Mutex<Option<HashMap<u64, Buffer>>> = Mutex::new(None);
+
+/// Allocates `size` bytes of shared host memory (memfd, every page faulted in) and returns its
+/// address; it stays mapped until [`host_free`].
+pub fn host_alloc(size: u64) -> Result<u64, String> {
+    let len = usize::try_from(size).map_err(|_| format!("cannot allocate {size} bytes"))?;
+    if len == 0 {
+        return Err("cannot allocate 0 bytes of shared memory".into());
+    }
+    let opts = BufferOptions {
+        huge_pages: std::env::var_os("MC_STORE_USE_HUGEPAGE").is_some(),
+        populate: true,
+        name: "kvfs-host-mem".into(),
+        shareable: true,
+    };
+    let buf = Buffer::new(len, &opts)
+        .map_err(|e| format!("cannot allocate {size} bytes of shared memory: {e}"))?;
+    let addr = buf.addr();
+    HOST_MEMORY.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_default().insert(addr, buf);
+    Ok(addr)
+}
+
+/// Unmaps memory from [`host_alloc`]: 0, or -1 for an address it did not hand out.
+pub fn host_free(addr: u64) -> i64 {
+    let taken = HOST_MEMORY
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_mut()
+        .and_then(|m| m.remove(&addr));
+    match taken {
+        Some(buf) => {
+            drop(buf);
+            0
+        }
+        None => -1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_memory_is_usable_until_freed_once() {
+        let addr = host_alloc(10_000).unwrap();
+        // SAFETY: host_alloc mapped at least 10 000 writable bytes at addr, freed below.
+        let mem = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, 10_000) };
+        assert!(mem.iter().all(|&b| b == 0));
+        mem[9_999] = 7;
+        assert_eq!(mem[9_999], 7);
+        assert_eq!(host_free(addr), 0);
+        assert_eq!(host_free(addr), -1);
+        assert!(host_alloc(0).is_err());
+    }
 }

@@ -12,8 +12,18 @@
 //!
 //! Closing shuts the node down cleanly (the master forgets its segment, and the objects stored
 //! only there disappear, as the reference's `close` unmounts) and drops the client.
+//!
+//! A session dropped without `close` (a garbage-collected store, an interpreter exiting) still
+//! leaves: its `Drop` unregisters the embedded node within [`LEAVE_TIMEOUT`] on the process's
+//! runtime (waiting for it where the dropping thread may block, in the background where it is
+//! itself inside the runtime), so the master stops placing on the segment at once instead of
+//! after the node TTL, as the reference's destructor and atexit handler unmount it. Past the
+//! limit the node is dropped anyway and expires on the master. A session inherited across
+//! `fork()` never talks to the master from the child (its connections are the parent's): the
+//! child forgets its node instead.
 
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvfs_client::{Client, ClientConfig, Node, NodeConfig};
@@ -67,10 +77,18 @@ pub struct Session {
     node: Option<Node>,
     pub endpoint: String,
     pub call_timeout: Duration,
+    /// The process that opened the session (a forked child must not use it).
+    pid: u32,
 }
 
 /// Ports tried before giving up on a range.
 const PORT_TRIES: usize = 32;
+
+/// How long a dropped session's node may take to leave the master.
+pub const LEAVE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How long `close` waits for other threads' calls in flight to let go of the session.
+const CLOSE_WAIT_CALLS: Duration = Duration::from_secs(2);
 
 impl Session {
     pub async fn open(opts: SessionOptions) -> Result<Session, Failure> {
@@ -107,6 +125,7 @@ impl Session {
             node,
             endpoint: engine.name().to_string(),
             call_timeout: Duration::from_millis(opts.call_timeout_ms),
+            pid: std::process::id(),
         })
     }
 
@@ -114,12 +133,78 @@ impl Session {
         self.node.is_some()
     }
 
+    /// Whether this session was opened by another process (inherited across `fork()`).
+    pub fn is_inherited(&self) -> bool {
+        self.pid != std::process::id()
+    }
+
     /// Leaves the cluster: the node's objects are gone from the pool afterwards.
-    pub async fn close(self) {
+    pub async fn close(mut self) {
+        if self.is_inherited() {
+            std::mem::forget(self.node.take());
+            return;
+        }
         self.client.close().await;
-        if let Some(n) = self.node {
+        if let Some(n) = self.node.take() {
             n.shutdown().await;
         }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let Some(node) = self.node.take() else { return };
+        if self.is_inherited() {
+            // The parent's node: its tasks and connection live in the parent.
+            std::mem::forget(node);
+            return;
+        }
+        let Ok(rt) = crate::runtime::runtime() else { return };
+        let client = self.client.clone();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        rt.spawn(async move {
+            let leave = async {
+                client.close().await;
+                node.shutdown().await;
+            };
+            if tokio::time::timeout(LEAVE_TIMEOUT, leave).await.is_err() {
+                tracing::warn!("a dropped session's node did not leave the master in time");
+            }
+            let _ = done_tx.send(());
+        });
+        // A thread inside the runtime (a future held the last reference) must not block on it.
+        if tokio::runtime::Handle::try_current().is_err() {
+            let _ = done_rx.recv_timeout(LEAVE_TIMEOUT + Duration::from_millis(500));
+        }
+    }
+}
+
+/// Closes a session others may still hold (calls in flight on other threads), within `limit`:
+/// waits briefly for them to let go, then closes it; if they do not, closes the client and
+/// leaves the node to the last holder's drop. Past `limit` whatever is still open is dropped.
+pub async fn close_shared(s: Arc<Session>, limit: Duration) {
+    if s.is_inherited() {
+        // Never drop it here either: dropping the last reference would run `Drop` (which
+        // forgets the node) and the client's teardown, which is the parent's business.
+        std::mem::forget(s);
+        return;
+    }
+    let closing = async move {
+        let waited = tokio::time::Instant::now();
+        let mut s = s;
+        loop {
+            match Arc::try_unwrap(s) {
+                Ok(owned) => return owned.close().await,
+                Err(shared) => s = shared,
+            }
+            if waited.elapsed() >= CLOSE_WAIT_CALLS.min(limit) {
+                return s.client.close().await;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    if tokio::time::timeout(limit, closing).await.is_err() {
+        tracing::warn!(limit_ms = limit.as_millis() as u64, "close did not finish in time");
     }
 }
 

@@ -10,19 +10,35 @@
 //! The Python class `kvfs.mooncake.MooncakeDistributedStore` wraps this one: it parses
 //! `setup`'s two forms, sizes like "16MB", and `ReplicateConfig`, then calls here with plain
 //! values (`cfg` is `(replicas, pin, persistence, strategy, preferred_endpoints)` or `None`).
+//! The tensor calls live there too (the reference's on-store tensor format is plain bytes: a
+//! header and the payload), over `put_parts_batch` and the bytes calls here.
+//!
+//! Ranged reads (`get_into_ranges`): one existence check for the distinct keys (it grants the
+//! read leases the reference's query grants), one stat for where their replicas are, then one
+//! Transfer Engine batch of every fragment straight from a memory replica (same host first)
+//! into the caller's registered memory, the next replica for a fragment whose read failed.
+//! Objects that only NVMe or the object store hold are loaded into DRAM first by a get.
+//!
+//! Lifetime: a store dropped without `close` releases its segment in `Drop` (bounded, without
+//! the GIL where the interpreter allows it; see `session`); `close(timeout_ms)` bounds an
+//! explicit close, which the Python atexit hook uses.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvfs_client::{GetInto, Persistence, Pin, PutFrom, PutOptions, Strategy};
+use futures_util::StreamExt;
+use kvfs_client::{GetInto, ObjectInfo, Persistence, Pin, PutFrom, PutOptions, Strategy, Tier};
+use kvfs_transfer::{TransferOp, TransferRequest};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use crate::client::{bytes_of, close_slot, drop_session, live};
+use crate::client::{bytes_of, live};
 use crate::errors::{Failure, code, log_code};
-use crate::memory::{BufferHandle, View};
+use crate::memory::{self, BufferHandle, View};
 use crate::runtime;
-use crate::session::{Session, SessionOptions};
+use crate::session::{self, Session, SessionOptions};
 
 /// The reference's ReplicateConfig, reduced to what kvfs places by.
 type Cfg = (u8, String, String, String, Vec<String>);
@@ -81,13 +97,198 @@ pub struct MooncakeCore {
 
 impl Drop for MooncakeCore {
     fn drop(&mut self) {
-        drop_session(self.slot.get_mut().unwrap_or_else(|e| e.into_inner()).take());
+        let Some(s) = self.slot.get_mut().unwrap_or_else(|e| e.into_inner()).take() else {
+            return;
+        };
+        // The last reference makes the embedded node leave the master (a bounded wait on the
+        // network): without the GIL, unless the interpreter is shutting down.
+        let mut s = Some(s);
+        let _ = Python::try_attach(|py| py.detach(|| drop(s.take())));
+        drop(s);
     }
+}
+
+/// Concurrent single-key puts of the large objects of a multi-part batch.
+const PARTS_PUTS_CONCURRENT: usize = 16;
+
+/// Objects of a multi-part batch up to this size are joined (one extra copy) and put in one
+/// batch; larger ones are staged once each by their own put.
+const JOIN_BYTES_MAX: usize = 256 << 10;
+
+/// One fragment of `get_into_ranges`: where it lands in the results, the object (index into
+/// the distinct keys), the destination address and the source range.
+struct Fragment {
+    at: (usize, usize, usize),
+    key: usize,
+    dst: Option<u64>,
+    src: u64,
+    len: u64,
+}
+
+/// A replica tuple for Python: `(tier, endpoint, host, node, addr, len)`.
+type ReplicaTuple = (String, String, String, Option<u64>, u64, u64);
+
+/// A stat for Python: `(code, size, lease_end_ms, replicas)`.
+type StatTuple = (i64, u64, u64, Vec<ReplicaTuple>);
+
+fn tier_name(t: Tier) -> String {
+    format!("{t:?}").to_lowercase()
+}
+
+fn is_memory(r: &kvfs_client::ReplicaDesc) -> bool {
+    matches!(r.tier, Tier::Dram | Tier::Hbm) && !r.endpoint.is_empty()
+}
+
+/// The reference's result shape for `get_into_ranges`, every entry INVALID_PARAMS until read.
+fn ranges_skeleton(n: usize, keys: &[Vec<String>], dst: &[Vec<Vec<u64>>]) -> Vec<Vec<Vec<i64>>> {
+    (0..n)
+        .map(|i| {
+            let nkeys = keys.get(i).map_or(1, Vec::len);
+            (0..nkeys)
+                .map(|j| {
+                    let nfrags = dst.get(i).and_then(|d| d.get(j)).map_or(1, Vec::len);
+                    vec![code::INVALID_PARAMS; nfrags]
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The code of a failed fragment read: a bad local range is the caller's (no retry helps).
+fn transfer_code(e: &kvfs_transfer::Error) -> (i64, bool) {
+    match e.kind() {
+        kvfs_transfer::ErrorKind::NotRegistered | kvfs_transfer::ErrorKind::InvalidArgument => {
+            (code::INVALID_PARAMS, false)
+        }
+        _ => (code::TRANSFER_FAIL, true),
+    }
+}
+
+/// Reads every fragment (see the module notes); one code per fragment: its length or negative.
+async fn read_ranges(s: &Session, keys: &[&str], frags: &[Fragment]) -> Vec<i64> {
+    let mut views = object_views(s, keys).await;
+    let cold: Vec<usize> = (0..keys.len())
+        .filter(|&k| views[k].as_ref().is_ok_and(|v| !v.replicas.iter().any(is_memory)))
+        .collect();
+    if !cold.is_empty() {
+        // A get loads them into DRAM (the bytes it stages are dropped), then look again.
+        let cold_keys: Vec<&str> = cold.iter().map(|&k| keys[k]).collect();
+        drop(s.client.get_batch_staged(&cold_keys).await);
+        for (&k, v) in cold.iter().zip(object_views(s, &cold_keys).await) {
+            views[k] = v;
+        }
+    }
+    let host = s.client.host().to_string();
+    let ordered: Vec<Vec<kvfs_client::ReplicaDesc>> = views
+        .iter()
+        .map(|v| {
+            let mut reps: Vec<_> = v.as_ref().map_or_else(
+                |_| Vec::new(),
+                |v| v.replicas.iter().filter(|r| is_memory(r)).cloned().collect(),
+            );
+            reps.sort_by_key(|r| r.host != host);
+            reps
+        })
+        .collect();
+    let mut codes = vec![code::INVALID_PARAMS; frags.len()];
+    // (fragment, next replica to try)
+    let mut pending: Vec<(usize, usize)> = Vec::new();
+    for (f, frag) in frags.iter().enumerate() {
+        match &views[frag.key] {
+            Err(c) => codes[f] = *c,
+            Ok(v) => {
+                let fits = frag.src.checked_add(frag.len).is_some_and(|end| end <= v.size);
+                match frag.dst {
+                    Some(_) if fits && frag.len == 0 => codes[f] = 0,
+                    Some(_) if fits => {
+                        codes[f] = code::TRANSFER_FAIL;
+                        pending.push((f, 0));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    let engine = s.client.engine();
+    let batch_max = engine.config().batch_items_max.max(1);
+    while !pending.is_empty() {
+        let mut reqs = Vec::new();
+        let mut owners = Vec::new();
+        let mut again = Vec::new();
+        for (f, next) in pending {
+            let frag = &frags[f];
+            let Some(r) = ordered[frag.key].get(next) else { continue };
+            match engine.open_segment(&r.endpoint).await {
+                Ok(segment) => {
+                    reqs.push(TransferRequest {
+                        op: TransferOp::Read,
+                        segment,
+                        local_addr: frag.dst.unwrap_or(0),
+                        remote_addr: r.addr.saturating_add(frag.src),
+                        len: frag.len,
+                    });
+                    owners.push((f, next));
+                }
+                Err(e) => {
+                    codes[f] = transfer_code(&e).0;
+                    again.push((f, next + 1));
+                }
+            }
+        }
+        let mut results = Vec::with_capacity(reqs.len());
+        let mut reqs = reqs.into_iter().peekable();
+        while reqs.peek().is_some() {
+            let chunk: Vec<_> = reqs.by_ref().take(batch_max).collect();
+            let n = chunk.len();
+            match engine.transfer(chunk).await {
+                Ok(r) => results.extend(r),
+                Err(e) => results.extend(std::iter::repeat_n(Err(e), n)),
+            }
+        }
+        for ((f, next), r) in owners.into_iter().zip(results) {
+            match r {
+                Ok(()) => codes[f] = i64::try_from(frags[f].len).unwrap_or(i64::MAX),
+                Err(e) => {
+                    let (c, retry) = transfer_code(&e);
+                    codes[f] = c;
+                    if retry {
+                        again.push((f, next + 1));
+                    }
+                }
+            }
+        }
+        pending = again;
+    }
+    codes
+}
+
+/// Each key's object as the master knows it, after a lease-granting existence check.
+async fn object_views(s: &Session, keys: &[&str]) -> Vec<Result<ObjectInfo, i64>> {
+    let exists = s.client.exists_batch(keys).await;
+    let stats = s.client.stat_batch(keys).await;
+    exists
+        .into_iter()
+        .zip(stats)
+        .map(|(e, v)| match (e, v) {
+            (Ok(true), Ok(v)) => Ok(v),
+            (Ok(false), _) => Err(code::OBJECT_NOT_FOUND),
+            (Err(e), _) | (_, Err(e)) => Err(log_code("get_into_ranges", &Failure::from(e))),
+        })
+        .collect()
 }
 
 impl MooncakeCore {
     fn session(&self) -> Result<Arc<Session>, Failure> {
         live(&self.slot)
+    }
+
+    /// Closes the session within `limit` (its call deadline when `None`).
+    fn close_within(&self, py: Python<'_>, limit: Option<Duration>) {
+        let taken = self.slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(s) = taken {
+            let limit = limit.unwrap_or(s.call_timeout);
+            py.detach(|| runtime::block_on_detached(session::close_shared(s, limit)));
+        }
     }
 
     /// Runs a call that answers one code.
@@ -189,7 +390,7 @@ impl MooncakeCore {
     ) -> i64 {
         if self.session().is_ok() {
             // The reference re-runs setup over a live client; kvfs closes the old one first.
-            close_slot(py, &self.slot);
+            self.close_within(py, None);
         }
         let opts = SessionOptions {
             master: master.to_string(),
@@ -216,9 +417,11 @@ impl MooncakeCore {
         }
     }
 
-    /// Leaves the cluster; returns 0 (also when not set up).
-    fn close(&self, py: Python<'_>) -> i64 {
-        close_slot(py, &self.slot);
+    /// Leaves the cluster; returns 0 (also when not set up). `timeout_ms` bounds the wait
+    /// (default: the call deadline); past it the segment expires on the master instead.
+    #[pyo3(signature = (timeout_ms=None))]
+    fn close(&self, py: Python<'_>, timeout_ms: Option<u64>) -> i64 {
+        self.close_within(py, timeout_ms.map(Duration::from_millis));
         code::OK
     }
 
@@ -294,6 +497,75 @@ impl MooncakeCore {
             r.into_iter().find_map(Result::err).map_or(Ok(()), |e| Err(Failure::from(e)))
         });
         Ok(upsert_rc(upsert, c))
+    }
+
+    /// One code per key for objects given as lists of parts (each object the concatenation of
+    /// its parts): the tensor calls' `[header][payload]` objects. Small objects go in one
+    /// batched put, large ones in their own (`JOIN_BYTES_MAX`, `PARTS_PUTS_CONCURRENT`);
+    /// mismatched lengths give -600 for every key.
+    #[pyo3(signature = (keys, values, cfg=None, upsert=false))]
+    fn put_parts_batch(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: &Bound<'_, PyAny>,
+        cfg: Option<Cfg>,
+        upsert: bool,
+    ) -> PyResult<Vec<i64>> {
+        let parts: Vec<Vec<View>> =
+            values.try_iter()?.map(|v| views(&v?)).collect::<PyResult<_>>()?;
+        if parts.len() != keys.len() {
+            return Ok(vec![code::INVALID_PARAMS; keys.len()]);
+        }
+        let opts = match options(cfg, upsert) {
+            Ok(o) => o,
+            Err(f) => return Ok(vec![log_code("put", &f); keys.len()]),
+        };
+        let slices: Vec<Vec<&[u8]>> =
+            parts.iter().map(|p| p.iter().map(View::bytes).collect()).collect();
+        let small = |p: &Vec<&[u8]>| p.iter().map(|b| b.len()).sum::<usize>() <= JOIN_BYTES_MAX;
+        let (joined, single): (Vec<usize>, Vec<usize>) =
+            (0..keys.len()).partition(|&i| small(&slices[i]));
+        let r = self.session().and_then(|s| {
+            runtime::call(py, "put", s.call_timeout, async {
+                // Small objects: joined here, then one batched put (one master round trip).
+                let bodies: Vec<Vec<u8>> = joined.iter().map(|&i| slices[i].concat()).collect();
+                let items: Vec<(&str, &[u8])> =
+                    joined.iter().zip(&bodies).map(|(&i, b)| (keys[i].as_str(), &b[..])).collect();
+                // Large ones: each staged once by its own put, a few at a time.
+                let puts: Vec<_> = single
+                    .iter()
+                    .map(|&i| s.client.put_parts(&keys[i], &slices[i], &opts))
+                    .collect();
+                let large = futures_util::stream::iter(puts)
+                    .buffered(PARTS_PUTS_CONCURRENT)
+                    .collect::<Vec<_>>();
+                let batched = async {
+                    if items.is_empty() {
+                        Vec::new()
+                    } else {
+                        s.client.put_batch(&items, &opts).await
+                    }
+                };
+                let (a, b) = tokio::join!(batched, large);
+                let mut out: Vec<Option<Result<(), kvfs_client::Error>>> =
+                    (0..keys.len()).map(|_| None).collect();
+                for (i, r) in joined.iter().zip(a).chain(single.iter().zip(b)) {
+                    out[*i] = Some(r);
+                }
+                Ok(out)
+            })
+        });
+        Ok(match r {
+            Ok(v) => v
+                .into_iter()
+                .map(|r| match r {
+                    Some(r) => upsert_rc(upsert, rc("put", r.map_err(Failure::from))),
+                    None => code::INTERNAL_ERROR,
+                })
+                .collect(),
+            Err(f) => vec![log_code("put", &f); keys.len()],
+        })
     }
 
     /// Bytes, or `b""` on a miss or failure.
@@ -434,6 +706,123 @@ impl MooncakeCore {
                 .collect(),
             Err(f) => vec![log_code("get", &f); keys.len()],
         }
+    }
+
+    /// Byte ranges of objects into registered memory, buffer-major as the reference nests
+    /// them: `results[i][j][k]` is the length read for fragment `k` of key `all_keys[i][j]`
+    /// into `buffer_ptrs[i] + all_dst_offsets[i][j][k]`, or a negative code (-600 for a bad
+    /// shape, a source range past the object or a destination outside registered memory).
+    #[allow(clippy::too_many_arguments)]
+    fn get_into_ranges(
+        &self,
+        py: Python<'_>,
+        buffer_ptrs: Vec<u64>,
+        all_keys: Vec<Vec<String>>,
+        all_dst_offsets: Vec<Vec<Vec<u64>>>,
+        all_src_offsets: Vec<Vec<Vec<u64>>>,
+        all_sizes: Vec<Vec<Vec<u64>>>,
+    ) -> Vec<Vec<Vec<i64>>> {
+        let n = buffer_ptrs.len();
+        let mut out = ranges_skeleton(n, &all_keys, &all_dst_offsets);
+        if [all_keys.len(), all_dst_offsets.len(), all_src_offsets.len(), all_sizes.len()]
+            .iter()
+            .any(|&l| l != n)
+        {
+            return out;
+        }
+        let Ok(s) = self.session() else { return out };
+        let mut keys: Vec<&str> = Vec::new();
+        let mut index: HashMap<&str, usize> = HashMap::new();
+        let mut frags = Vec::new();
+        for i in 0..n {
+            let (ks, dst, src, len) =
+                (&all_keys[i], &all_dst_offsets[i], &all_src_offsets[i], &all_sizes[i]);
+            if buffer_ptrs[i] == 0 || dst.len() != ks.len() || src.len() != ks.len() {
+                continue;
+            }
+            if len.len() != ks.len() {
+                continue;
+            }
+            for (j, key) in ks.iter().enumerate() {
+                if dst[j].len() != src[j].len() || dst[j].len() != len[j].len() {
+                    continue;
+                }
+                let k = *index.entry(key.as_str()).or_insert_with(|| {
+                    keys.push(key);
+                    keys.len() - 1
+                });
+                for f in 0..dst[j].len() {
+                    frags.push(Fragment {
+                        at: (i, j, f),
+                        key: k,
+                        dst: buffer_ptrs[i].checked_add(dst[j][f]),
+                        src: src[j][f],
+                        len: len[j][f],
+                    });
+                }
+            }
+        }
+        if frags.is_empty() {
+            return out;
+        }
+        let r = runtime::call(py, "get", s.call_timeout, async {
+            Ok(read_ranges(&s, &keys, &frags).await)
+        });
+        let codes = match r {
+            Ok(c) => c,
+            Err(f) => vec![log_code("get_into_ranges", &f); frags.len()],
+        };
+        for (frag, c) in frags.iter().zip(codes) {
+            let (i, j, f) = frag.at;
+            out[i][j][f] = c;
+        }
+        out
+    }
+
+    /// What the master knows of each key, granting no lease (see `StatTuple`).
+    fn stat_batch(&self, py: Python<'_>, keys: Vec<String>) -> Vec<StatTuple> {
+        let miss = |c: i64| (c, 0, 0, Vec::new());
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        let r = self.session().and_then(|s| {
+            runtime::call(py, "stat", s.call_timeout, async {
+                Ok(s.client.stat_batch(&keys).await)
+            })
+        });
+        match r {
+            Ok(v) => v
+                .into_iter()
+                .map(|r| match r {
+                    Ok(v) => {
+                        let reps = v
+                            .replicas
+                            .iter()
+                            .map(|r| {
+                                let tier = tier_name(r.tier);
+                                (tier, r.endpoint.clone(), r.host.clone(), r.node, r.addr, r.len)
+                            })
+                            .collect();
+                        (code::OK, v.size, v.lease_end_ms, reps)
+                    }
+                    Err(e) => miss(log_code("stat", &Failure::from(e))),
+                })
+                .collect(),
+            Err(f) => vec![miss(log_code("stat", &f)); keys.len()],
+        }
+    }
+
+    /// `MooncakeHostMemAllocator.alloc`: shared host memory's address (`RuntimeError` if the
+    /// system refuses it).
+    #[staticmethod]
+    fn host_alloc(py: Python<'_>, size: u64) -> PyResult<u64> {
+        py.detach(|| memory::host_alloc(size)).map_err(PyRuntimeError::new_err)
+    }
+
+    /// `MooncakeHostMemAllocator.free`: 0, or -1 for an address `host_alloc` did not return.
+    #[staticmethod]
+    fn host_free(py: Python<'_>, ptr: u64) -> i64 {
+        py.detach(|| memory::host_free(ptr))
     }
 
     /// Registers `[ptr, ptr+size)` with this process's engine; the caller keeps it valid.

@@ -13,17 +13,29 @@ this class; kvfs answers the same calls with the same arguments, return codes an
 * ``setup`` with ``global_segment_size > 0`` makes this process contribute that much DRAM to the
   pool (an embedded kvfs node, like the reference's embedded mode); ``close`` leaves the pool
   and the objects stored only in this process's segment disappear;
-* ``local_buffer_size`` bounds the bytes the bytes API (``put``/``get``) stages at once.
+* ``local_buffer_size`` bounds the bytes the bytes API (``put``/``get``) stages at once;
+* the tensor calls (``put_tensor``, ``get_tensor``, their batch, ``*_with_tp``, ``*_into``,
+  ``*_from``, ``pub_*`` and ``upsert_*`` forms) store the reference's byte format (a 304-byte
+  header and the payload: :mod:`kvfs._tensor`), so tensors written by either store read back
+  from the other; they take torch tensors (torch is imported on first use, never required) or
+  numpy arrays, and return torch tensors where torch imports, numpy arrays otherwise;
+* a store that is garbage-collected, or still open when the interpreter exits, leaves the pool
+  as ``close`` does (its native object's destructor, and an ``atexit`` hook bounded by
+  ``KVFS_EXIT_CLOSE_TIMEOUT_MS``, default 5 s for all stores together).
 
 Every call releases the GIL and ends within ``KVFS_CALL_TIMEOUT_MS`` (default 60 s). Where kvfs
 differs from the reference, docs/mooncake-compat.md says how.
 """
 
+import atexit
 import ctypes
 import enum
 import logging
 import os
+import platform
 import re
+import time
+import weakref
 
 from kvfs._native import BufferHandle, ERROR_CODES, MooncakeCore
 
@@ -35,15 +47,29 @@ __all__ = [
     "ReplicaStatus",
     "BufferHandle",
     "ERROR_CODES",
+    "MooncakeHostMemAllocator",
+    "bind_to_numa_node",
+    "ReplicaDescriptor",
+    "MemoryDescriptor",
+    "DiskDescriptor",
+    "Descriptor",
     "parse_size",
 ]
 
 log = logging.getLogger("kvfs.mooncake")
 
+
+def _tensor():
+    """The tensor codec (imported on first use: it needs numpy, which only tensor calls do)."""
+    from kvfs import _tensor as codec
+
+    return codec
+
 OK = 0
 INVALID_PARAMS = ERROR_CODES["INVALID_PARAMS"]
 NOT_SUPPORTED = ERROR_CODES["NOT_SUPPORTED"]
 OBJECT_NOT_FOUND = ERROR_CODES["OBJECT_NOT_FOUND"]
+INTERNAL_ERROR = ERROR_CODES["INTERNAL_ERROR"]
 
 _U64_MAX = (1 << 64) - 1
 _DEFAULT_SEGMENT = 16 << 20
@@ -156,6 +182,164 @@ class ReplicateConfig:
     __repr__ = __str__
 
 
+class Descriptor:
+    """Where a memory replica's bytes are: ``size``, ``buffer_address`` (an address in the
+    holder's Transfer Engine segment) and ``transport_endpoint`` (that segment's name)."""
+
+    __slots__ = ("size", "buffer_address", "transport_endpoint")
+
+    def __init__(self, size=0, buffer_address=0, transport_endpoint=""):
+        self.size = size
+        self.buffer_address = buffer_address
+        self.transport_endpoint = transport_endpoint
+
+    def __repr__(self):
+        return (
+            f"<Descriptor size={self.size} buffer_address={self.buffer_address} "
+            f"transport_endpoint={self.transport_endpoint}>"
+        )
+
+
+class MemoryDescriptor:
+    __slots__ = ("buffer_descriptor",)
+
+    def __init__(self, buffer_descriptor):
+        self.buffer_descriptor = buffer_descriptor
+
+
+class DiskDescriptor:
+    """A replica in shared storage: ``file_path`` (empty: kvfs's object store names objects by
+    key, not by a path the client can open) and ``object_size``."""
+
+    __slots__ = ("file_path", "object_size")
+
+    def __init__(self, file_path="", object_size=0):
+        self.file_path = file_path
+        self.object_size = object_size
+
+
+class ReplicaDescriptor:
+    """One replica of an object, as ``get_replica_desc`` describes it.
+
+    kvfs tiers map to the reference's replica kinds: DRAM and HBM copies are memory replicas
+    (``get_memory_descriptor()``), a node's NVMe copy is a local-disk replica (the reference's
+    client-side SSD tier), an object-store copy is a disk replica (``get_disk_descriptor()``).
+    Every replica kvfs reports is complete. kvfs extras: ``tier`` ("dram", "hbm", "nvme",
+    "objectstore"), ``endpoint`` (the holder's segment name, empty for the object store) and
+    ``node`` (the holder's node id, None for the object store).
+    """
+
+    __slots__ = ("status", "tier", "endpoint", "node", "_size", "_addr")
+
+    def __init__(self, tier, endpoint, node, addr, size):
+        self.status = ReplicaStatus.COMPLETE
+        self.tier, self.endpoint, self.node = tier, endpoint, node
+        self._addr, self._size = addr, size
+
+    def is_memory_replica(self):
+        return self.tier in ("dram", "hbm")
+
+    def is_disk_replica(self):
+        return self.tier == "objectstore"
+
+    def is_local_disk_replica(self):
+        return self.tier == "nvme"
+
+    def is_nof_replica(self):
+        return False
+
+    def get_memory_descriptor(self):
+        if not self.is_memory_replica():
+            raise RuntimeError("Expected MemoryDescriptor")
+        return MemoryDescriptor(Descriptor(self._size, self._addr, self.endpoint))
+
+    def get_disk_descriptor(self):
+        if not self.is_disk_replica():
+            raise RuntimeError("Expected DiskDescriptor")
+        return DiskDescriptor("", self._size)
+
+    def __repr__(self):
+        return (
+            f"ReplicaDescriptor(tier={self.tier!r}, endpoint={self.endpoint!r}, "
+            f"size={self._size}, status={self.status.name})"
+        )
+
+
+class MooncakeHostMemAllocator:
+    """Shared host memory for the zero-copy calls, as the reference's allocator hands out:
+    ``alloc(size)`` maps ``size`` bytes (a memfd, every page faulted in; huge pages with
+    ``MC_STORE_USE_HUGEPAGE``) and returns the address, ``RuntimeError`` if the system refuses;
+    ``free(ptr)`` unmaps it and returns 0, or -1 for an address ``alloc`` did not return. All
+    allocators of a process share one table. Register the memory (``register_buffer``) before
+    using it in zero-copy calls, and unregister it before ``free``."""
+
+    def alloc(self, size):
+        return MooncakeCore.host_alloc(int(size))
+
+    def free(self, ptr):
+        return MooncakeCore.host_free(int(ptr))
+
+
+_NUMA_NODES = "/sys/devices/system/node"
+_SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261, "riscv64": 237}
+_MPOL_PREFERRED = 1
+
+
+def _cpu_list(text):
+    cpus = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def bind_to_numa_node(node):
+    """Runs the calling thread on NUMA node ``node``'s CPUs and prefers that node for its
+    future allocations (falling back to other nodes when it is full), as the reference does.
+    Never raises: where NUMA is unavailable, or the node is invalid, it logs a warning and
+    leaves the thread as it was."""
+    node = int(node)
+    try:
+        nodes = sorted(
+            int(n[4:]) for n in os.listdir(_NUMA_NODES) if n.startswith("node") and n[4:].isdigit()
+        )
+    except OSError:
+        nodes = []
+    if not nodes:
+        log.warning("NUMA is not available on this system; binding skipped")
+        return
+    if node not in nodes:
+        log.warning("Invalid NUMA node: %d. Valid range: 0-%d", node, nodes[-1])
+        log.warning("numa_run_on_node failed for node %d", node)
+        return
+    try:
+        with open(f"{_NUMA_NODES}/node{node}/cpulist") as f:
+            cpus = _cpu_list(f.read())
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    except (OSError, ValueError) as e:
+        log.warning("numa_run_on_node failed for node %d: %s", node, e)
+    nr = _SYS_SET_MEMPOLICY.get(platform.machine())
+    if nr is None:
+        log.warning("NUMA memory preference is not supported on %s", platform.machine())
+        return
+    words = node // 64 + 1
+    mask = (ctypes.c_ulong * words)()
+    mask[node // 64] = 1 << (node % 64)
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.syscall(
+        ctypes.c_long(nr), ctypes.c_int(_MPOL_PREFERRED), mask, ctypes.c_ulong(words * 64 + 1)
+    )
+    if rc != 0:
+        log.warning(
+            "preferring NUMA node %d for allocations failed: %s",
+            node,
+            os.strerror(ctypes.get_errno()),
+        )
+
+
 class _Invalid(Exception):
     def __init__(self, code, message):
         super().__init__(message)
@@ -231,6 +415,23 @@ def _tcp_only(protocol):
     return os.environ.get("KVFS_TRANSPORT", "").lower() == "tcp"
 
 
+def _master_from_config(cfg):
+    """``master_server_addr``, or LMCache's ``master_server_address`` spelling of it."""
+    alias = cfg.get("master_server_address")
+    if "master_server_addr" in cfg:
+        if alias is not None and str(alias) != str(cfg["master_server_addr"]):
+            log.warning(
+                "setup: master_server_address %r is ignored; master_server_addr %r is given",
+                alias,
+                cfg["master_server_addr"],
+            )
+        return cfg["master_server_addr"]
+    if alias is not None:
+        log.warning("setup: reading master_server_address as master_server_addr")
+        return alias
+    return "127.0.0.1:50051"
+
+
 def _keys_ok(keys, *lists):
     return all(len(x) == len(keys) for x in lists)
 
@@ -240,6 +441,7 @@ class MooncakeDistributedStore:
 
     def __init__(self):
         self._core = MooncakeCore()
+        _LIVE.add(self)
 
     # ----- setup / lifecycle -------------------------------------------------------------
 
@@ -292,7 +494,7 @@ class MooncakeDistributedStore:
             cfg.get("global_segment_size", _DEFAULT_SEGMENT),
             cfg.get("local_buffer_size", _DEFAULT_LOCAL_BUFFER),
             str(cfg.get("protocol", "tcp")),
-            str(cfg.get("master_server_addr", "127.0.0.1:50051")),
+            str(_master_from_config(cfg)),
             enable_ssd_offload=str(cfg.get("enable_ssd_offload", "false")).lower()
             in ("1", "true", "yes"),
             tenant_id=str(cfg.get("tenant_id", "default")),
@@ -556,3 +758,365 @@ class MooncakeDistributedStore:
     def remove_all(self, force=False):
         """Objects removed; leased (and hard-pinned) ones stay unless ``force``."""
         return self._core.remove_all(force)
+
+    # ----- replicas ----------------------------------------------------------------------
+
+    def get_replica_desc(self, key):
+        """The replicas of ``key`` as :class:`ReplicaDescriptor` objects; ``[]`` when it is
+        missing or the call fails. Grants no read lease (the reference's does)."""
+        return self.batch_get_replica_desc([key]).get(key, [])
+
+    def batch_get_replica_desc(self, keys):
+        """``{key: [ReplicaDescriptor, ...]}`` for the keys that exist (missing keys and
+        failures are left out, as the reference does)."""
+        keys = list(keys)
+        out = {}
+        for key, (code, _size, _lease, reps) in zip(keys, self._core.stat_batch(keys)):
+            if code == OK:
+                out[key] = [
+                    ReplicaDescriptor(tier, endpoint, node, addr, length)
+                    for tier, endpoint, _host, node, addr, length in reps
+                ]
+        return out
+
+    def batch_replica_clear(self, keys, segment_name=""):
+        """Removes the keys whose read lease has expired and returns those removed. With
+        ``segment_name``, only keys whose replicas all live on that segment (kvfs cannot drop
+        one replica of an object from a client: a key with replicas elsewhere too is skipped
+        with a warning). Missing keys, leased and hard-pinned objects are skipped. Any client
+        may clear any key (kvfs does not record which client wrote an object)."""
+        keys = [str(k) for k in keys]
+        if not keys:
+            return []
+        if segment_name:
+            chosen = []
+            for key, (code, _size, _lease, reps) in zip(keys, self._core.stat_batch(keys)):
+                on = [r for r in reps if r[1] == segment_name]
+                if code != OK or not on:
+                    continue
+                if len(on) != len(reps):
+                    log.warning(
+                        "batch_replica_clear: %s has replicas outside %s; kvfs drops whole "
+                        "objects only, skipping it",
+                        key,
+                        segment_name,
+                    )
+                    continue
+                chosen.append(key)
+            keys = chosen
+        keys = [k for k in keys if k]
+        if not keys:
+            return []
+        codes = self._core.batch_remove(keys, False)
+        return [k for k, c in zip(keys, codes) if c == OK]
+
+    def get_into_ranges(self, buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes):
+        """Byte ranges of objects into registered buffers: ``results[i][j][k]`` is the length
+        read for fragment ``k`` of ``all_keys[i][j]`` (source range ``all_src_offsets[i][j][k]``
+        + ``all_sizes[i][j][k]``) into ``buffer_ptrs[i] + all_dst_offsets[i][j][k]``, or a
+        negative code: -704 missing, -600 a bad shape, a range past the object or outside the
+        registered buffer."""
+        return self._core.get_into_ranges(
+            [int(p) for p in buffer_ptrs],
+            [[str(k) for k in ks] for ks in all_keys],
+            [[[int(o) for o in frag] for frag in per] for per in all_dst_offsets],
+            [[[int(o) for o in frag] for frag in per] for per in all_src_offsets],
+            [[[int(o) for o in frag] for frag in per] for per in all_sizes],
+        )
+
+    # ----- tensors -----------------------------------------------------------------------
+    # The reference's tensor calls over its byte format (kvfs._tensor); the shard of rank r
+    # of a tensor-parallel put lives under "<key>_tp_<r>".
+
+    @staticmethod
+    def _tp_key(key, rank):
+        return f"{key}_tp_{rank}"
+
+    def _write_tensors(self, keys, tensors, config, upsert):
+        """One code per key: ``tensors`` are torch tensors or numpy arrays (-600 for others)."""
+        objects = []
+        for t in tensors:
+            enc = _tensor().encode(t)
+            objects.append(None if enc is None else [_tensor().header(enc), enc.payload])
+        return self._write_objects(keys, objects, config, upsert)
+
+    def _write_objects(self, keys, objects, config, upsert):
+        """One code per key: each object is ``[header, payload]``, or None (-600)."""
+        keys = list(keys)
+        if len(keys) != len(objects):
+            return [INVALID_PARAMS] * len(keys)
+        try:
+            cfg = self._cfg(config, len(keys))
+        except _Invalid as e:
+            return [e.code] * len(keys)
+        out = [INVALID_PARAMS] * len(keys)
+        todo = [i for i, o in enumerate(objects) if o is not None]
+        if todo:
+            codes = self._core.put_parts_batch(
+                [keys[i] for i in todo], [objects[i] for i in todo], cfg, upsert
+            )
+            for i, c in zip(todo, codes):
+                out[i] = c
+        return out
+
+    def _write_shards(self, base_keys, tensors, config, upsert, tp_size, split_dim):
+        """Splits each tensor into ``tp_size`` shards stored under ``<key>_tp_<rank>``; one code
+        per base key (0, or its first shard's failure)."""
+        base_keys = list(base_keys)
+        out = [INVALID_PARAMS] * len(base_keys)
+        keys, objects, owner = [], [], []
+        for i, (key, t) in enumerate(zip(base_keys, tensors)):
+            enc = _tensor().encode(t)
+            shards = None if enc is None else _tensor().split(enc, tp_size, split_dim)
+            if shards is None:
+                continue
+            for rank, shard in enumerate(shards):
+                axis = (_tensor().AXIS_TP, rank, tp_size, split_dim)
+                keys.append(self._tp_key(key, rank))
+                objects.append([_tensor().header(shard, enc.shape, [axis]), shard.payload])
+                owner.append(i)
+        if not keys:
+            return out
+        if config is not None and getattr(config, "group_ids", None) is not None:
+            if len(config.group_ids) != len(base_keys):
+                return [INVALID_PARAMS] * len(base_keys)
+            config = _with_group_ids(config, [config.group_ids[i] for i in owner])
+        codes = self._write_objects(keys, objects, config, upsert)
+        for i in set(owner):
+            out[i] = OK
+        for i, c in zip(owner, codes):
+            if c != OK and out[i] == OK:
+                out[i] = c
+        return out
+
+    def _tensor_batch(self, keys, tensors_list, config, upsert):
+        keys = list(keys)
+        tensors = list(tensors_list)
+        if not keys or len(keys) != len(tensors):
+            return [INVALID_PARAMS] * len(keys)
+        return self._write_tensors(keys, tensors, config, upsert)
+
+    def _tensor_tp(self, key, tensor, config, upsert, tp_size, split_dim):
+        if tp_size <= 1:
+            return self._write_tensors([key], [tensor], config, upsert)[0]
+        return self._write_shards([key], [tensor], config, upsert, tp_size, split_dim)[0]
+
+    def _tensor_tp_batch(self, base_keys, tensors_list, config, upsert, tp_size, split_dim):
+        base_keys = list(base_keys)
+        tensors = list(tensors_list)
+        if tp_size <= 1:
+            return self._tensor_batch(base_keys, tensors, config, upsert)
+        if not base_keys or len(base_keys) != len(tensors):
+            return [INVALID_PARAMS] * len(base_keys)
+        return self._write_shards(base_keys, tensors, config, upsert, tp_size, split_dim)
+
+    def put_tensor(self, key, tensor):
+        """Stores a tensor (torch or numpy) in the reference's format; 0 or a code (-600 for
+        anything that is not a tensor of a supported dtype)."""
+        return self._write_tensors([key], [tensor], None, False)[0]
+
+    def upsert_tensor(self, key, tensor):
+        return self._write_tensors([key], [tensor], None, True)[0]
+
+    def pub_tensor(self, key, tensor, config=None):
+        """``put_tensor`` with a :class:`ReplicateConfig`."""
+        return self._write_tensors([key], [tensor], config, False)[0]
+
+    def upsert_pub_tensor(self, key, tensor, config=None):
+        return self._write_tensors([key], [tensor], config, True)[0]
+
+    def batch_put_tensor(self, keys, tensors_list):
+        """One code per key; mismatched lengths give -600 for every key."""
+        return self._tensor_batch(keys, tensors_list, None, False)
+
+    def batch_upsert_tensor(self, keys, tensors_list):
+        return self._tensor_batch(keys, tensors_list, None, True)
+
+    def batch_pub_tensor(self, keys, tensors_list, config=None):
+        return self._tensor_batch(keys, tensors_list, config, False)
+
+    def batch_upsert_pub_tensor(self, keys, tensors_list, config=None):
+        return self._tensor_batch(keys, tensors_list, config, True)
+
+    def put_tensor_with_tp(self, key, tensor, tp_rank=0, tp_size=1, split_dim=0):
+        """Splits the tensor into ``tp_size`` uniform shards along ``split_dim`` and stores every
+        shard under ``<key>_tp_<rank>`` (``tp_rank`` is not used by puts, as in the reference);
+        0, or the first shard's code (-600 when the dimension does not divide)."""
+        return self._tensor_tp(key, tensor, None, False, tp_size, split_dim)
+
+    def pub_tensor_with_tp(self, key, tensor, config=None, tp_rank=0, tp_size=1, split_dim=0):
+        return self._tensor_tp(key, tensor, config, False, tp_size, split_dim)
+
+    def batch_put_tensor_with_tp(self, base_keys, tensors_list, tp_rank=0, tp_size=1,
+                                 split_dim=0):
+        return self._tensor_tp_batch(base_keys, tensors_list, None, False, tp_size, split_dim)
+
+    def batch_pub_tensor_with_tp(self, base_keys, tensors_list, config=None, tp_rank=0,
+                                 tp_size=1, split_dim=0):
+        return self._tensor_tp_batch(base_keys, tensors_list, config, False, tp_size, split_dim)
+
+    def get_tensor(self, key):
+        """The tensor stored under ``key`` (a copy: torch where it imports, numpy otherwise),
+        or None when it is missing or not in the tensor format."""
+        return self.batch_get_tensor([key])[0]
+
+    def batch_get_tensor(self, keys):
+        keys = list(keys)
+        if not keys:
+            return []
+        handles = self._core.batch_get_buffer(keys)
+        out = []
+        for i, h in enumerate(handles):
+            out.append(None if h is None else _tensor().decode_copy(h))
+            handles[i] = h = None  # its staging memory goes back now
+        return out
+
+    def get_tensor_with_tp(self, key, tp_rank=0, tp_size=1, split_dim=0):
+        """The shard of rank ``tp_rank`` (``<key>_tp_<rank>``), or the tensor when
+        ``tp_size <= 1``."""
+        return self.get_tensor(key if tp_size <= 1 else self._tp_key(key, tp_rank))
+
+    def batch_get_tensor_with_tp(self, base_keys, tp_rank=0, tp_size=1):
+        keys = list(base_keys)
+        if tp_size > 1:
+            keys = [self._tp_key(k, tp_rank) for k in keys]
+        return self.batch_get_tensor(keys)
+
+    def get_tensor_into(self, key, buffer_ptr, size):
+        """Reads the object into registered memory and returns a tensor that views it (no
+        copy: valid while that memory is), or None."""
+        buffer_ptr = int(buffer_ptr)
+        if not buffer_ptr:
+            return None
+        n = self._core.get_into(key, buffer_ptr, int(size))
+        return _tensor().decode_at(buffer_ptr, n) if n >= 0 else None
+
+    def batch_get_tensor_into(self, keys, buffer_ptrs, sizes):
+        """A tensor (viewing its buffer) or None per key; -600 per key for mismatched lengths
+        or a null pointer."""
+        keys = list(keys)
+        if not _keys_ok(keys, buffer_ptrs, sizes) or any(not int(p) for p in buffer_ptrs):
+            return [INVALID_PARAMS] * len(keys)
+        ptrs = [int(p) for p in buffer_ptrs]
+        lengths = self._core.batch_get_into(keys, ptrs, [int(s) for s in sizes])
+        return [_tensor().decode_at(p, n) if n >= 0 else None for p, n in zip(ptrs, lengths)]
+
+    def get_tensor_with_tp_into(self, key, buffer_ptr, size, tp_rank=0, tp_size=1, split_dim=0):
+        return self.get_tensor_into(
+            key if tp_size <= 1 else self._tp_key(key, tp_rank), buffer_ptr, size
+        )
+
+    def batch_get_tensor_with_tp_into(self, base_keys, buffer_ptrs, sizes, tp_rank=0, tp_size=1):
+        keys = list(base_keys)
+        if tp_size > 1:
+            keys = [self._tp_key(k, tp_rank) for k in keys]
+        return self.batch_get_tensor_into(keys, buffer_ptrs, sizes)
+
+    def _from_checked(self, keys, buffer_ptrs, sizes):
+        """The pointers and sizes of ``*_tensor_from`` when every buffer holds a valid
+        ``[header][payload]`` object, else None."""
+        if not _keys_ok(list(keys), buffer_ptrs, sizes):
+            return None
+        ptrs, lens = [int(p) for p in buffer_ptrs], [int(s) for s in sizes]
+        if any(_tensor().parse_at(p, n) is None for p, n in zip(ptrs, lens)):
+            return None
+        return ptrs, lens
+
+    def put_tensor_from(self, key, buffer_ptr, size):
+        """Stores registered memory already laid out as ``[header][payload]`` (zero copy);
+        -600 when it does not hold a valid header."""
+        return self._tensor_from([key], [buffer_ptr], [size], False)[0]
+
+    def upsert_tensor_from(self, key, buffer_ptr, size):
+        return self._tensor_from([key], [buffer_ptr], [size], True)[0]
+
+    def batch_put_tensor_from(self, keys, buffer_ptrs, sizes):
+        """One code per key; any invalid buffer gives -600 for every key (as the reference)."""
+        return self._tensor_from(keys, buffer_ptrs, sizes, False)
+
+    def batch_upsert_tensor_from(self, keys, buffer_ptrs, sizes):
+        return self._tensor_from(keys, buffer_ptrs, sizes, True)
+
+    def _tensor_from(self, keys, buffer_ptrs, sizes, upsert):
+        keys = list(keys)
+        if not keys:
+            return []
+        checked = self._from_checked(keys, buffer_ptrs, sizes)
+        if checked is None:
+            return [INVALID_PARAMS] * len(keys)
+        return self._core.batch_put_from(keys, checked[0], checked[1], None, upsert)
+
+    def put_tensor_with_tp_from(self, key, buffer_ptr, size, tp_rank=0, tp_size=1, split_dim=0):
+        """Splits the full tensor in registered memory (``[header][payload]``) into shards as
+        ``put_tensor_with_tp`` does."""
+        if tp_size <= 1:
+            return self.put_tensor_from(key, buffer_ptr, size)
+        tensor = _tensor().decode_at(int(buffer_ptr), int(size)) if int(buffer_ptr) else None
+        if tensor is None:
+            return INVALID_PARAMS
+        return self._tensor_tp(key, tensor, None, False, tp_size, split_dim)
+
+    def batch_put_tensor_with_tp_from(self, base_keys, buffer_ptrs, sizes, tp_rank=0, tp_size=1,
+                                      split_dim=0):
+        base_keys = list(base_keys)
+        if tp_size <= 1:
+            return self.batch_put_tensor_from(base_keys, buffer_ptrs, sizes)
+        if not base_keys or not _keys_ok(base_keys, buffer_ptrs, sizes):
+            return [INVALID_PARAMS] * len(base_keys)
+        out = [INVALID_PARAMS] * len(base_keys)
+        todo, tensors = [], []
+        for i, (p, n) in enumerate(zip(buffer_ptrs, sizes)):
+            t = _tensor().decode_at(int(p), int(n)) if int(p) else None
+            if t is not None:
+                todo.append(i)
+                tensors.append(t)
+        codes = self._write_shards([base_keys[i] for i in todo], tensors, None, False, tp_size,
+                                   split_dim)
+        for i, c in zip(todo, codes):
+            out[i] = c
+        return out
+
+
+def _with_group_ids(config, group_ids):
+    """A copy of a ReplicateConfig-like object with other ``group_ids`` (one per shard)."""
+    copy = ReplicateConfig()
+    for name in ReplicateConfig.__slots__:
+        if name == "_soft_pin_ttl_ms":
+            copy.soft_pin_ttl_ms = getattr(config, "soft_pin_ttl_ms", None)
+        elif hasattr(config, name):
+            setattr(copy, name, getattr(config, name))
+    copy.group_ids = list(group_ids)
+    return copy
+
+
+# ----- leaving the pool at exit -----------------------------------------------------------
+
+# Every store of this process (weakly: a collected store has already left in its destructor).
+_LIVE = weakref.WeakSet()
+_PID = os.getpid()
+
+
+def _exit_budget_s():
+    try:
+        return max(0.1, int(os.environ.get("KVFS_EXIT_CLOSE_TIMEOUT_MS", "5000")) / 1000)
+    except ValueError:
+        return 5.0
+
+
+def _close_all_at_exit():
+    """Closes every store still open, within one budget for all of them, so the master stops
+    placing on this process's segments now instead of after their TTL."""
+    if os.getpid() != _PID:
+        return  # a forked child: the stores are the parent's
+    deadline = time.monotonic() + _exit_budget_s()
+    for store in list(_LIVE):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            store._core.close(max(1, int(left * 1000)))
+        except Exception:  # noqa: BLE001 - exit must go on
+            log.debug("closing a store at exit failed", exc_info=True)
+
+
+atexit.register(_close_all_at_exit)
