@@ -611,3 +611,49 @@ sys.stdin.readline()
         for proc in lone.procs:
             proc.send_signal(signal.SIGCONT)
         lone.stop()
+
+
+def test_alloc_from_mem_pool_serves_zero_copy_calls(store, key):
+    size = 3 << 20
+    ptr = store.alloc_from_mem_pool(size)
+    assert ptr != 0
+    mem = np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(ptr))
+    mem[:] = 7
+    assert store.register_buffer(ptr, size) == 0, "registered by the caller, as the reference"
+    try:
+        assert store.batch_put_from([key + "a", key + "b"], [ptr, ptr + (1 << 20)],
+                                    [1 << 20, 4096]) == [0, 0]
+        assert store.get(key + "b") == b"\x07" * 4096
+    finally:
+        assert store.unregister_buffer(ptr) == 0
+    assert store.alloc_from_mem_pool(0) == 0
+
+
+def test_parallelism_calls_store_whole_tensors_and_refuse_layouts(store, key):
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    assert store.put_tensor_with_parallelism(key, a) == 0
+    assert np.array_equal(np.asarray(store.get_tensor_with_parallelism(key)), a)
+    assert store.get(key) == ref_object(a), "stored as put_tensor stores it"
+    assert store.batch_put_tensor_with_parallelism([key + "1", key + "2"], [a, a + 1]) == [0, 0]
+    got = store.batch_get_tensor_with_parallelism([key + "1", key + "2"])
+    assert np.array_equal(np.asarray(got[1]), a + 1)
+    assert store.upsert_tensor_with_parallelism(key + "u", a * 2) == 0  # unread: no lease
+    assert np.array_equal(np.asarray(store.get_tensor(key + "u")), a * 2)
+    # a named layout is a clear refusal (NOT_SUPPORTED), never a silent whole-tensor write
+    assert store.put_tensor_with_parallelism(key + "x", a, parallelism=object()) == -1012
+    refused = store.batch_put_tensor_with_parallelism([key + "y"], [a], writer_partitions=[1])
+    assert refused == [-1012]
+    assert store.is_exist(key + "x") == 0
+
+
+def test_safetensors_export_and_import(store, key, tmp_path):
+    pytest.importorskip("safetensors")
+    torch = pytest.importorskip("torch")
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert store.put_tensor(key, t) == 0
+    path = str(tmp_path / "t.safetensors")
+    assert store.save_tensor_to_safetensor(key, path) == 0
+    assert store.save_tensor_to_safetensor(key + "missing", path) == -1100
+    back = store.load_tensor_from_safetensor(key + "copy", path)
+    assert torch.equal(back, t) and torch.equal(store.get_tensor(key + "copy"), t)
+    assert store.load_tensor_from_safetensor(key, str(tmp_path / "nope")) is None

@@ -68,6 +68,8 @@ def _tensor():
 OK = 0
 INVALID_PARAMS = ERROR_CODES["INVALID_PARAMS"]
 NOT_SUPPORTED = ERROR_CODES["NOT_SUPPORTED"]
+# The reference's code when a tensor to export is missing (kvfs never returns it otherwise).
+FILE_NOT_FOUND = -1100
 OBJECT_NOT_FOUND = ERROR_CODES["OBJECT_NOT_FOUND"]
 INTERNAL_ERROR = ERROR_CODES["INTERNAL_ERROR"]
 
@@ -564,7 +566,24 @@ class MooncakeDistributedStore:
 
     def close(self):
         """Leaves the pool (this process's segment and its objects go); returns 0."""
-        return self._core.close()
+        rc = self._core.close()
+        for ptr in getattr(self, "_pool_allocs", ()):
+            MooncakeCore.host_free(ptr)
+        self._pool_allocs = []
+        return rc
+
+    def alloc_from_mem_pool(self, size):
+        """Shared host memory of ``size`` bytes for the zero-copy calls (the reference's
+        dummy-client pool; register it with ``register_buffer`` before use, as there); its
+        address, or 0. It lives until ``close``."""
+        try:
+            ptr = MooncakeCore.host_alloc(int(size))
+        except (RuntimeError, ValueError, OverflowError):
+            return 0
+        if not hasattr(self, "_pool_allocs"):
+            self._pool_allocs = []
+        self._pool_allocs.append(ptr)
+        return ptr
 
     def health_check(self):
         """0 healthy, 1 not set up or closed, 2 master unreachable."""
@@ -955,6 +974,43 @@ class MooncakeDistributedStore:
                                  tp_size=1, split_dim=0):
         return self._tensor_tp_batch(base_keys, tensors_list, config, False, tp_size, split_dim)
 
+    def save_tensor_to_safetensor(self, key, file_name=None):
+        """Writes the tensor stored under ``key`` to a safetensors file (``file_name``, or the
+        key), under the key's name; 0, -1100 (FILE_NOT_FOUND) when no tensor is stored there,
+        -600 when the file cannot be written or ``safetensors`` is not installed."""
+        if not self._core.get_hostname():
+            return INVALID_PARAMS
+        tensor = self.get_tensor(key)
+        if tensor is None:
+            return FILE_NOT_FOUND
+        try:
+            from safetensors.torch import save_file
+
+            save_file({key: tensor}, key if file_name is None else file_name)
+            return 0
+        except Exception as e:  # noqa: BLE001 (the reference answers every failure with -600)
+            log.error("save_tensor_to_safetensor(%r): %s", key, e)
+            return INVALID_PARAMS
+
+    def load_tensor_from_safetensor(self, key=None, file_name=None):
+        """Stores a tensor of a safetensors file under ``key`` (or the file name) and returns
+        it: the entry named ``key``, else the file's first entry; None on any failure."""
+        if file_name is None or not self._core.get_hostname():
+            return None
+        try:
+            from safetensors.torch import load_file
+
+            loaded = load_file(file_name)
+        except Exception as e:  # noqa: BLE001
+            log.error("load_tensor_from_safetensor(%r): %s", file_name, e)
+            return None
+        if not loaded:
+            return None
+        store_key = file_name if key is None else key
+        entry = key if key is not None and key in loaded else next(iter(loaded))
+        tensor = loaded[entry]
+        return tensor if self.put_tensor(store_key, tensor) == 0 else None
+
     def get_tensor(self, key):
         """The tensor stored under ``key`` (a copy: torch where it imports, numpy otherwise),
         or None when it is missing or not in the tensor format."""
@@ -1045,6 +1101,98 @@ class MooncakeDistributedStore:
         if checked is None:
             return [INVALID_PARAMS] * len(keys)
         return self._core.batch_put_from(keys, checked[0], checked[1], None, upsert)
+
+    # ----- the parallelism family: whole tensors ------------------------------------------
+    # The reference's newer TensorParallelism / writer-partition layouts (several axes, manifest
+    # objects) are not built; without them these calls store and read whole tensors exactly as
+    # the reference does, and a request that names a layout is refused with -1012.
+
+    @staticmethod
+    def _whole(op, *layouts):
+        """Whether the request names no layout; logs the refusal otherwise."""
+        named = [x for x in layouts if x is not None and not (isinstance(x, (list, tuple))
+                                                              and all(v is None for v in x))]
+        if named:
+            log.error("%s: TensorParallelism / writer_partition layouts are not supported "
+                      "by kvfs (docs/mooncake-compat.md)", op)
+        return not named
+
+    def put_tensor_with_parallelism(self, key, tensor, parallelism=None, config=None,
+                                    writer_partition=None):
+        if not self._whole("put_tensor_with_parallelism", parallelism, writer_partition):
+            return NOT_SUPPORTED
+        return self._write_tensors([key], [tensor], config, False)[0]
+
+    def upsert_tensor_with_parallelism(self, key, tensor, parallelism=None, config=None,
+                                       writer_partition=None):
+        if not self._whole("upsert_tensor_with_parallelism", parallelism, writer_partition):
+            return NOT_SUPPORTED
+        return self._write_tensors([key], [tensor], config, True)[0]
+
+    def batch_put_tensor_with_parallelism(self, keys, tensors_list, parallelisms=None,
+                                          config=None, writer_partitions=None):
+        if not self._whole("batch_put_tensor_with_parallelism", parallelisms, writer_partitions):
+            return [NOT_SUPPORTED] * len(list(keys))
+        return self._tensor_batch(keys, tensors_list, config, False)
+
+    def batch_upsert_tensor_with_parallelism(self, keys, tensors_list, parallelisms=None,
+                                             config=None, writer_partitions=None):
+        if not self._whole("batch_upsert_tensor_with_parallelism", parallelisms,
+                           writer_partitions):
+            return [NOT_SUPPORTED] * len(list(keys))
+        return self._tensor_batch(keys, tensors_list, config, True)
+
+    def put_tensor_with_parallelism_from(self, key, buffer_ptr, size, parallelism=None,
+                                         config=None, writer_partition=None):
+        if not self._whole("put_tensor_with_parallelism_from", parallelism, writer_partition):
+            return NOT_SUPPORTED
+        return self._tensor_from([key], [buffer_ptr], [size], False)[0]
+
+    def upsert_tensor_with_parallelism_from(self, key, buffer_ptr, size, parallelism=None,
+                                            config=None, writer_partition=None):
+        if not self._whole("upsert_tensor_with_parallelism_from", parallelism, writer_partition):
+            return NOT_SUPPORTED
+        return self._tensor_from([key], [buffer_ptr], [size], True)[0]
+
+    def batch_put_tensor_with_parallelism_from(self, keys, buffer_ptrs, sizes, parallelisms=None,
+                                               config=None, writer_partitions=None):
+        if not self._whole("batch_put_tensor_with_parallelism_from", parallelisms,
+                           writer_partitions):
+            return [NOT_SUPPORTED] * len(list(keys))
+        return self._tensor_from(keys, buffer_ptrs, sizes, False)
+
+    def batch_upsert_tensor_with_parallelism_from(self, keys, buffer_ptrs, sizes,
+                                                  parallelisms=None, config=None,
+                                                  writer_partitions=None):
+        if not self._whole("batch_upsert_tensor_with_parallelism_from", parallelisms,
+                           writer_partitions):
+            return [NOT_SUPPORTED] * len(list(keys))
+        return self._tensor_from(keys, buffer_ptrs, sizes, True)
+
+    @staticmethod
+    def _as_stored(target):
+        mode = getattr(target, "mode", "as_stored") if target is not None else "as_stored"
+        return mode == "as_stored" and getattr(target, "parallelism", None) is None
+
+    def get_tensor_with_parallelism(self, key, target=None):
+        """The tensor as stored (``target`` None or ``ReadTarget("as_stored")``); None for a
+        target that asks for a reshard (not supported)."""
+        return self.get_tensor(key) if self._as_stored(target) else None
+
+    def batch_get_tensor_with_parallelism(self, keys, targets=None):
+        keys = list(keys)
+        targets = [None] * len(keys) if targets is None else list(targets)
+        return [self.get_tensor(k) if self._as_stored(t) else None
+                for k, t in zip(keys, targets)]
+
+    def get_tensor_with_parallelism_into(self, key, buffer_ptr, size, target=None):
+        return self.get_tensor_into(key, buffer_ptr, size) if self._as_stored(target) else None
+
+    def batch_get_tensor_with_parallelism_into(self, keys, buffer_ptrs, sizes, targets=None):
+        keys = list(keys)
+        if targets is not None and not all(self._as_stored(t) for t in targets):
+            return [None] * len(keys)
+        return self.batch_get_tensor_into(keys, buffer_ptrs, sizes)
 
     def put_tensor_with_tp_from(self, key, buffer_ptr, size, tp_rank=0, tp_size=1, split_dim=0):
         """Splits the full tensor in registered memory (``[header][payload]``) into shards as

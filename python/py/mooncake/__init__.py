@@ -5,3 +5,12 @@ get :mod:`kvfs.mooncake` unchanged, and ``mooncake.engine`` (``TransferEngine``)
 kvfs Transfer Engine. The reference's PG and EP modules are not provided (see
 docs/mooncake-compat.md in the kvfs repository).
 """
+
+try:  # the reference's local-buffer pool, where the native store provides one
+    from mooncake.store import BufferPool
+except ImportError:  # kvfs does not: None, as the reference's own wheel exports without it
+    BufferPool = None
+
+RegisteredBufferPool = BufferPool
+
+__all__ = ["BufferPool", "RegisteredBufferPool"]
