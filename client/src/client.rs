@@ -804,6 +804,31 @@ impl Client {
         }
     }
 
+    /// Drops each key's replicas on the node whose transfer endpoint is `endpoint` (every
+    /// replica with `None`; the object goes with its last copy) once its read lease has ended:
+    /// per key whether something was dropped, or `Leased` / `Pinned` / `NotFound`.
+    pub async fn clear_replicas<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        endpoint: Option<&str>,
+    ) -> Vec<Result<bool>> {
+        let req = MasterRequest::ClearReplicas {
+            keys: keys.iter().map(|k| k.as_ref().to_string()).collect(),
+            endpoint: endpoint.map(str::to_string),
+        };
+        match self.call("clear replicas", &req).await {
+            Ok(MasterResponse::ClearReplicas(v)) if v.len() == keys.len() => v
+                .into_iter()
+                .zip(keys)
+                .map(|(r, k)| {
+                    r.map_err(|e| Error::from_wire("clear replicas", &e).with_key(k.as_ref()))
+                })
+                .collect(),
+            Ok(other) => vec![Err(unexpected("clear replicas", &other)); keys.len()],
+            Err(e) => vec![Err(e); keys.len()],
+        }
+    }
+
     /// Removes every object whose key matches `pattern` (unanchored regex); counts what was
     /// removed and what leases or pins protected.
     pub async fn remove_regex(&self, pattern: &str, force: bool) -> Result<RemoveCounts> {

@@ -351,6 +351,12 @@ pub enum MasterRequest {
         node: u64,
         keys: Vec<String>,
     },
+    /// Drop the replicas of each key on the node whose transfer endpoint is `endpoint` (every
+    /// replica with `None`), when its read lease has ended; `true` per key that was cleared.
+    ClearReplicas {
+        keys: Vec<String>,
+        endpoint: Option<String>,
+    },
 }
 
 /// Answers of the master, one variant per request.
@@ -378,6 +384,7 @@ pub enum MasterResponse {
     Promote(Vec<ItemResult<()>>),
     /// The request as a whole was refused (version, role, malformed).
     Refused(WireError),
+    ClearReplicas(Vec<ItemResult<bool>>),
 }
 
 /// An object the node now holds (sent after the put completed on the master).

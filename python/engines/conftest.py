@@ -7,7 +7,8 @@ contributes 256 MiB of DRAM. The binary is ``$KVFS_BIN``, else
 ``$CARGO_TARGET_DIR/{debug,release}/kvfs`` (default target ``/var/tmp/kvfs-target``).
 
 The master's addresses are exported to the environment (``KVFS_ENGINES_MASTER``,
-``KVFS_ENGINES_METRICS_PORT``) so the child processes the scenarios start find it too.
+``KVFS_ENGINES_METRICS_PORT``) so the child processes the scenarios start find it too. When
+both are already set (scripts/test-engines starts the cluster itself), that cluster is used.
 """
 
 import json
@@ -113,8 +114,25 @@ class Cluster:
                 p.wait()
 
 
+class ExternalCluster:
+    """The cluster scripts/test-engines started (it exports KVFS_ENGINES_MASTER and
+    KVFS_ENGINES_METRICS_PORT and runs the master with the flags Cluster.start uses)."""
+
+    def __init__(self):
+        self.master = os.environ["KVFS_ENGINES_MASTER"]
+        self.metrics_port = int(os.environ["KVFS_ENGINES_METRICS_PORT"])
+
+    def segments(self):
+        return json.loads(_http_get(f"http://127.0.0.1:{self.metrics_port}/get_all_segments"))
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
+    if os.environ.get("KVFS_ENGINES_MASTER") and os.environ.get("KVFS_ENGINES_METRICS_PORT"):
+        c = ExternalCluster()
+        Cluster._wait(lambda: len(c.segments()) >= 1, "the external cluster's node")
+        yield c
+        return
     c = Cluster(str(tmp_path_factory.mktemp("kvfs-engines")))
     try:
         c.start()

@@ -912,6 +912,35 @@ impl MooncakeCore {
         }
     }
 
+    /// The keys whose replicas on `segment_name` (every replica when empty) were dropped once
+    /// their read lease had ended (the reference's `batch_replica_clear`).
+    #[pyo3(signature = (keys, segment_name=""))]
+    fn batch_replica_clear(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        segment_name: &str,
+    ) -> Vec<String> {
+        let endpoint = (!segment_name.is_empty()).then_some(segment_name);
+        let r = self.session().and_then(|s| {
+            runtime::call(py, "batch_replica_clear", s.call_timeout, async {
+                Ok(s.client.clear_replicas(&keys, endpoint).await)
+            })
+        });
+        match r {
+            Ok(v) => keys
+                .into_iter()
+                .zip(v)
+                .filter(|(_, r)| matches!(r, Ok(true)))
+                .map(|(k, _)| k)
+                .collect(),
+            Err(f) => {
+                log_code("batch_replica_clear", &f);
+                Vec::new()
+            }
+        }
+    }
+
     /// Objects removed, or a negative code.
     #[pyo3(signature = (pattern, force=false))]
     fn remove_by_regex(&self, py: Python<'_>, pattern: &str, force: bool) -> i64 {

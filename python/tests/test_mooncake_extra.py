@@ -135,8 +135,12 @@ def test_replica_descriptors_of_two_replicas(cluster, key):
             for d in owner.get_replica_desc(key)
         }
         assert len(endpoints) == 2 and owner.get_hostname() in endpoints
-        # Clearing by segment: the object has a replica elsewhere too, so kvfs keeps it.
-        assert owner.batch_replica_clear([key], segment_name=owner.get_hostname()) == []
+        # Clearing by segment drops only that segment's copy; the other still serves reads.
+        time.sleep(LEASE_TTL_S + 0.3)  # past the lease the put granted
+        assert owner.batch_replica_clear([key], segment_name=owner.get_hostname()) == [key]
+        left = [d.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                for d in owner.get_replica_desc(key)]
+        assert left == [e for e in endpoints if e != owner.get_hostname()]
         assert owner.get(key) == b"twice"
     finally:
         owner.remove(key, force=True)
@@ -148,6 +152,8 @@ def test_batch_replica_clear_skips_leased_and_missing_keys(store, key):
     for k in keys:
         assert store.put(k, b"clear me") == 0
     assert store.batch_replica_clear([]) == []
+    assert store.batch_replica_clear(keys) == [], "a fresh put counts as leased, as there"
+    time.sleep(LEASE_TTL_S + 0.3)
     assert store.get(keys[0]) == b"clear me"  # a read lease on keys[0]
     cleared = store.batch_replica_clear(keys + ["missing-" + key])
     assert sorted(cleared) == keys[1:]

@@ -595,6 +595,54 @@ impl Directory {
         counts
     }
 
+    /// Clear an object whose read lease has ended and that was not written within the lease
+    /// TTL either (the reference's `batch_replica_clear`, whose puts grant a lease):
+    /// every replica with `node` None, else only the node replicas on `node` (the object goes
+    /// when nothing is left). `Ok(false)` when the object has no replica on `node`; `Leased`
+    /// or `Pinned` (hard) when it may not be touched; `NotFound` when it does not exist.
+    pub fn clear_replicas(
+        &mut self,
+        key: &str,
+        node: Option<NodeId>,
+        now_ms: u64,
+        fx: &mut Vec<NodeEffect>,
+    ) -> Result<bool> {
+        const OP: &str = "clear_replicas";
+        let id = self.find(key, OP)?;
+        self.removable(id, now_ms).map_err(|kind| Error::new(kind, OP).with_key(key))?;
+        // The reference leases an object at its put: one written within the lease TTL is kept.
+        let put_ms = self.objects[id].version >> 20;
+        if put_ms.saturating_add(self.cfg.lease_ttl_ms) > now_ms {
+            let detail = "written within the lease TTL";
+            return Err(Error::new(ErrorKind::Leased, OP).with_key(key).with_detail(detail));
+        }
+        let Some(node) = node else {
+            self.remove_object(id, Some(fx));
+            return Ok(true);
+        };
+        let mut on_node = Vec::new();
+        let mut rep = self.objects[id].first_rep;
+        while rep != NIL {
+            if self.segment(self.reps[rep].seg).node == node {
+                on_node.push(rep);
+            }
+            rep = self.reps[rep].obj_next;
+        }
+        if on_node.is_empty() {
+            return Ok(false);
+        }
+        let size = self.objects[id].size;
+        for rep in on_node {
+            let (seg, offset) = self.detach_replica(rep);
+            fx.push(self.drop_effect(&self.objects[id].key, seg, offset, size));
+            self.free_range(seg, offset, size);
+        }
+        if self.is_orphan(id) {
+            self.remove_object(id, None);
+        }
+        Ok(true)
+    }
+
     fn removable(&self, id: u32, now_ms: u64) -> Result<(), ErrorKind> {
         let o = &self.objects[id];
         if o.flags.pin == Pin::Hard {

@@ -827,3 +827,30 @@ fn a_disconnected_node_gets_no_replicas_and_goes_after_its_grace() {
     assert_eq!(nodes_of(&d.stat("back").unwrap()), vec![NodeId(2)]);
     d.verify().unwrap();
 }
+
+#[test]
+fn clear_replicas_drops_one_nodes_copies_or_the_whole_object() {
+    let mut d = cluster(3, 64 * MIB);
+    let ttl = cfg().lease_ttl_ms;
+    put(&mut d, "fresh", MIB, 0);
+    assert_eq!(kind(d.clear_replicas("fresh", None, ttl - 1, &mut Vec::new())), ErrorKind::Leased);
+    let mut two = PutStart::new("two", MIB);
+    two.replicas = 2;
+    two.preferred_segments =
+        vec![SegmentRef { node: NodeId(1), index: 0 }, SegmentRef { node: NodeId(2), index: 0 }];
+    put_with(&mut d, &two, 0).unwrap();
+    let mut fx = Vec::new();
+    d.get("two", ttl).unwrap(); // a read lease until 2 * lease_ttl_ms
+    assert_eq!(kind(d.clear_replicas("two", Some(NodeId(1)), ttl + 1, &mut fx)), ErrorKind::Leased);
+    let later = 2 * ttl + 1;
+    assert!(!d.clear_replicas("two", Some(NodeId(3)), later, &mut fx).unwrap(), "none there");
+    assert!(d.clear_replicas("two", Some(NodeId(1)), later, &mut fx).unwrap());
+    assert_eq!(drops(&fx), vec!["two"]);
+    assert_eq!(nodes_of(&d.stat("two").unwrap()), vec![NodeId(2)], "the other copy stays");
+    assert!(d.clear_replicas("two", Some(NodeId(2)), later, &mut fx).unwrap());
+    assert_eq!(kind(d.stat("two")), ErrorKind::NotFound, "the last copy takes the object");
+    assert!(d.clear_replicas("fresh", None, later, &mut fx).unwrap());
+    assert_eq!(kind(d.stat("fresh")), ErrorKind::NotFound);
+    assert_eq!(kind(d.clear_replicas("fresh", None, later, &mut fx)), ErrorKind::NotFound);
+    d.verify().unwrap();
+}

@@ -348,6 +348,7 @@ fn op_of(req: &MasterRequest) -> (Op, usize) {
         MasterRequest::UnregisterNode { .. } => (Op::UnregisterNode, 0),
         MasterRequest::ReportReplicas { items, .. } => (Op::ReportReplicas, items.len()),
         MasterRequest::Promote { keys, .. } => (Op::Promote, keys.len()),
+        MasterRequest::ClearReplicas { keys, .. } => (Op::Remove, keys.len()),
     }
 }
 
@@ -375,6 +376,7 @@ fn count_errors(m: &Metrics, resp: &MasterResponse) {
         MasterResponse::Exists(v) => each(m, v),
         MasterResponse::ReportReplicas(v) => each(m, v),
         MasterResponse::Promote(v) => each(m, v),
+        MasterResponse::ClearReplicas(v) => each(m, v),
         MasterResponse::Refused(e) => m.item_error(e.code),
         _ => {}
     }
@@ -429,6 +431,25 @@ async fn dispatch(state: &Arc<State>, conn: &RpcConn, req: MasterRequest) -> Mas
             let r = state.lock().remove_all(force, now, &mut fx);
             deliver(state, fx, false).await;
             MasterResponse::RemoveCount(Ok(wire_counts(r)))
+        }
+        MasterRequest::ClearReplicas { keys, endpoint } => {
+            let mut fx = Vec::new();
+            let r: Vec<crate::Result<bool>> = {
+                let dir = &mut *state.lock();
+                let node = endpoint.as_deref().map(|ep| {
+                    dir.node_ids().find(|&n| dir.node_endpoint(n).is_some_and(|(_, e)| e == ep))
+                });
+                keys.iter()
+                    .map(|k| match node {
+                        // An endpoint no node has: nothing of any key lives there.
+                        Some(None) => Ok(false),
+                        Some(Some(n)) => dir.clear_replicas(k, Some(n), now, &mut fx),
+                        None => dir.clear_replicas(k, None, now, &mut fx),
+                    })
+                    .collect()
+            };
+            deliver(state, fx, false).await;
+            MasterResponse::ClearReplicas(results(r, |b| b))
         }
         MasterRequest::List { prefix, start_after, limit } => {
             let r = state.lock().list(&prefix, start_after.as_deref(), limit as usize);

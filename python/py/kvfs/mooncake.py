@@ -799,35 +799,14 @@ class MooncakeDistributedStore:
         return out
 
     def batch_replica_clear(self, keys, segment_name=""):
-        """Removes the keys whose read lease has expired and returns those removed. With
-        ``segment_name``, only keys whose replicas all live on that segment (kvfs cannot drop
-        one replica of an object from a client: a key with replicas elsewhere too is skipped
-        with a warning). Missing keys, leased and hard-pinned objects are skipped. Any client
-        may clear any key (kvfs does not record which client wrote an object)."""
-        keys = [str(k) for k in keys]
+        """Clears the keys whose read lease has expired and returns those cleared: every
+        replica (the object goes), or with ``segment_name`` only the replicas on that segment
+        (the object goes with its last copy). Missing, leased and hard-pinned keys are skipped.
+        Any client may clear any key (kvfs does not record which client wrote an object)."""
+        keys = [str(k) for k in keys if k]
         if not keys:
             return []
-        if segment_name:
-            chosen = []
-            for key, (code, _size, _lease, reps) in zip(keys, self._core.stat_batch(keys)):
-                on = [r for r in reps if r[1] == segment_name]
-                if code != OK or not on:
-                    continue
-                if len(on) != len(reps):
-                    log.warning(
-                        "batch_replica_clear: %s has replicas outside %s; kvfs drops whole "
-                        "objects only, skipping it",
-                        key,
-                        segment_name,
-                    )
-                    continue
-                chosen.append(key)
-            keys = chosen
-        keys = [k for k in keys if k]
-        if not keys:
-            return []
-        codes = self._core.batch_remove(keys, False)
-        return [k for k, c in zip(keys, codes) if c == OK]
+        return self._core.batch_replica_clear(keys, str(segment_name or ""))
 
     def get_into_ranges(self, buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes):
         """Byte ranges of objects into registered buffers: ``results[i][j][k]`` is the length
