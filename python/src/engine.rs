@@ -112,8 +112,7 @@ impl Te {
         notify: Option<&TransferNotify>,
     ) -> Result<(), String> {
         let seg = self.open(target).await?;
-        let max = self.engine.config().batch_items_max.max(1);
-        for chunk in items.chunks(max) {
+        let batches = chunks(items).into_iter().map(|(first, chunk)| {
             let reqs: Vec<TransferRequest> = chunk
                 .iter()
                 .map(|&(local_addr, remote_addr, len)| TransferRequest {
@@ -124,14 +123,17 @@ impl Te {
                     len,
                 })
                 .collect();
-            let results = self.engine.transfer(reqs).await.map_err(|e| e.to_string())?;
+            async move { (first, self.engine.transfer(reqs).await) }
+        });
+        for (first, done) in futures_util::future::join_all(batches).await {
+            let results = done.map_err(|e| e.to_string())?;
             if let Some((i, e)) =
                 results.iter().enumerate().find_map(|(i, r)| Some((i, r.as_ref().err()?)))
             {
                 if matches!(e.kind(), ErrorKind::PeerGone | ErrorKind::UnknownSegment) {
                     self.engine.close_segment(target).await;
                 }
-                return Err(format!("item {i}: {e}"));
+                return Err(format!("item {}: {e}", first + i));
             }
         }
         if let Some(n) = notify {
@@ -144,6 +146,29 @@ impl Te {
     async fn open(&self, target: &str) -> Result<SegmentHandle, String> {
         self.engine.open_segment(target).await.map_err(|e| format!("open segment {target:?}: {e}"))
     }
+}
+
+/// Items per engine batch, and bytes: a call's items run as several batches at once, so
+/// packs of small items spread over the connections as the store client's chunks do.
+const CHUNK_ITEMS_MAX: usize = 64;
+const CHUNK_BYTES_MAX: u64 = 8 << 20;
+
+/// `items` cut into runs of at most [`CHUNK_ITEMS_MAX`] items and [`CHUNK_BYTES_MAX`] bytes (a
+/// larger item runs alone), each with the index of its first item.
+fn chunks(items: &[Item]) -> Vec<(usize, &[Item])> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0u64);
+    for (i, it) in items.iter().enumerate() {
+        if i > start && (i - start >= CHUNK_ITEMS_MAX || bytes + it.2 > CHUNK_BYTES_MAX) {
+            out.push((start, &items[start..i]));
+            (start, bytes) = (i, 0);
+        }
+        bytes += it.2;
+    }
+    if start < items.len() {
+        out.push((start, &items[start..]));
+    }
+    out
 }
 
 /// `[u32 LE name length][name][message]`, carried as one engine notification.
@@ -374,6 +399,7 @@ impl TransferEngine {
                 if tcp_only {
                     cfg.transports = Transports::tcp_only();
                 }
+                crate::session::tune_from_env(&mut cfg);
                 match Engine::start(cfg).await {
                     Ok(e) => return Ok((e, p)),
                     Err(e) => last = e.to_string(),
@@ -843,6 +869,20 @@ mod tests {
         assert_eq!((back.name.as_str(), back.msg.as_str()), ("decode-0", "req-17 done"));
         let raw = decode_notify("10.0.0.1:15001", b"\x09\0\0\0ab");
         assert_eq!((raw.name.as_str(), raw.msg.as_str()), ("10.0.0.1:15001", "\t\0\0\0ab"));
+    }
+
+    #[test]
+    fn calls_are_cut_into_bounded_chunks() {
+        let items: Vec<Item> = (0..100).map(|i| (i, i, 1 << 20)).collect();
+        let c = chunks(&items);
+        assert_eq!((c[0].0, c[0].1.len(), c[1].0, c[1].1.len()), (0, 8, 8, 8));
+        assert_eq!(c.iter().map(|(_, ch)| ch.len()).sum::<usize>(), 100);
+        let big: Vec<Item> = vec![(0, 0, 64 << 20), (1, 1, 1), (2, 2, 64 << 20)];
+        assert_eq!(chunks(&big).iter().map(|(f, _)| *f).collect::<Vec<_>>(), [0, 1, 2]);
+        let small: Vec<Item> = (0..200).map(|i| (i, i, 16)).collect();
+        let lens: Vec<usize> = chunks(&small).iter().map(|(_, ch)| ch.len()).collect();
+        assert_eq!(lens, [64, 64, 64, 8]);
+        assert!(chunks(&[]).is_empty());
     }
 
     #[test]

@@ -257,7 +257,7 @@ async fn start_engine(opts: &SessionOptions) -> Result<(Engine, Option<Node>), F
 
 /// Engine knobs a deployment may set without code: `KVFS_TCP_CONNS_PER_PEER`,
 /// `KVFS_TCP_SLICE_BYTES`, `KVFS_OP_TIMEOUT_MS` (invalid values are ignored with a warning).
-fn tune_from_env(cfg: &mut EngineConfig) {
+pub(crate) fn tune_from_env(cfg: &mut EngineConfig) {
     fn var(name: &str) -> Option<u64> {
         let v = std::env::var(name).ok()?;
         match v.trim().parse::<u64>() {

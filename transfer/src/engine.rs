@@ -232,7 +232,8 @@ const PACK_ITEM_BYTES_MAX: u64 = 1 << 20;
 const PACK_BYTES_MAX: u64 = 4 << 20;
 
 /// Splits a batch into items that run on their own and packs of small items that can share one
-/// tcp request: remote peers reached only over tcp (no shm mapping, no rdma link), valid
+/// tcp request: remote ranges reached only over tcp (outside the peer's shared buffers, no rdma
+/// link), valid
 /// lengths, registered local memory. Everything else runs on its own, where its errors are
 /// reported. Packs hold at most `PACK_ITEMS_MAX` items and `slice_bytes` bytes.
 fn plan_batch(
@@ -294,10 +295,18 @@ fn plan_batch(
 
 /// What keeps the local memory of `req` alive, when `req` can go into a tcp pack.
 fn packable(shared: &Shared, req: &TransferRequest) -> Option<Hold> {
-    let PeerKind::Remote { tcp: Some(_), shm: None, rdma } = &req.segment.0.kind else {
+    let PeerKind::Remote { tcp: Some(_), shm, rdma } = &req.segment.0.kind else {
         return None;
     };
-    if rdma.is_some()
+    // A same-host peer's shared buffers are copied directly; its other registered memory
+    // (raw registrations: an engine's KV cache) goes over tcp like a remote peer's.
+    let over_shm = shm.as_ref().is_some_and(|s| {
+        s.is_dead()
+            || req.remote_addr.checked_add(req.len).is_none()
+            || s.translate(req.remote_addr, req.len).is_some()
+    });
+    if over_shm
+        || rdma.is_some()
         || req.len == 0
         || req.len > PACK_ITEM_BYTES_MAX
         || req.remote_addr.checked_add(req.len).is_none()
