@@ -248,8 +248,14 @@ pub(crate) struct ShmPeer {
     timeout: Duration,
     maps: RwLock<BTreeMap<u64, Arc<Buffer>>>,
     dead: Arc<AtomicBool>,
-    refresh: tokio::sync::Mutex<()>,
+    /// Held while refreshing; holds when the last refresh finished.
+    refresh: tokio::sync::Mutex<Option<std::time::Instant>>,
 }
+
+/// A range that is in none of a peer's shared buffers fetches its buffer list again at most
+/// this often: memory the peer registered by address (never shareable) then goes over tcp
+/// without one round trip per item, and a buffer the peer shares later is seen within it.
+const REFRESH_INTERVAL: Duration = Duration::from_millis(200);
 
 impl ShmPeer {
     pub async fn open(socket: String, timeout: Duration) -> Result<ShmPeer> {
@@ -262,7 +268,7 @@ impl ShmPeer {
             timeout,
             maps: RwLock::new(BTreeMap::new()),
             dead: Arc::new(AtomicBool::new(false)),
-            refresh: tokio::sync::Mutex::new(()),
+            refresh: tokio::sync::Mutex::new(None),
         };
         peer.install(bufs)?;
         watch.set_read_timeout(None).map_err(|e| Error::io("shm open", e))?;
@@ -303,14 +309,20 @@ impl ShmPeer {
         (end <= base + m.len() as u64).then(|| (m.clone(), (remote - base) as usize))
     }
 
-    /// Fetches the peer's buffer list again and maps any new ones.
+    /// Fetches the peer's buffer list again and maps any new ones, unless that happened less
+    /// than [`REFRESH_INTERVAL`] ago (concurrent callers wait for one fetch).
     pub async fn refresh(&self) -> Result<()> {
-        let _one_at_a_time = self.refresh.lock().await;
+        let mut last = self.refresh.lock().await;
+        if last.is_some_and(|t| t.elapsed() < REFRESH_INTERVAL) {
+            return Ok(());
+        }
         let (name, timeout) = (self.socket.clone(), self.timeout);
         let (_stream, bufs) = tokio::task::spawn_blocking(move || fetch_buffers(&name, timeout))
             .await
             .map_err(|e| Error::new(ErrorKind::Io, "shm refresh", e.to_string()))??;
-        self.install(bufs)
+        let installed = self.install(bufs);
+        *last = Some(std::time::Instant::now());
+        installed
     }
 
     pub fn mapped_buffers(&self) -> usize {
