@@ -11,8 +11,8 @@ The Transfer Engine calls a P/D connector makes (``mooncake.engine.TransferEngin
 ``batch_transfer_sync_write``/``read``) run between this process and a second Python process
 holding a registered numpy buffer: transport ``tcp`` is memory registered by address (what
 vLLM registers: its KV cache), ``shm`` is managed buffers (``allocate_managed_buffer``) on both
-sides; each batch moves ``--batch-bytes`` in items of the given size. The ``tcp`` Transfer Engine
-figures pair every round with a raw TCP sample of the same bytes taken just before it (a sink
+sides; each batch moves ``--batch-bytes`` in items of the given size. The ``tcp`` zero-copy batch
+figures (store ``batch_put_from``/``batch_get_into`` and the Transfer Engine's) pair every round with a raw TCP sample of the same bytes taken just before it (a sink
 process that stays up, the better of one and four streams) and report the median of the
 rounds' ratios, as ``kvfs bench tiers`` interleaves its rounds; their ratio to the suite limit
 is the last column, marked ``*`` (``ratio_suite`` in JSON).
@@ -253,6 +253,8 @@ def run_transport(cluster, transport, sizes, args, limits, emit):
     rc = store.setup("localhost", "P2PHANDSHAKE", 0, args.batch_bytes * 2, "tcp", "", cluster.master)
     check(rc, "setup")
     limit, limit_gbps = limits[transport]
+    # The zero-copy batches over tcp pair every round with a raw TCP sample (PairedTcp).
+    pair = PairedTcp(args.batch_bytes) if transport == "tcp" else None
     src = np.random.default_rng(1).integers(0, 255, args.batch_bytes, dtype=np.uint8)
     dst = np.ones_like(src)  # touched: no first-use page faults inside the figures
     check(store.register_buffer(src.ctypes.data, src.nbytes), "register_buffer")
@@ -311,8 +313,12 @@ def run_transport(cluster, transport, sizes, args, limits, emit):
             def put_batch_round():
                 check(store.batch_put_from(state["keys"], ptrs, [size] * n), "batch_put_from")
 
-            t = timed(put_batch_round, args.min_s, before=prep_batch)
-            emit(figure("batch_put_from", transport, size, n * size, n, t, limit, limit_gbps))
+            if pair is not None:
+                emit(paired_figure("batch_put_from", size, n * size, n, put_batch_round, pair,
+                                   args.min_s, before=prep_batch))
+            else:
+                t = timed(put_batch_round, args.min_s, before=prep_batch)
+                emit(figure("batch_put_from", transport, size, n * size, n, t, limit, limit_gbps))
 
             # zero-copy batch get into the registered buffer.
             keys = state["keys"]
@@ -320,12 +326,19 @@ def run_transport(cluster, transport, sizes, args, limits, emit):
             def get_batch_round():
                 check(store.batch_get_into(keys, dptrs, [size] * n), "batch_get_into")
 
-            t = timed(get_batch_round, args.min_s)
+            if pair is not None:
+                fig = paired_figure("batch_get_into", size, n * size, n, get_batch_round, pair,
+                                    args.min_s)
+            else:
+                t = timed(get_batch_round, args.min_s)
+                fig = figure("batch_get_into", transport, size, n * size, n, t, limit, limit_gbps)
             if not np.array_equal(src[: n * size], dst[: n * size]):
                 raise RuntimeError("batch_get_into read wrong bytes")
-            emit(figure("batch_get_into", transport, size, n * size, n, t, limit, limit_gbps))
+            emit(fig)
             clear()
     finally:
+        if pair is not None:
+            pair.close()
         store.unregister_buffer(src.ctypes.data)
         store.unregister_buffer(dst.ctypes.data)
         store.close()
@@ -411,12 +424,14 @@ class PairedTcp:
         self.child.wait(timeout=10)
 
 
-def paired_figure(op, size, nbytes, ops, fn, pair, min_s):
+def paired_figure(op, size, nbytes, ops, fn, pair, min_s, before=None):
     """Rounds of (limit sample, timed fn) until min_s; the ratio is the median of the rounds'
-    ratios, the limit the median sample."""
+    ratios, the limit the median sample. ``before`` runs untimed ahead of each round."""
     times, limits, ratios = [], [], []
     start = time.perf_counter()
     while len(times) < 5 or time.perf_counter() - start < min_s:
+        if before:
+            before()
         lim = pair.sample()
         t0 = time.perf_counter()
         fn()
