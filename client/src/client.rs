@@ -909,8 +909,10 @@ const CHUNK_ITEMS_MAX: usize = 64;
 const CHUNK_BYTES_MAX: u64 = 8 << 20;
 
 /// Cuts a large batch into chunks that run concurrently, so the master's work for one chunk
-/// (allocating, committing) overlaps the transfers of another instead of adding to them.
-fn pipeline_chunks(lens: impl Iterator<Item = u64>) -> Vec<std::ops::Range<usize>> {
+/// (allocating, committing) overlaps the transfers of another instead of adding to them; the
+/// Python Transfer Engine cuts its calls the same way (its packs then spread over the
+/// connections). At most 64 items or 8 MiB per chunk; one range, possibly empty, at least.
+pub fn pipeline_chunks(lens: impl Iterator<Item = u64>) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let (mut start, mut bytes, mut end) = (0usize, 0u64, 0usize);
     for (i, len) in lens.enumerate() {

@@ -13,7 +13,9 @@ mod master;
 pub mod node;
 mod staging;
 
-pub use client::{Client, ClientConfig, GetInto, ObjectInfo, PutFrom, PutOptions, StagedBytes};
+pub use client::{
+    Client, ClientConfig, GetInto, ObjectInfo, PutFrom, PutOptions, StagedBytes, pipeline_chunks,
+};
 pub use error::{Error, ErrorKind, Result};
 pub use kvfs_proto::store::{
     DirEntry, DirPage, ListEntry, ListPage, MasterStats, Persistence, Pin, RemoveCounts,

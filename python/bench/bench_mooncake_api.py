@@ -89,59 +89,13 @@ def kvfs_bin(explicit):
 
 # ----- limits --------------------------------------------------------------------------------
 
-_SINK = r"""
-import socket, sys
-streams, total, chunk = int(sys.argv[1]), int(sys.argv[2]), 4 << 20
-srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(streams)
-print(srv.getsockname()[1], flush=True)
-import threading
-def drain(c):
-    buf = bytearray(chunk); view = memoryview(buf); left = total
-    while left > 0:
-        n = c.recv_into(view, min(chunk, left))
-        if n == 0: break
-        left -= n
-    c.sendall(b"k"); c.close()
-ts = []
-for _ in range(streams):
-    c, _ = srv.accept(); t = threading.Thread(target=drain, args=(c,)); t.start(); ts.append(t)
-for t in ts: t.join()
-"""
-
-
 def raw_tcp_gbps(total_bytes, streams):
     """Plain Python sockets, this process sending to a child process over loopback."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", _SINK, str(streams), str(total_bytes // streams)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    sink = PairedTcp(total_bytes)
     try:
-        port = int(child.stdout.readline())
-        payload = memoryview(np.random.default_rng(0).integers(0, 255, 4 << 20, dtype=np.uint8))
-        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
-        per = total_bytes // streams
-
-        def send(s):
-            left = per
-            while left > 0:
-                n = min(len(payload), left)
-                s.sendall(payload[:n])
-                left -= n
-            s.recv(1)
-
-        t0 = time.perf_counter()
-        ts = [threading.Thread(target=send, args=(s,)) for s in socks]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        dt = time.perf_counter() - t0
-        for s in socks:
-            s.close()
-        return per * streams / dt / 1e9
+        return sink.send_streams(streams)
     finally:
-        child.wait(timeout=30)
+        sink.close()
 
 
 def memcpy_gbps(nbytes=256 << 20, rounds=3):
@@ -391,7 +345,8 @@ class PairedTcp:
         self.port = int(self.child.stdout.readline())
         self.payload = memoryview(np.random.default_rng(0).integers(0, 255, 4 << 20, dtype=np.uint8))
 
-    def _send(self, streams):
+    def send_streams(self, streams):
+        """GB/s of sending ``nbytes`` to the sink over ``streams`` connections at once."""
         per = self.nbytes // streams
         socks = [socket.create_connection(("127.0.0.1", self.port)) for _ in range(streams)]
 
@@ -417,7 +372,7 @@ class PairedTcp:
 
     def sample(self):
         """The better of one stream and four, as the suite limit takes it."""
-        return max(self._send(1), self._send(4))
+        return max(self.send_streams(1), self.send_streams(4))
 
     def close(self):
         self.child.kill()

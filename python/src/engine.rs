@@ -148,27 +148,16 @@ impl Te {
     }
 }
 
-/// Items per engine batch, and bytes: a call's items run as several batches at once, so
-/// packs of small items spread over the connections as the store client's chunks do.
-const CHUNK_ITEMS_MAX: usize = 64;
-const CHUNK_BYTES_MAX: u64 = 8 << 20;
-
-/// `items` cut into runs of at most [`CHUNK_ITEMS_MAX`] items and [`CHUNK_BYTES_MAX`] bytes (a
-/// larger item runs alone), each with the index of its first item.
+/// `items` cut as the store client cuts its batches ([`kvfs_client::pipeline_chunks`]: at most
+/// 64 items or 8 MiB a run, a larger item alone), each run with the index of its first item, so
+/// a call's runs go out as concurrent engine batches and their packs spread over the
+/// connections.
 fn chunks(items: &[Item]) -> Vec<(usize, &[Item])> {
-    let mut out = Vec::new();
-    let (mut start, mut bytes) = (0, 0u64);
-    for (i, it) in items.iter().enumerate() {
-        if i > start && (i - start >= CHUNK_ITEMS_MAX || bytes + it.2 > CHUNK_BYTES_MAX) {
-            out.push((start, &items[start..i]));
-            (start, bytes) = (i, 0);
-        }
-        bytes += it.2;
-    }
-    if start < items.len() {
-        out.push((start, &items[start..]));
-    }
-    out
+    kvfs_client::pipeline_chunks(items.iter().map(|it| it.2))
+        .into_iter()
+        .filter(|r| !r.is_empty())
+        .map(|r| (r.start, &items[r]))
+        .collect()
 }
 
 /// `[u32 LE name length][name][message]`, carried as one engine notification.
