@@ -16,9 +16,7 @@ store client, and (once kvfs has ``mooncake.engine``) the P/D ``MooncakeConnecto
 * ``MooncakeConnector`` (``.../kv_connector/v1/mooncake/mooncake_connector.py``), P/D
   disaggregation over ``mooncake.engine.TransferEngine``: a prefill process and a decode process
   with real ``VllmConfig``s (a tiny local Llama config, CPU platform), the real bootstrap HTTP
-  server and ZMQ side channel. The test against kvfs is skipped until ``mooncake.engine`` is
-  importable; a self-check runs the same driver in one process with a loopback stand-in for the
-  engine (it tests the driver, not kvfs).
+  server and ZMQ side channel, the bytes moved by kvfs's ``mooncake.engine``.
 """
 
 import ctypes
@@ -271,36 +269,11 @@ TINY_LLAMA = {
 }
 
 
-class LoopbackEngine:
-    """Stand-in for ``mooncake.engine.TransferEngine`` within ONE process (both workers share
-    an address space, so a write is a memmove). Checks the driver, not kvfs."""
-
-    def initialize(self, hostname, metadata_server, protocol, device_name):
-        return 0
-
-    def get_rpc_port(self):
-        return 17000
-
-    def batch_register_memory(self, ptrs, lens):
-        return 0
-
-    def register_memory(self, ptr, length):
-        return 0
-
-    def batch_unregister_memory(self, ptrs):
-        return 0
-
-    def batch_transfer_sync_write(self, session, src, dst, lens):
-        for s, d, n in zip(src, dst, lens):
-            ctypes.memmove(d, s, n)
-        return 0
-
-
-def pd_connector(role, bootstrap_port, engine_cls=None):
+def pd_connector(role, bootstrap_port):
     """A real MooncakeConnector (WORKER role) for ``kv_producer`` / ``kv_consumer`` on CPU.
 
     Patched as vLLM's test_mooncake_connector.py patches its worker: get_ip and the TP/PP group
-    getters (and, only for the self-check, the TransferEngine class); plus
+    getters; plus
     torch.accelerator.current_device_index, which a CUDA build of torch cannot answer without a
     driver."""
     from vllm.config import KVTransferConfig, ModelConfig, VllmConfig, set_current_vllm_config
@@ -337,8 +310,6 @@ def pd_connector(role, bootstrap_port, engine_cls=None):
         mock.patch.object(mc, "get_pp_group", lambda: pp),
         mock.patch("torch.accelerator.current_device_index", lambda: 0),
     ]
-    if engine_cls is not None:
-        patches.append(mock.patch.object(mc, "TransferEngine", engine_cls))
     for p in patches:
         p.start()  # kept for the life of the process: the workers' threads call them later
     with set_current_vllm_config(vllm_config):
@@ -597,30 +568,9 @@ if __name__ != "__main__":
         finally:
             p.finish()
 
-    def test_pd_driver_selfcheck_with_loopback_engine(tag):
-        """NOT a kvfs test: the P/D driver below, in one process with a loopback TransferEngine,
-        so a failure of the real test points at kvfs and not at the driver."""
-        port = _free_port()
-        mc, prefill, kv_p = pd_connector("kv_producer", port, engine_cls=LoopbackEngine)
-        pd_fill(kv_p, tag, [1, 2, 3])
-        prefill.register_kv_caches(kv_p)
-        _, decode, kv_d = pd_connector("kv_consumer", port, engine_cls=LoopbackEngine)
-        decode.register_kv_caches(kv_d)
-        pd_prefill_send(mc, prefill, tag, [1, 2, 3])
-        pd_decode_pull(mc, decode, tag, [5, 6, 7], prefill.engine_id, port)
-        assert pd_wait(decode, "d-req", sending=False)
-        assert pd_wait(prefill, "p-req", sending=True)
-        assert decode.connector_worker.get_block_ids_with_load_errors() == set()
-        assert pd_bad(kv_d, tag, [5, 6, 7]) == []
-
     def test_pd_mooncake_connector_prefill_to_decode(cluster, tag):
         """vLLM P/D through mooncake.engine.TransferEngine: a prefill process writes 3 blocks of
-        2 layers into a decode process's KV cache (batch_transfer_sync_write). Written against
-        the reference's TransferEngine API; runs once kvfs ships mooncake.engine."""
-        try:
-            import mooncake.engine  # noqa: F401
-        except ImportError:
-            pytest.skip("needs mooncake.engine (kvfs's TransferEngine module is not installed yet)")
+        2 layers into a decode process's KV cache (batch_transfer_sync_write), kvfs's engine."""
         port = _free_port()
         prefill = Child(SCRIPT, "pd_prefill", tag=tag, bootstrap_port=port, blocks=[1, 2, 3])
         decode = None
