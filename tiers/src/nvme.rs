@@ -296,7 +296,7 @@ fn write_object(
         version: opts.version,
         pin: opts.pin,
     };
-    let encoded = header::encode(key, &meta, generation, 1);
+    let encoded = header::encode(key, &meta, generation, None, 1);
     let mut h = OpenOptions::new()
         .write(true)
         .create_new(true)

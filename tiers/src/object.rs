@@ -302,7 +302,7 @@ impl Medium for ObjectStoreMedium {
                 Err(e) => return Err(map_err(format!("object put {key:?}"), e)),
             }
         }
-        let hdr = Bytes::from(header::encode(key, &meta, 0, 1));
+        let hdr = Bytes::from(header::encode(key, &meta, 0, None, 1));
         let total = hdr.len() as u64 + meta.size_bytes;
         let body = opendal::Buffer::from(vec![hdr, Bytes::copy_from_slice(data)]);
         let w = self
