@@ -17,6 +17,11 @@
 //! an overwrite or remove never tears a concurrent read. Distinct live objects never share a
 //! byte (allocator invariant), which is what makes the unsynchronised copies sound.
 //!
+//! Rename: re-keys the index under its lock (the range, and so the bytes, stay where they
+//! are; no copy). The entry takes the new version and its previous name; a [`DramView`] taken
+//! before keeps the meta it was taken with. Nothing survives a crash, so there are no crash
+//! states to resolve.
+//!
 //! Not handled: huge pages (`MFD_HUGETLB` needs a reserved pool; left to the node's config),
 //! NUMA placement, persistence across restarts (DRAM is lost with the process).
 
@@ -29,8 +34,8 @@ use async_trait::async_trait;
 use crate::alloc::OffsetAllocator;
 use crate::error::{Error, ErrorKind, Result};
 use crate::medium::{
-    Capabilities, Medium, ObjectMeta, PutMode, PutOptions, check_dst, checksum, now_unix_ms,
-    usize_from, validate_key,
+    Capabilities, Medium, ObjectMeta, PutMode, PutOptions, RenameOptions, check_dst, checksum,
+    now_unix_ms, usize_from, validate_key, validate_rename,
 };
 
 /// Default alignment of DRAM allocations in bytes.
@@ -99,11 +104,20 @@ impl Region {
     }
 }
 
+/// A range holding one object's bytes; freed when the last holder drops it.
 struct Slot {
     offset: u64,
     len: u64,
-    meta: ObjectMeta,
     alloc: Arc<Mutex<OffsetAllocator>>,
+}
+
+/// What the index holds per key: the bytes' range and the copy's meta (which a rename changes
+/// without touching the range).
+#[derive(Clone)]
+struct Held {
+    slot: Arc<Slot>,
+    meta: ObjectMeta,
+    previous: Option<Arc<(String, u64)>>,
 }
 
 impl Drop for Slot {
@@ -121,18 +135,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct DramMedium {
     region: Arc<Region>,
     alloc: Arc<Mutex<OffsetAllocator>>,
-    index: Mutex<HashMap<String, Arc<Slot>>>,
+    index: Mutex<HashMap<String, Held>>,
 }
 
 /// A stored object's bytes in place; keeps the range alive (not reused) while held.
 pub struct DramView {
     slot: Arc<Slot>,
+    meta: ObjectMeta,
     region: Arc<Region>,
 }
 
 impl DramView {
     pub fn meta(&self) -> ObjectMeta {
-        self.slot.meta
+        self.meta
     }
 
     /// Offset of the object in the region (what the Transfer Engine names).
@@ -193,8 +208,8 @@ impl DramMedium {
 
     /// The object's bytes in place, without a copy.
     pub fn view(&self, key: &str) -> Result<DramView> {
-        let slot = self.lookup(key)?;
-        Ok(DramView { slot, region: self.region.clone() })
+        let held = self.lookup(key)?;
+        Ok(DramView { slot: held.slot, meta: held.meta, region: self.region.clone() })
     }
 
     /// Copy `data` to `[offset, offset + len)` (a range the caller, i.e. the master, chose) and
@@ -221,7 +236,7 @@ impl DramMedium {
         self.fill_and_insert(key, slot_range, None, opts)
     }
 
-    fn lookup(&self, key: &str) -> Result<Arc<Slot>> {
+    fn lookup(&self, key: &str) -> Result<Held> {
         lock(&self.index)
             .get(key)
             .cloned()
@@ -256,18 +271,14 @@ impl DramMedium {
         opts: PutOptions,
     ) -> Result<ObjectMeta> {
         // From here the range is owned by a slot, so every early return frees it.
-        let mut slot = Slot {
-            offset,
-            len,
-            meta: ObjectMeta {
-                size_bytes: len,
-                checksum: [0; 32],
-                persistence: opts.persistence,
-                stored_at_unix_ms: now_unix_ms(),
-                version: opts.version,
-                pin: opts.pin,
-            },
-            alloc: self.alloc.clone(),
+        let slot = Slot { offset, len, alloc: self.alloc.clone() };
+        let mut meta = ObjectMeta {
+            size_bytes: len,
+            checksum: [0; 32],
+            persistence: opts.persistence,
+            stored_at_unix_ms: now_unix_ms(),
+            version: opts.version,
+            pin: opts.pin,
         };
         let dst = if len == 0 {
             &mut [][..]
@@ -281,13 +292,16 @@ impl DramMedium {
         if let Some(data) = data {
             dst.copy_from_slice(data);
         }
-        slot.meta.checksum = opts.checksum.unwrap_or_else(|| checksum(dst));
-        let meta = slot.meta;
+        meta.checksum = opts.checksum.unwrap_or_else(|| checksum(dst));
         let mut index = lock(&self.index);
         if opts.mode == PutMode::CreateNew && index.contains_key(key) {
             return Err(Error::new(ErrorKind::AlreadyExists, format!("dram: {key:?}")));
         }
-        index.insert(key.to_owned(), Arc::new(slot));
+        let replaced =
+            index.insert(key.to_owned(), Held { slot: Arc::new(slot), meta, previous: None });
+        drop(index);
+        // Freed (when no reader holds it) outside the index lock.
+        drop(replaced);
         Ok(meta)
     }
 }
@@ -339,14 +353,35 @@ impl Medium for DramMedium {
 
     async fn remove(&self, key: &str) -> Result<()> {
         validate_key(key)?;
-        lock(&self.index)
-            .remove(key)
-            .map(drop)
-            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("dram: {key:?}")))
+        let removed = lock(&self.index).remove(key);
+        removed.map(drop).ok_or_else(|| Error::new(ErrorKind::NotFound, format!("dram: {key:?}")))
+    }
+
+    async fn rename(&self, from: &str, to: &str, opts: RenameOptions) -> Result<ObjectMeta> {
+        validate_rename(from, to)?;
+        let mut index = lock(&self.index);
+        if opts.mode == PutMode::CreateNew && index.contains_key(to) {
+            return Err(Error::new(ErrorKind::AlreadyExists, format!("dram: {to:?}")));
+        }
+        let Some(mut held) = index.remove(from) else {
+            return Err(Error::new(ErrorKind::NotFound, format!("dram: {from:?}")));
+        };
+        held.previous = Some(Arc::new((from.to_owned(), held.meta.version)));
+        held.meta.version = opts.version;
+        let meta = held.meta;
+        let replaced = index.insert(to.to_owned(), held);
+        drop(index);
+        drop(replaced);
+        Ok(meta)
+    }
+
+    async fn previous_name(&self, key: &str) -> Result<Option<(String, u64)>> {
+        validate_key(key)?;
+        Ok(self.lookup(key)?.previous.map(|p| (*p).clone()))
     }
 
     async fn list(&self) -> Result<Vec<(String, ObjectMeta)>> {
-        Ok(lock(&self.index).iter().map(|(k, s)| (k.clone(), s.meta)).collect())
+        Ok(lock(&self.index).iter().map(|(k, h)| (k.clone(), h.meta)).collect())
     }
 
     fn capacity_bytes(&self) -> Option<u64> {

@@ -9,6 +9,9 @@
 //! idempotent); `CorruptRead` flips one byte of what a get returned (a medium that does not
 //! verify, or corruption after the medium, e.g. in a copy).
 //!
+//! `rename` is its own kind ([`Op::Rename`]: a `FailAfter` rename has happened, the caller must
+//! learn the outcome from `stat`/`previous_name`); `previous_name` counts as a [`Op::Stat`].
+//!
 //! Not handled: delays (no timing in tests), faults keyed by object key.
 
 use std::collections::{HashMap, VecDeque};
@@ -18,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use async_trait::async_trait;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::medium::{Capabilities, Medium, ObjectMeta, PutOptions};
+use crate::medium::{Capabilities, Medium, ObjectMeta, PutOptions, RenameOptions};
 
 /// Operation kinds a fault can target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -28,6 +31,7 @@ pub enum Op {
     Stat,
     Remove,
     List,
+    Rename,
 }
 
 /// What happens to a targeted call.
@@ -153,6 +157,14 @@ impl<M: Medium> Medium for FaultyMedium<M> {
         self.apply(Op::Remove, self.inner.remove(key)).await
     }
 
+    async fn rename(&self, from: &str, to: &str, opts: RenameOptions) -> Result<ObjectMeta> {
+        self.apply(Op::Rename, self.inner.rename(from, to, opts)).await
+    }
+
+    async fn previous_name(&self, key: &str) -> Result<Option<(String, u64)>> {
+        self.apply(Op::Stat, self.inner.previous_name(key)).await
+    }
+
     async fn list(&self) -> Result<Vec<(String, ObjectMeta)>> {
         self.apply(Op::List, self.inner.list()).await
     }
@@ -191,5 +203,21 @@ mod tests {
             "FailAfter ran the op"
         );
         assert_eq!(m.injected(), 4);
+    }
+
+    #[tokio::test]
+    async fn rename_faults_fail_before_or_after_the_rename() {
+        let m = FaultyMedium::new(DramMedium::new(1 << 20).unwrap());
+        m.put("a", b"v", PutOptions::default()).await.unwrap();
+        let opts = RenameOptions { version: 2, ..Default::default() };
+        m.inject(Op::Rename, Fault::Fail(ErrorKind::Io), 1);
+        assert_eq!(m.rename("a", "b", opts).await.unwrap_err().kind(), ErrorKind::Io);
+        assert_eq!(m.get("a").await.unwrap(), b"v", "Fail left the medium alone");
+        m.inject(Op::Rename, Fault::FailAfter(ErrorKind::Timeout), 1);
+        assert_eq!(m.rename("a", "b", opts).await.unwrap_err().kind(), ErrorKind::Timeout);
+        assert_eq!(m.get("b").await.unwrap(), b"v", "FailAfter ran the rename");
+        m.inject(Op::Stat, Fault::Fail(ErrorKind::Unavailable), 1);
+        assert_eq!(m.previous_name("b").await.unwrap_err().kind(), ErrorKind::Unavailable);
+        assert_eq!(m.previous_name("b").await.unwrap(), Some(("a".to_owned(), 0)));
     }
 }

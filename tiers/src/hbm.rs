@@ -15,6 +15,9 @@
 //! Invariants: no CUDA call is made unless `is_culib_present()` said yes; a range is reused only
 //! after the index and every reader dropped it (same `Arc` scheme as DRAM).
 //!
+//! Rename: re-keys the index under its lock, like DRAM (the device range stays; no copy). The
+//! entry takes the new version and records its previous name; nothing survives a crash.
+//!
 //! Not handled: GPUDirect Storage, IPC handles to share the block with the engine's process,
 //! several devices per medium (open one medium per device).
 
@@ -27,8 +30,8 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, result, sys}
 use crate::alloc::OffsetAllocator;
 use crate::error::{Error, ErrorKind, Result};
 use crate::medium::{
-    Capabilities, Medium, ObjectMeta, PutMode, PutOptions, check_dst, checksum, now_unix_ms,
-    validate_key,
+    Capabilities, Medium, ObjectMeta, PutMode, PutOptions, RenameOptions, check_dst, checksum,
+    now_unix_ms, validate_key, validate_rename,
 };
 
 /// Alignment of HBM allocations in bytes.
@@ -44,11 +47,19 @@ fn cuda_err(what: &str, e: result::DriverError) -> Error {
     Error::new(ErrorKind::Unavailable, format!("cuda {what}")).with_source(e)
 }
 
+/// A device range holding one object's bytes; freed when the last holder drops it.
 struct Slot {
     offset: u64,
     len: u64,
-    meta: ObjectMeta,
     alloc: Arc<Mutex<OffsetAllocator>>,
+}
+
+/// What the index holds per key: the range and the copy's meta (a rename changes the meta).
+#[derive(Clone)]
+struct Held {
+    slot: Arc<Slot>,
+    meta: ObjectMeta,
+    previous: Option<Arc<(String, u64)>>,
 }
 
 impl Drop for Slot {
@@ -68,7 +79,7 @@ pub struct HbmMedium {
     _block: CudaSlice<u8>,
     base: sys::CUdeviceptr,
     alloc: Arc<Mutex<OffsetAllocator>>,
-    index: Mutex<HashMap<String, Arc<Slot>>>,
+    index: Mutex<HashMap<String, Held>>,
 }
 
 impl HbmMedium {
@@ -112,11 +123,11 @@ impl HbmMedium {
     /// Device address of an object's bytes (for kernels or peer copies); valid while the
     /// object is stored.
     pub fn device_ptr(&self, key: &str) -> Result<(sys::CUdeviceptr, u64)> {
-        let s = self.lookup(key)?;
+        let s = self.lookup(key)?.slot;
         Ok((self.base + s.offset, s.len))
     }
 
-    fn lookup(&self, key: &str) -> Result<Arc<Slot>> {
+    fn lookup(&self, key: &str) -> Result<Held> {
         lock(&self.index)
             .get(key)
             .cloned()
@@ -144,18 +155,14 @@ impl Medium for HbmMedium {
         }
         let len = data.len() as u64;
         let offset = lock(&self.alloc).alloc(len)?;
-        let slot = Slot {
-            offset,
-            len,
-            meta: ObjectMeta {
-                size_bytes: len,
-                checksum: opts.checksum.unwrap_or_else(|| checksum(data)),
-                persistence: opts.persistence,
-                stored_at_unix_ms: now_unix_ms(),
-                version: opts.version,
-                pin: opts.pin,
-            },
-            alloc: self.alloc.clone(),
+        let slot = Slot { offset, len, alloc: self.alloc.clone() };
+        let meta = ObjectMeta {
+            size_bytes: len,
+            checksum: opts.checksum.unwrap_or_else(|| checksum(data)),
+            persistence: opts.persistence,
+            stored_at_unix_ms: now_unix_ms(),
+            version: opts.version,
+            pin: opts.pin,
         };
         if !data.is_empty() {
             self.ctx.bind_to_thread().map_err(|e| cuda_err("bind context", e))?;
@@ -163,18 +170,20 @@ impl Medium for HbmMedium {
             unsafe { result::memcpy_htod_sync(self.base + offset, data) }
                 .map_err(|e| cuda_err("copy to device", e))?;
         }
-        let meta = slot.meta;
         let mut index = lock(&self.index);
         if opts.mode == PutMode::CreateNew && index.contains_key(key) {
             return Err(Error::new(ErrorKind::AlreadyExists, format!("hbm: {key:?}")));
         }
-        index.insert(key.to_owned(), Arc::new(slot));
+        let replaced =
+            index.insert(key.to_owned(), Held { slot: Arc::new(slot), meta, previous: None });
+        drop(index);
+        drop(replaced);
         Ok(meta)
     }
 
     async fn get_into(&self, key: &str, dst: &mut [u8]) -> Result<ObjectMeta> {
         validate_key(key)?;
-        let slot = self.lookup(key)?;
+        let Held { slot, meta, .. } = self.lookup(key)?;
         let size = check_dst(key, dst.len(), slot.len)?;
         if size > 0 {
             self.ctx.bind_to_thread().map_err(|e| cuda_err("bind context", e))?;
@@ -182,7 +191,7 @@ impl Medium for HbmMedium {
             unsafe { result::memcpy_dtoh_sync(&mut dst[..size], self.base + slot.offset) }
                 .map_err(|e| cuda_err("copy from device", e))?;
         }
-        Ok(slot.meta)
+        Ok(meta)
     }
 
     async fn stat(&self, key: &str) -> Result<ObjectMeta> {
@@ -192,14 +201,35 @@ impl Medium for HbmMedium {
 
     async fn remove(&self, key: &str) -> Result<()> {
         validate_key(key)?;
-        lock(&self.index)
-            .remove(key)
-            .map(drop)
-            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("hbm: {key:?}")))
+        let removed = lock(&self.index).remove(key);
+        removed.map(drop).ok_or_else(|| Error::new(ErrorKind::NotFound, format!("hbm: {key:?}")))
+    }
+
+    async fn rename(&self, from: &str, to: &str, opts: RenameOptions) -> Result<ObjectMeta> {
+        validate_rename(from, to)?;
+        let mut index = lock(&self.index);
+        if opts.mode == PutMode::CreateNew && index.contains_key(to) {
+            return Err(Error::new(ErrorKind::AlreadyExists, format!("hbm: {to:?}")));
+        }
+        let Some(mut held) = index.remove(from) else {
+            return Err(Error::new(ErrorKind::NotFound, format!("hbm: {from:?}")));
+        };
+        held.previous = Some(Arc::new((from.to_owned(), held.meta.version)));
+        held.meta.version = opts.version;
+        let meta = held.meta;
+        let replaced = index.insert(to.to_owned(), held);
+        drop(index);
+        drop(replaced);
+        Ok(meta)
+    }
+
+    async fn previous_name(&self, key: &str) -> Result<Option<(String, u64)>> {
+        validate_key(key)?;
+        Ok(self.lookup(key)?.previous.map(|p| (*p).clone()))
     }
 
     async fn list(&self) -> Result<Vec<(String, ObjectMeta)>> {
-        Ok(lock(&self.index).iter().map(|(k, s)| (k.clone(), s.meta)).collect())
+        Ok(lock(&self.index).iter().map(|(k, h)| (k.clone(), h.meta)).collect())
     }
 
     fn capacity_bytes(&self) -> Option<u64> {

@@ -4,7 +4,9 @@
 //!   [`DramMedium`] (memfd or caller region + offset allocator), [`NvmeMedium`] (io_uring,
 //!   O_DIRECT, one file per object), [`ObjectStoreMedium`] (opendal: `fs`, `s3`, any scheme) and
 //!   [`HbmMedium`] (cudarc; `Unavailable` where no CUDA driver is found), plus
-//!   [`FaultyMedium`] that injects failures around any of them.
+//!   [`FaultyMedium`] that injects failures around any of them. Renames keep the bytes and
+//!   record the previous name in the copy, so a crash mid-rename is resolved by whoever lists
+//!   the copies ([`stale_after_rename`]).
 //! - [`policy`]: a sans-IO state machine that decides demotions, promotions and drops.
 //! - [`writeback`]: the bounded, crash-safe lazy-persistence queue.
 //! - [`bench`]: measurements against raw O_DIRECT in the same run.
@@ -27,12 +29,13 @@ pub mod writeback;
 
 pub use fault::{Fault, FaultyMedium, Op};
 pub use hbm::HbmMedium;
-pub use object::{ObjectStoreConfig, ObjectStoreLimits, ObjectStoreMedium};
+pub use object::{ListedObject, ObjectStoreConfig, ObjectStoreLimits, ObjectStoreMedium};
 
 pub use dram::{DramMedium, DramView};
 pub use error::{Error, ErrorKind, Result};
 pub use medium::{
-    Capabilities, KEY_BYTES_MAX, Medium, ObjectMeta, Persistence, PutMode, PutOptions, checksum,
+    Capabilities, KEY_BYTES_MAX, Medium, ObjectMeta, Persistence, PutMode, PutOptions,
+    RenameOptions, checksum, stale_after_rename,
 };
 pub use nvme::{NvmeConfig, NvmeMedium, NvmeStats, OpenReport};
 pub use uring::RingConfig;

@@ -20,7 +20,21 @@
 //! - `get_into` needs a destination at least as long as the object (`InvalidArgument`
 //!   otherwise, naming the size) and fills its first `size` bytes.
 //!
+//! - `rename(from, to)` moves the bytes to a new key without changing them (size, checksum,
+//!   persistence, pin and stored-at time are kept); the copy takes the master's new version and
+//!   records its previous name `(from, old version)`, which [`Medium::previous_name`] reports.
+//!   `CreateNew` fails with `AlreadyExists` when `to` is present (or being created),
+//!   `Overwrite` replaces `to` atomically; renaming a key onto itself is `InvalidArgument`.
+//!
+//! Renames and crashes: memory media re-key their index (atomic, nothing survives a crash
+//! anyway). NVMe links the data file under the new name and commits the new header before the
+//! old name goes; object storage copies then deletes. A crash in between leaves both copies,
+//! `from@v1` and `to@v2` naming `(from, v1)`: [`stale_after_rename`] is the one rule every
+//! lister applies (NVMe's `open`, the master's scan of the bucket) to keep only `to`.
+//!
 //! Not handled: partial reads of an object, appends, leases and pins (master and node).
+
+use std::collections::{HashMap, HashSet};
 
 use async_trait::async_trait;
 
@@ -110,6 +124,15 @@ impl PutOptions {
     }
 }
 
+/// Options of [`Medium::rename`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RenameOptions {
+    /// The renamed copy's version (the master's new, higher version; opaque here).
+    pub version: u64,
+    /// `CreateNew`: `AlreadyExists` if `to` is present; `Overwrite`: replace `to` atomically.
+    pub mode: PutMode,
+}
+
 /// What a medium can do; the behaviour suite and the tier manager select on these.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Capabilities {
@@ -161,6 +184,15 @@ pub trait Medium: Send + Sync {
 
     async fn remove(&self, key: &str) -> Result<()>;
 
+    /// Give the object at `from` the key `to` without changing its bytes; see the module notes.
+    /// Returns the renamed copy's meta (`version` is `opts.version`). `NotFound` if `from` is
+    /// absent, `InvalidArgument` if `from == to`.
+    async fn rename(&self, from: &str, to: &str, opts: RenameOptions) -> Result<ObjectMeta>;
+
+    /// The key and version the object had before its last rename (`None` if never renamed).
+    /// `NotFound` if `key` is absent.
+    async fn previous_name(&self, key: &str) -> Result<Option<(String, u64)>>;
+
     /// Every object the medium holds (for re-reporting to the master after a restart).
     async fn list(&self) -> Result<Vec<(String, ObjectMeta)>>;
 
@@ -183,6 +215,53 @@ pub fn validate_key(key: &str) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Check the keys of a rename.
+pub fn validate_rename(from: &str, to: &str) -> Result<()> {
+    validate_key(from)?;
+    validate_key(to)?;
+    if from == to {
+        return Err(Error::new(ErrorKind::InvalidArgument, format!("rename {from:?} onto itself")));
+    }
+    Ok(())
+}
+
+/// The copies a crash in the middle of a rename left behind, among every copy one medium (or
+/// bucket) holds: `from` is stale when another copy names `(from, v)` as its previous name,
+/// `from`'s version is `v`, and both copies hold the same bytes (size and checksum; a rename
+/// never changes them, so a later put of `from` that happened to reuse the version is kept).
+/// Chains (`a` renamed to `b`, then `b` to `c`, with every copy left) mark every old name.
+///
+/// `copies` yields `(key, meta, previous name)`; the result holds the stale keys, which the
+/// caller removes. Pure, so NVMe's `open` and the master's bucket scan apply the same rule.
+pub fn stale_after_rename<'a, I>(copies: I) -> HashSet<&'a str>
+where
+    I: IntoIterator<Item = (&'a str, &'a ObjectMeta, Option<(&'a str, u64)>)>,
+{
+    let copies: Vec<_> = copies.into_iter().collect();
+    // previous key -> (the version it had, the claimant's meta) for each claimant.
+    let mut claims: HashMap<&str, Vec<(u64, &ObjectMeta)>> = HashMap::new();
+    for &(key, meta, previous) in &copies {
+        if let Some((pk, pv)) = previous
+            && pk != key
+        {
+            claims.entry(pk).or_default().push((pv, meta));
+        }
+    }
+    copies
+        .iter()
+        .filter(|(key, meta, _)| {
+            claims.get(key).is_some_and(|c| {
+                c.iter().any(|(v, by)| {
+                    *v == meta.version
+                        && by.size_bytes == meta.size_bytes
+                        && by.checksum == meta.checksum
+                })
+            })
+        })
+        .map(|(key, _, _)| *key)
+        .collect()
 }
 
 /// Check that `dst` can hold an object of `size` bytes.
@@ -256,6 +335,37 @@ mod tests {
             ErrorKind::InvalidArgument
         );
         assert!(validate_key("model/rank0/../..//\u{1F600}").is_ok());
+    }
+
+    fn meta(version: u64, sum: u8) -> ObjectMeta {
+        ObjectMeta {
+            size_bytes: 3,
+            checksum: [sum; 32],
+            persistence: Persistence::None,
+            stored_at_unix_ms: 1,
+            version,
+            pin: 0,
+        }
+    }
+
+    #[test]
+    fn stale_copies_are_the_renamed_ones_only() {
+        let (m1, m2, m3) = (meta(1, 7), meta(2, 7), meta(3, 7));
+        // a@1 renamed to b@2, then b@2 to c@3, all three copies left by crashes.
+        let chain = [("a", &m1, None), ("b", &m2, Some(("a", 1))), ("c", &m3, Some(("b", 2)))];
+        let mut stale: Vec<_> = stale_after_rename(chain).into_iter().collect();
+        stale.sort();
+        assert_eq!(stale, ["a", "b"]);
+        // a was put again after the rename (a newer version): both names are live.
+        let m5 = meta(5, 7);
+        assert!(stale_after_rename([("a", &m5, None), ("b", &m2, Some(("a", 1)))]).is_empty());
+        // Same version reused but other bytes: kept.
+        let other = meta(1, 9);
+        assert!(stale_after_rename([("a", &other, None), ("b", &m2, Some(("a", 1)))]).is_empty());
+        // A copy naming itself marks nothing.
+        assert!(stale_after_rename([("a", &m1, Some(("a", 1)))]).is_empty());
+        assert_eq!(validate_rename("x", "x").unwrap_err().kind(), ErrorKind::InvalidArgument);
+        assert_eq!(validate_rename("", "x").unwrap_err().kind(), ErrorKind::InvalidArgument);
     }
 
     #[test]

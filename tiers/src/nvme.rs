@@ -29,6 +29,32 @@
 //! at any point leaves the old object or the new one; an unreferenced data file (renamed but
 //! not committed, or replaced but not yet unlinked) is deleted by the next `open`.
 //!
+//! Rename (no data copy; crash-safe): `rename(from, to)` (1) hard-links `from`'s data file
+//! under a fresh name of `to`'s digest, `objects/<to d0d1>/<to digest>.<new gen>`, and fsyncs
+//! that directory (the link must be durable before a header names it); (2) writes `to`'s header
+//! (the new version, the same size, checksum, persistence, pin and stored-at time, and the
+//! previous name `(from, old version)`) to `tmp/` and fsyncs it; (3) under the index lock,
+//! checks that `from` is still the copy it linked (else it undoes its files and starts over,
+//! a bounded number of times, then `Busy`), renames the header into place (the commit point
+//! for `to`; with `CreateNew`, `AlreadyExists` first if `to` appeared) and re-keys the index;
+//! (4) fsyncs the directory, then removes `from`'s header (under the lock, and only if no put
+//! has given `from` a new copy meanwhile) and `from`'s data-file name, and the data file of the
+//! replaced `to` if any. Unlinking `from`'s name never loses the bytes: `to`'s name is another
+//! link to the same inode. A rename makes no `await`, so a dropped rename future has either
+//! not started or finished; it blocks its thread for two directory fsyncs and one file fsync.
+//!
+//! Crash states of a rename, and what `open` makes of them:
+//! - before (3): `from`'s header only, plus `to`'s linked data file and a temp header: the temp
+//!   file and the unreferenced link are deleted (counted in `temp_files_removed`); only `from`.
+//! - after (3), before `from`'s header is gone (or a power loss that undid its unlink): both
+//!   headers, `to`'s naming `(from, v)`. `open` applies [`crate::medium::stale_after_rename`]
+//!   to every header it read: `from` at version `v` with the same size and checksum is stale,
+//!   its header and data-file name are deleted (counted in `renamed_stale_removed`); only `to`.
+//!   A `from` put again since (another version or other bytes) is kept. A claim counts only
+//!   from a header whose own data file checks out, so a damaged `to` never costs `from`.
+//! - after `from`'s header went, before its data-file name: that name is unreferenced and
+//!   deleted like any orphan; only `to`.
+//!
 //! Read: look the object up in the index (its meta came from the header), open its data file
 //! (the open descriptor keeps the bytes even if an overwrite or remove unlinks the file
 //! meanwhile), read it at `queue_depth` chunks in flight straight into the destination when it
@@ -39,9 +65,12 @@
 //! happened; header renames, unlinks and index updates happen under one lock, so the index and
 //! the directory agree even with concurrent overwrites and removes of the same key.
 //! `used_bytes` counts the file bytes (4 KiB blocks of data and header) of indexed objects
-//! plus reservations of puts in progress.
+//! plus reservations of puts and renames in progress. A renamed object's data blocks are
+//! counted once (the index holds one entry for the inode); a rename reserves only `to`'s
+//! header blocks and, at its commit, releases `from`'s header blocks.
 //!
-//! Not handled: data-corruption scanning at `open` (headers and lengths only; data is verified
+//! Not handled: file systems without hard links (a rename fails with `Io` there), renames
+//! across media or directories, data-corruption scanning at `open` (headers and lengths only; data is verified
 //! on every read and on the first [`NvmeMedium::local_file`] of each copy), durability of
 //! `remove` (a removed object may reappear after a crash; it is still a valid, verified
 //! object), quotas per namespace.
@@ -60,8 +89,8 @@ use async_trait::async_trait;
 use crate::error::{Error, ErrorKind, Result};
 use crate::header::{self, round_up};
 use crate::medium::{
-    Capabilities, Medium, ObjectMeta, PutMode, PutOptions, check_dst, key_digest_hex, now_unix_ms,
-    usize_from, validate_key,
+    Capabilities, Medium, ObjectMeta, PutMode, PutOptions, RenameOptions, check_dst,
+    key_digest_hex, now_unix_ms, stale_after_rename, usize_from, validate_key, validate_rename,
 };
 use crate::uring::{BLOCK_BYTES, Dir, IoPool, RingConfig, RingCtx, SendPtr};
 
@@ -91,6 +120,9 @@ pub struct OpenReport {
     /// Header files that did not verify (or whose data file did not match), moved to
     /// `quarantine/`.
     pub quarantined: usize,
+    /// Old names left by a rename that crashed after its commit (another header named them
+    /// as its previous name): header and data-file name deleted.
+    pub renamed_stale_removed: usize,
 }
 
 /// Counters of an NVMe medium.
@@ -102,13 +134,31 @@ pub struct NvmeStats {
     pub corrupt_reads: u64,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Entry {
     meta: ObjectMeta,
     generation: u64,
     file_bytes: u64,
     /// The data file was read back, hashed and matched by `local_file`.
     verified: bool,
+    /// The name and version this copy had before a rename (kept in its header).
+    previous: Option<Arc<(String, u64)>>,
+}
+
+impl Entry {
+    fn of(h: &header::Header) -> Entry {
+        Entry {
+            meta: h.meta,
+            generation: h.generation,
+            file_bytes: file_bytes(
+                &h.key,
+                h.previous.as_ref().map(|p| p.0.as_str()),
+                h.meta.size_bytes,
+            ),
+            verified: false,
+            previous: h.previous.clone().map(Arc::new),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -138,10 +188,15 @@ fn lock(m: &Mutex<Index>) -> MutexGuard<'_, Index> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Bytes the files of an object take (data and header, each in whole 4 KiB blocks).
-pub fn file_bytes(key: &str, size_bytes: u64) -> u64 {
-    (round_up(header::FIXED_BYTES + key.len(), BLOCK_BYTES)
-        + round_up(size_bytes as usize, BLOCK_BYTES)) as u64
+/// Bytes the files of an object take (data and header, each in whole 4 KiB blocks);
+/// `previous_key` is the name it had before a rename (its header holds it).
+pub fn file_bytes(key: &str, previous_key: Option<&str>, size_bytes: u64) -> u64 {
+    header_file_bytes(key, previous_key) + round_up(size_bytes as usize, BLOCK_BYTES) as u64
+}
+
+/// Bytes of an object's header file, in whole 4 KiB blocks.
+fn header_file_bytes(key: &str, previous_key: Option<&str>) -> u64 {
+    round_up(header::unpadded_len(key, previous_key), BLOCK_BYTES) as u64
 }
 
 impl Inner {
@@ -296,17 +351,30 @@ fn write_object(
         version: opts.version,
         pin: opts.pin,
     };
-    let encoded = header::encode(key, &meta, generation, None, 1);
+    write_header_file(&tmp.header, &header::encode(key, &meta, generation, None, 1))?;
+    Ok(meta)
+}
+
+/// Write a new header file and fsync it.
+fn write_header_file(path: &Path, encoded: &[u8]) -> Result<()> {
     let mut h = OpenOptions::new()
         .write(true)
         .create_new(true)
         .custom_flags(libc::O_CLOEXEC)
-        .open(&tmp.header)
-        .map_err(|e| Error::io(format!("open {}", tmp.header.display()), e))?;
-    h.write_all(&encoded)
+        .open(path)
+        .map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+    h.write_all(encoded)
         .and_then(|_| h.sync_all())
-        .map_err(|e| Error::io(format!("write {}", tmp.header.display()), e))?;
-    Ok(meta)
+        .map_err(|e| Error::io(format!("write {}", path.display()), e))
+}
+
+/// Remove a file that may already be gone.
+fn remove_if_present(path: &Path) -> Result<()> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io(format!("remove {}", path.display()), e)),
+    }
 }
 
 /// Read one object's data file into `dst`, verified against `meta`. Runs on a ring thread.
@@ -388,7 +456,8 @@ impl NvmeMedium {
             index: Mutex::new(index),
         };
         tracing::info!(objects = report.objects, bytes = report.bytes, temp_removed = report.temp_files_removed,
-            quarantined = report.quarantined, dir = %inner.dir.display(), "nvme medium opened");
+            quarantined = report.quarantined, renamed_stale_removed = report.renamed_stale_removed,
+            dir = %inner.dir.display(), "nvme medium opened");
         Ok((NvmeMedium { inner: Arc::new(inner), pool }, report))
     }
 
@@ -419,7 +488,7 @@ impl NvmeMedium {
         let e = lock(&self.inner.index)
             .ready
             .get(key)
-            .copied()
+            .cloned()
             .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("nvme: {key:?}")))?;
         let path = self.inner.data_path(key, e.generation);
         let mut f =
@@ -499,7 +568,7 @@ impl NvmeMedium {
                     .map_err(|e| Error::io(format!("rename to {}", header.display()), e)),
             )?;
             let old = idx.ready.insert(key.to_owned(), entry);
-            if let Some(old) = old {
+            if let Some(old) = &old {
                 self.inner.release(old.file_bytes);
             }
             old
@@ -512,65 +581,203 @@ impl NvmeMedium {
     }
 }
 
-/// Index every committed object under `dir/objects`; quarantine bad headers, delete data files
-/// no header names. Returns the highest generation seen.
+/// Outcome of one rename attempt.
+enum Attempt {
+    Done(ObjectMeta),
+    /// `from` changed (replaced or removed) while the attempt linked its data: look again.
+    FromChanged,
+}
+
+impl NvmeMedium {
+    /// One attempt of a rename of `from` (as `old`) to `to`; see the module notes for the
+    /// steps. The caller holds `to`'s create reservation (`CreateNew`) and `to`'s header
+    /// bytes in `guard`, which also removes this attempt's files unless they were committed.
+    fn rename_once(
+        &self,
+        from: &str,
+        to: &str,
+        old: &Entry,
+        opts: RenameOptions,
+        guard: &mut PutGuard<'_>,
+    ) -> Result<Attempt> {
+        let inner = &self.inner;
+        let generation = inner.next_generation();
+        let linked = inner.data_path(to, generation);
+        let to_header = inner.header_path(to);
+        let parent = to_header.parent().map(Path::to_path_buf).unwrap_or_default();
+        fs::create_dir_all(&parent)
+            .map_err(|e| Error::io(format!("create {}", parent.display()), e))?;
+        let tmp_header =
+            inner.dir.join("tmp").join(format!("{}.{generation}.hdr", key_digest_hex(to)));
+        let src = inner.data_path(from, old.generation);
+        match fs::hard_link(&src, &linked) {
+            Ok(()) => {}
+            // Replaced or removed since the lookup.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Attempt::FromChanged),
+            Err(e) => {
+                return Err(Error::io(
+                    format!("nvme rename: link {} to {}", src.display(), linked.display()),
+                    e,
+                ));
+            }
+        }
+        guard.tmp = Some(TempFiles { data: linked.clone(), header: tmp_header.clone() });
+        // The link must be durable before a header names it.
+        fsync_dir(&parent)?;
+        let meta = ObjectMeta { version: opts.version, ..old.meta };
+        let previous = (from.to_owned(), old.meta.version);
+        let encoded = header::encode(to, &meta, generation, Some((from, previous.1)), 1);
+        write_header_file(&tmp_header, &encoded)?;
+        let data_bytes =
+            old.file_bytes - header_file_bytes(from, old.previous.as_ref().map(|p| p.0.as_str()));
+        let entry = Entry {
+            meta,
+            generation,
+            file_bytes: guard.bytes + data_bytes,
+            // The same inode: what local_file verified holds for the new name too.
+            verified: old.verified,
+            previous: Some(Arc::new(previous)),
+        };
+        let replaced = {
+            let mut idx = lock(&inner.index);
+            if idx.ready.get(from).is_none_or(|cur| cur.generation != old.generation) {
+                return Ok(Attempt::FromChanged);
+            }
+            if opts.mode == PutMode::CreateNew && idx.ready.contains_key(to) {
+                return Err(Error::new(ErrorKind::AlreadyExists, format!("nvme: {to:?}")));
+            }
+            fs::rename(&tmp_header, &to_header)
+                .map_err(|e| Error::io(format!("rename to {}", to_header.display()), e))?;
+            // Committed: `to` is the object now, its files are no longer the guard's.
+            guard.tmp = None;
+            guard.bytes = 0;
+            idx.ready.remove(from);
+            // `from`'s header blocks go; its data blocks are `to`'s now.
+            inner.release(old.file_bytes - data_bytes);
+            let replaced = idx.ready.insert(to.to_owned(), entry);
+            if let Some(r) = &replaced {
+                inner.release(r.file_bytes);
+            }
+            replaced
+        };
+        // Until `to`'s header is durable, `from`'s must stay: a power loss now leaves both,
+        // which `open` resolves; if this fsync fails `from`'s files stay for `open` too.
+        fsync_dir(&parent)?;
+        // The rename has happened: a failure to delete an old file is logged, not returned
+        // (the index is right, and `open` deletes what is left).
+        let cleanup = |r: Result<()>| {
+            if let Err(e) = r {
+                tracing::warn!(from, to, error = %e, "nvme rename: old file left for open");
+            }
+        };
+        {
+            let idx = lock(&inner.index);
+            // A put that gave `from` a new copy meanwhile renamed its header over the old one.
+            if !idx.ready.contains_key(from) {
+                cleanup(remove_if_present(&inner.header_path(from)));
+            }
+        }
+        // Another link to `to`'s bytes: unlinking it frees nothing `to` needs.
+        cleanup(remove_if_present(&src));
+        if let Some(r) = replaced {
+            let _ = fs::remove_file(inner.data_path(to, r.generation));
+        }
+        Ok(Attempt::Done(meta))
+    }
+}
+
+/// A header file found at `open`.
+struct Found {
+    path: PathBuf,
+    header: header::Header,
+    /// Whether its data file exists with the header's length.
+    data: Result<()>,
+}
+
+/// Index every committed object under `dir/objects`; delete the old names of renames that
+/// crashed after their commit; quarantine bad headers; delete data files no header names.
+/// Returns the highest generation seen.
 fn scan_objects(dir: &Path, index: &mut Index, report: &mut OpenReport) -> Result<u64> {
     let objects = dir.join("objects");
     let rd = |p: &Path| fs::read_dir(p).map_err(|e| Error::io(format!("read {}", p.display()), e));
     let mut last_generation = 0;
+    let mut found = Vec::new();
+    let mut data_files = Vec::new();
     for sub in rd(&objects)? {
         let sub = sub.map_err(|e| Error::io("read objects", e))?.path();
         if !sub.is_dir() {
             continue;
         }
-        let mut headers = Vec::new();
-        let mut data_files = Vec::new();
         for f in rd(&sub)? {
             let path = f.map_err(|e| Error::io("read objects", e))?.path();
             let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
             match name.as_deref().and_then(|n| n.split_once('.')) {
                 Some((_, g)) => data_files.push((path.clone(), g.parse::<u64>().ok())),
-                None => headers.push(path),
+                None => match read_header_file(&path) {
+                    Ok(header) => {
+                        let data = check_data_file(&path, &header);
+                        found.push(Found { path, header, data });
+                    }
+                    Err(e) => quarantine(dir, &path, &e, report)?,
+                },
             }
         }
-        let mut referenced = HashSet::new();
-        for path in headers {
-            match check_header(&path) {
-                Ok((key, entry)) => {
-                    referenced.insert(key_digest_hex(&key) + "." + &entry.generation.to_string());
-                    last_generation = last_generation.max(entry.generation);
-                    report.bytes += entry.file_bytes;
-                    index.ready.insert(key, entry);
-                }
-                Err(e) => {
-                    tracing::warn!(path = %path.display(), error = %e, "quarantining object header");
-                    let name = path
-                        .file_name()
-                        .map(|n| n.to_string_lossy().into_owned())
-                        .unwrap_or_default();
-                    let to = dir.join("quarantine").join(format!("{name}.{}", now_unix_ms()));
-                    fs::rename(&path, &to)
-                        .map_err(|e| Error::io(format!("quarantine {}", path.display()), e))?;
-                    report.quarantined += 1;
-                }
-            }
+    }
+    // Only a copy whose data checks out may claim an old name; any decoded copy may be one.
+    let stale: HashSet<String> = stale_after_rename(found.iter().map(|f| {
+        let previous = f.header.previous.as_ref().filter(|_| f.data.is_ok());
+        (f.header.key.as_str(), &f.header.meta, previous.map(|(k, v)| (k.as_str(), *v)))
+    }))
+    .into_iter()
+    .map(str::to_owned)
+    .collect();
+    // Data-file names that stay (referenced) or were dealt with here (a stale copy's).
+    let mut keep = HashSet::new();
+    for f in found {
+        let h = f.header;
+        let data_name = format!("{}.{}", key_digest_hex(&h.key), h.generation);
+        last_generation = last_generation.max(h.generation);
+        if stale.contains(&h.key) {
+            tracing::info!(key = %h.key, version = h.meta.version, "deleting the old name of a renamed object");
+            remove_if_present(&f.path)?;
+            remove_if_present(&f.path.with_file_name(&data_name))?;
+            keep.insert(data_name);
+            report.renamed_stale_removed += 1;
+            continue;
         }
-        for (path, generation) in data_files {
-            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-            if name.is_some_and(|n| referenced.contains(&n)) {
-                continue;
-            }
-            last_generation = last_generation.max(generation.unwrap_or(0));
-            fs::remove_file(&path)
-                .map_err(|e| Error::io(format!("remove {}", path.display()), e))?;
-            report.temp_files_removed += 1;
+        if let Err(e) = f.data {
+            quarantine(dir, &f.path, &e, report)?;
+            continue;
         }
+        keep.insert(data_name);
+        let entry = Entry::of(&h);
+        report.bytes += entry.file_bytes;
+        index.ready.insert(h.key, entry);
+    }
+    for (path, generation) in data_files {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        if name.is_some_and(|n| keep.contains(&n)) {
+            continue;
+        }
+        last_generation = last_generation.max(generation.unwrap_or(0));
+        fs::remove_file(&path).map_err(|e| Error::io(format!("remove {}", path.display()), e))?;
+        report.temp_files_removed += 1;
     }
     Ok(last_generation)
 }
 
-/// Verify a header file, its name and its data file's length (not the data).
-fn check_header(path: &Path) -> Result<(String, Entry)> {
+/// Move a header file that does not verify to `quarantine/`.
+fn quarantine(dir: &Path, path: &Path, e: &Error, report: &mut OpenReport) -> Result<()> {
+    tracing::warn!(path = %path.display(), error = %e, "quarantining object header");
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let to = dir.join("quarantine").join(format!("{name}.{}", now_unix_ms()));
+    fs::rename(path, &to).map_err(|e| Error::io(format!("quarantine {}", path.display()), e))?;
+    report.quarantined += 1;
+    Ok(())
+}
+
+/// Read and verify a header file and its name (not its data file).
+fn read_header_file(path: &Path) -> Result<header::Header> {
     let mut f = File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
     let mut buf = Vec::with_capacity(header::FIXED_BYTES + 256);
     Read::by_ref(&mut f)
@@ -585,7 +792,14 @@ fn check_header(path: &Path) -> Result<(String, Entry)> {
     if key_digest_hex(&h.key) != name {
         return Err(Error::new(ErrorKind::Corrupt, "file name is not the digest of its key"));
     }
-    let data = path.with_file_name(format!("{name}.{}", h.generation));
+    usize_from(h.meta.size_bytes)?;
+    Ok(h)
+}
+
+/// Check that the data file a header names exists with the header's length (not the data).
+fn check_data_file(header_path: &Path, h: &header::Header) -> Result<()> {
+    let name = key_digest_hex(&h.key);
+    let data = header_path.with_file_name(format!("{name}.{}", h.generation));
     let len = fs::metadata(&data)
         .map_err(|e| Error::io(format!("data file {}", data.display()), e))?
         .len();
@@ -595,14 +809,7 @@ fn check_header(path: &Path) -> Result<(String, Entry)> {
             format!("data file has {len} bytes, header says {}", h.meta.size_bytes),
         ));
     }
-    usize_from(h.meta.size_bytes)?;
-    let entry = Entry {
-        meta: h.meta,
-        generation: h.generation,
-        file_bytes: file_bytes(&h.key, h.meta.size_bytes),
-        verified: false,
-    };
-    Ok((h.key, entry))
+    Ok(())
 }
 
 /// Undoes a put's reservations unless disarmed.
@@ -654,7 +861,7 @@ impl Medium for NvmeMedium {
             idx.creating.insert(key.to_owned());
             guard.creating = true;
         }
-        let fbytes = file_bytes(key, data.len() as u64);
+        let fbytes = file_bytes(key, None, data.len() as u64);
         inner.reserve(fbytes, key)?;
         guard.bytes = fbytes;
         let generation = inner.next_generation();
@@ -672,7 +879,7 @@ impl Medium for NvmeMedium {
             .await?;
         // Hashed on the way out of memory, not read back from disk: the first hand-out of the
         // file still verifies it.
-        let entry = Entry { meta, generation, file_bytes: fbytes, verified: false };
+        let entry = Entry { meta, generation, file_bytes: fbytes, verified: false, previous: None };
         self.commit(key, guard.tmp.as_ref().expect("set above"), entry, opts.mode)?;
         guard.tmp = None;
         guard.bytes = 0;
@@ -684,7 +891,7 @@ impl Medium for NvmeMedium {
         // A concurrent overwrite may unlink the data file between the lookup and the open;
         // look again then (bounded: each retry means another writer committed meanwhile).
         for _ in 0..4 {
-            let Some(e) = lock(&self.inner.index).ready.get(key).copied() else {
+            let Some(e) = lock(&self.inner.index).ready.get(key).cloned() else {
                 return Err(Error::new(ErrorKind::NotFound, format!("nvme: {key:?}")));
             };
             let path = self.inner.data_path(key, e.generation);
@@ -726,6 +933,53 @@ impl Medium for NvmeMedium {
         drop(idx);
         let _ = fs::remove_file(self.inner.data_path(key, e.generation));
         r
+    }
+
+    async fn rename(&self, from: &str, to: &str, opts: RenameOptions) -> Result<ObjectMeta> {
+        validate_rename(from, to)?;
+        let inner = &self.inner;
+        let mut guard = PutGuard { inner, key: to, bytes: 0, creating: false, tmp: None };
+        {
+            let mut idx = lock(&inner.index);
+            if !idx.ready.contains_key(from) {
+                return Err(Error::new(ErrorKind::NotFound, format!("nvme: {from:?}")));
+            }
+            if opts.mode == PutMode::CreateNew {
+                if idx.ready.contains_key(to) || idx.creating.contains(to) {
+                    return Err(Error::new(ErrorKind::AlreadyExists, format!("nvme: {to:?}")));
+                }
+                idx.creating.insert(to.to_owned());
+                guard.creating = true;
+            }
+        }
+        let hbytes = header_file_bytes(to, Some(from));
+        inner.reserve(hbytes, to)?;
+        guard.bytes = hbytes;
+        // Bounded: each retry means another writer replaced `from` meanwhile.
+        for _ in 0..4 {
+            let Some(old) = lock(&inner.index).ready.get(from).cloned() else {
+                return Err(Error::new(ErrorKind::NotFound, format!("nvme: {from:?}")));
+            };
+            match self.rename_once(from, to, &old, opts, &mut guard)? {
+                Attempt::Done(meta) => return Ok(meta),
+                Attempt::FromChanged => {
+                    if let Some(t) = guard.tmp.take() {
+                        let _ = fs::remove_file(&t.data);
+                        let _ = fs::remove_file(&t.header);
+                    }
+                }
+            }
+        }
+        Err(Error::new(ErrorKind::Busy, format!("nvme rename {from:?}: object kept changing")))
+    }
+
+    async fn previous_name(&self, key: &str) -> Result<Option<(String, u64)>> {
+        validate_key(key)?;
+        lock(&self.inner.index)
+            .ready
+            .get(key)
+            .map(|e| e.previous.as_ref().map(|p| (**p).clone()))
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("nvme: {key:?}")))
     }
 
     async fn list(&self) -> Result<Vec<(String, ObjectMeta)>> {

@@ -15,6 +15,26 @@
 //! both succeed and the later one wins. Transient service errors are retried by opendal's
 //! `RetryLayer` (`retries_max` times) and bounded by a `TimeoutLayer`.
 //!
+//! Rename: the header sits in front of the data in one object and the renamed copy needs a new
+//! header (key, version, previous name), so a server-side copy (opendal `copy`, S3
+//! `CopyObject`) cannot make it, and S3's ranged `UploadPartCopy` needs parts of at least
+//! 5 MiB, which a header is not. `rename(from, to)` therefore streams: it reads `from`'s header,
+//! writes `to` through one opendal writer (the new header, then `from`'s data read in ranges of
+//! `rename_chunk_bytes`, re-hashed on the way and refused with `Corrupt` on a mismatch; memory
+//! is bounded by about two chunks, and S3 turns more than one chunk into a multipart upload),
+//! closes it (the commit point for `to`; `CreateNew` is conditional like a put), then deletes
+//! `from` if it still holds the copy that was read (same version and checksum; a put that
+//! replaced `from` meanwhile is kept).
+//!
+//! Crash (or cancel) states: before the close, `from` only (an unfinished multipart upload or
+//! an `fs` temp file, never a visible `to`; the bucket's lifecycle rule for incomplete uploads
+//! collects the former); after the close and before the delete, both objects, `to`'s header
+//! naming `(from, v)`. A lister resolves that: [`ObjectStoreMedium::list_detailed`] returns each
+//! object's previous name with no extra request (the header is read anyway), and
+//! [`crate::medium::stale_after_rename`] over that list names the stale copies;
+//! [`ObjectStoreMedium::remove_stale_renames`] deletes them (the master's bucket scan calls it, or
+//! does the same itself, before it reports what the bucket holds).
+//!
 //! Start-up: S3 over HTTPS needs a rustls crypto provider and opendal's default HTTP transport;
 //! [`ObjectStoreMedium::open`] installs both (idempotent), so no caller has to remember.
 //!
@@ -36,8 +56,8 @@ use opendal::layers::{RetryLayer, TimeoutLayer};
 use crate::error::{Error, ErrorKind, Result};
 use crate::header;
 use crate::medium::{
-    Capabilities, Medium, ObjectMeta, PutMode, PutOptions, check_dst, checksum, key_digest_hex,
-    now_unix_ms, validate_key,
+    Capabilities, Medium, ObjectMeta, PutMode, PutOptions, RenameOptions, check_dst, checksum,
+    key_digest_hex, now_unix_ms, stale_after_rename, validate_key, validate_rename,
 };
 
 /// Which object store, and how to reach it.
@@ -68,12 +88,29 @@ pub struct ObjectStoreLimits {
     pub op_timeout_ms: u64,
     /// Headers read at once by `list`.
     pub list_concurrency_max: usize,
+    /// Bytes `rename` reads and writes at a time (its memory bound is about twice this). On
+    /// S3 every chunk but the last is a multipart part, which must be at least 5 MiB.
+    pub rename_chunk_bytes: usize,
 }
 
 impl Default for ObjectStoreLimits {
     fn default() -> Self {
-        ObjectStoreLimits { retries_max: 3, op_timeout_ms: 60_000, list_concurrency_max: 16 }
+        ObjectStoreLimits {
+            retries_max: 3,
+            op_timeout_ms: 60_000,
+            list_concurrency_max: 16,
+            rename_chunk_bytes: 8 << 20,
+        }
     }
+}
+
+/// One object found by [`ObjectStoreMedium::list_detailed`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedObject {
+    pub key: String,
+    pub meta: ObjectMeta,
+    /// The key and version it had before a rename, from its header.
+    pub previous: Option<(String, u64)>,
 }
 
 /// Objects in object storage, each with its header, verified on every read.
@@ -231,6 +268,179 @@ impl ObjectStoreMedium {
         r
     }
 
+    /// With `CreateNew`, reserve `key` in this process and check that the bucket lacks it.
+    async fn begin_create(&self, key: &str, path: &str, mode: PutMode) -> Result<Creating<'_>> {
+        let mut creating = Creating(self, None);
+        if mode == PutMode::CreateNew {
+            if !self.creating.lock().unwrap_or_else(|p| p.into_inner()).insert(key.to_owned()) {
+                return Err(Error::new(
+                    ErrorKind::AlreadyExists,
+                    format!("object: {key:?} (being created)"),
+                ));
+            }
+            creating.1 = Some(key.to_owned());
+            match self.op.stat(path).await {
+                Ok(_) => {
+                    return Err(Error::new(ErrorKind::AlreadyExists, format!("object: {key:?}")));
+                }
+                Err(e) if e.kind() == opendal::ErrorKind::NotFound => {}
+                Err(e) => return Err(map_err(format!("object create {key:?}"), e)),
+            }
+        }
+        Ok(creating)
+    }
+
+    /// The header of `key`'s object, checked to name `key`.
+    async fn header_of(&self, key: &str) -> Result<header::Header> {
+        let h = self.counted(Self::read_header(&self.op, &object_path(key)).await)?;
+        if h.key != key {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!("object holds key {:?}, not {key:?}", h.key),
+            ));
+        }
+        Ok(h)
+    }
+
+    /// Write `to`'s object: `hdr`, then `from`'s data (as `h` describes it) in bounded ranges,
+    /// verified against `h`'s checksum before the writer closes.
+    async fn copy_data(
+        &self,
+        from: &str,
+        to: &str,
+        h: &header::Header,
+        hdr: Bytes,
+        create_new: bool,
+    ) -> Result<()> {
+        let (from_path, to_path) = (object_path(from), object_path(to));
+        let chunk = self.limits.rename_chunk_bytes.max(1);
+        let ctx = || format!("object rename {from:?} to {to:?}");
+        let mut w = self
+            .op
+            .writer_with(&to_path)
+            .chunk(chunk)
+            .if_not_exists(create_new && self.op.info().capability().write_with_if_not_exists)
+            .await
+            .map_err(|e| map_err(ctx(), e))?;
+        let copied = async {
+            w.write(hdr).await.map_err(|e| map_err(ctx(), e))?;
+            let mut hasher = blake3::Hasher::new();
+            let mut at = h.header_bytes as u64;
+            let end = at + h.meta.size_bytes;
+            while at < end {
+                let n = (end - at).min(chunk as u64);
+                let buf = self
+                    .op
+                    .read_with(&from_path)
+                    .range(at..at + n)
+                    .await
+                    .map_err(|e| map_err(ctx(), e))?;
+                if buf.len() as u64 != n {
+                    return Err(Error::new(
+                        ErrorKind::Corrupt,
+                        format!("{}: {} bytes at {at}, wanted {n}", ctx(), buf.len()),
+                    ));
+                }
+                for part in buf.clone() {
+                    hasher.update(&part);
+                }
+                w.write(buf).await.map_err(|e| map_err(ctx(), e))?;
+                at += n;
+            }
+            if hasher.finalize().as_bytes() != &h.meta.checksum {
+                return Err(Error::new(
+                    ErrorKind::Corrupt,
+                    format!("{}: data checksum mismatch", ctx()),
+                ));
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = copied {
+            let _ = w.abort().await;
+            return self.counted(Err(e));
+        }
+        w.close().await.map_err(|e| map_err(ctx(), e))?;
+        Ok(())
+    }
+
+    /// Every object in the bucket with its previous name (the headers `list` reads anyway).
+    /// After a crashed rename both names are listed; see the module notes.
+    pub async fn list_detailed(&self) -> Result<Vec<ListedObject>> {
+        let entries = self
+            .op
+            .list_with("objects/")
+            .recursive(true)
+            .await
+            .map_err(|e| map_err("object list".into(), e))?;
+        let paths: Vec<String> = entries
+            .into_iter()
+            .filter(|e| e.metadata().is_file())
+            .map(|e| e.path().to_owned())
+            .collect();
+        let mut out = Vec::with_capacity(paths.len());
+        for window in paths.chunks(self.limits.list_concurrency_max.max(1)) {
+            let mut set = tokio::task::JoinSet::new();
+            for p in window {
+                let (op, p) = (self.op.clone(), p.clone());
+                set.spawn(async move { (Self::read_header(&op, &p).await, p) });
+            }
+            while let Some(r) = set.join_next().await {
+                let (h, p) = r.map_err(|e| Error::new(ErrorKind::Io, format!("list task: {e}")))?;
+                match h {
+                    Ok(h) if object_path(&h.key) == p => {
+                        out.push(ListedObject { key: h.key, meta: h.meta, previous: h.previous })
+                    }
+                    Ok(h) => {
+                        tracing::warn!(path = %p, key = %h.key, "object path is not its key's digest; skipped")
+                    }
+                    // Vanished between list and read (a concurrent remove).
+                    Err(e) if e.kind() == ErrorKind::NotFound => {}
+                    Err(e) => {
+                        if e.kind() == ErrorKind::Corrupt {
+                            self.corrupt_reads.fetch_add(1, Ordering::Relaxed);
+                        }
+                        tracing::warn!(path = %p, error = %e, "unreadable object header; skipped");
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Delete the old names that crashed renames left in `listed` (from
+    /// [`ObjectStoreMedium::list_detailed`]), each only if it still holds the listed copy (a put
+    /// since the list is kept). Returns the keys deleted.
+    pub async fn remove_stale_renames(&self, listed: &[ListedObject]) -> Result<Vec<String>> {
+        let stale = stale_after_rename(listed.iter().map(|o| {
+            (o.key.as_str(), &o.meta, o.previous.as_ref().map(|(k, v)| (k.as_str(), *v)))
+        }));
+        let mut removed = Vec::new();
+        for o in listed.iter().filter(|o| stale.contains(o.key.as_str())) {
+            if self.remove_if_same(&o.key, &o.meta).await? {
+                tracing::info!(key = %o.key, version = o.meta.version, "deleted the old name of a renamed object");
+                removed.push(o.key.clone());
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Delete `key` if its object is still the copy `meta` describes; false if it is gone or
+    /// another copy.
+    async fn remove_if_same(&self, key: &str, meta: &ObjectMeta) -> Result<bool> {
+        match self.header_of(key).await {
+            Ok(cur) if cur.meta == *meta => {}
+            Ok(_) => return Ok(false),
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(e),
+        }
+        match self.remove(key).await {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Read the header of the object at `path` (two requests: size, then a ranged read).
     async fn read_header(op: &Operator, path: &str) -> Result<header::Header> {
         let ctx = || format!("object stat {path}");
@@ -285,23 +495,7 @@ impl Medium for ObjectStoreMedium {
             pin: opts.pin,
         };
         let conditional = self.op.info().capability().write_with_if_not_exists;
-        let mut _creating = Creating(self, None);
-        if opts.mode == PutMode::CreateNew {
-            if !self.creating.lock().unwrap_or_else(|p| p.into_inner()).insert(key.to_owned()) {
-                return Err(Error::new(
-                    ErrorKind::AlreadyExists,
-                    format!("object: {key:?} (being created)"),
-                ));
-            }
-            _creating.1 = Some(key.to_owned());
-            match self.op.stat(&path).await {
-                Ok(_) => {
-                    return Err(Error::new(ErrorKind::AlreadyExists, format!("object: {key:?}")));
-                }
-                Err(e) if e.kind() == opendal::ErrorKind::NotFound => {}
-                Err(e) => return Err(map_err(format!("object put {key:?}"), e)),
-            }
-        }
+        let _creating = self.begin_create(key, &path, opts.mode).await?;
         let hdr = Bytes::from(header::encode(key, &meta, 0, None, 1));
         let total = hdr.len() as u64 + meta.size_bytes;
         let body = opendal::Buffer::from(vec![hdr, Bytes::copy_from_slice(data)]);
@@ -332,14 +526,7 @@ impl Medium for ObjectStoreMedium {
 
     async fn stat(&self, key: &str) -> Result<ObjectMeta> {
         validate_key(key)?;
-        let h = self.counted(Self::read_header(&self.op, &object_path(key)).await)?;
-        if h.key != key {
-            return Err(Error::new(
-                ErrorKind::Corrupt,
-                format!("object holds key {:?}, not {key:?}", h.key),
-            ));
-        }
-        Ok(h.meta)
+        Ok(self.header_of(key).await?.meta)
     }
 
     async fn remove(&self, key: &str) -> Result<()> {
@@ -358,44 +545,30 @@ impl Medium for ObjectStoreMedium {
         Ok(())
     }
 
-    async fn list(&self) -> Result<Vec<(String, ObjectMeta)>> {
-        let entries = self
-            .op
-            .list_with("objects/")
-            .recursive(true)
+    async fn rename(&self, from: &str, to: &str, opts: RenameOptions) -> Result<ObjectMeta> {
+        validate_rename(from, to)?;
+        let h = self.header_of(from).await?;
+        let _creating = self.begin_create(to, &object_path(to), opts.mode).await?;
+        let meta = ObjectMeta { version: opts.version, ..h.meta };
+        let hdr = Bytes::from(header::encode(to, &meta, 0, Some((from, h.meta.version)), 1));
+        let total = hdr.len() as u64 + meta.size_bytes;
+        self.copy_data(from, to, &h, hdr, opts.mode == PutMode::CreateNew).await?;
+        self.used_bytes.fetch_add(total, Ordering::Relaxed);
+        // `to` is committed; both names exist until this delete (see the module notes), and
+        // if it fails they stay for the caller's retry of the remove or the next scan.
+        self.remove_if_same(from, &h.meta)
             .await
-            .map_err(|e| map_err("object list".into(), e))?;
-        let paths: Vec<String> = entries
-            .into_iter()
-            .filter(|e| e.metadata().is_file())
-            .map(|e| e.path().to_owned())
-            .collect();
-        let mut out = Vec::with_capacity(paths.len());
-        for window in paths.chunks(self.limits.list_concurrency_max.max(1)) {
-            let mut set = tokio::task::JoinSet::new();
-            for p in window {
-                let (op, p) = (self.op.clone(), p.clone());
-                set.spawn(async move { (Self::read_header(&op, &p).await, p) });
-            }
-            while let Some(r) = set.join_next().await {
-                let (h, p) = r.map_err(|e| Error::new(ErrorKind::Io, format!("list task: {e}")))?;
-                match h {
-                    Ok(h) if object_path(&h.key) == p => out.push((h.key, h.meta)),
-                    Ok(h) => {
-                        tracing::warn!(path = %p, key = %h.key, "object path is not its key's digest; skipped")
-                    }
-                    // Vanished between list and read (a concurrent remove).
-                    Err(e) if e.kind() == ErrorKind::NotFound => {}
-                    Err(e) => {
-                        if e.kind() == ErrorKind::Corrupt {
-                            self.corrupt_reads.fetch_add(1, Ordering::Relaxed);
-                        }
-                        tracing::warn!(path = %p, error = %e, "unreadable object header; skipped");
-                    }
-                }
-            }
-        }
-        Ok(out)
+            .map_err(|e| e.context(format!("renamed {from:?} to {to:?}, old name kept")))?;
+        Ok(meta)
+    }
+
+    async fn previous_name(&self, key: &str) -> Result<Option<(String, u64)>> {
+        validate_key(key)?;
+        Ok(self.header_of(key).await?.previous)
+    }
+
+    async fn list(&self) -> Result<Vec<(String, ObjectMeta)>> {
+        Ok(self.list_detailed().await?.into_iter().map(|o| (o.key, o.meta)).collect())
     }
 
     fn capacity_bytes(&self) -> Option<u64> {

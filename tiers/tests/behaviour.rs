@@ -11,7 +11,8 @@ use async_trait::async_trait;
 use kvfs_tiers::uring::AlignedBuf;
 use kvfs_tiers::{
     DramMedium, ErrorKind, Fault, FaultyMedium, KEY_BYTES_MAX, Medium, NvmeConfig, NvmeMedium,
-    ObjectStoreConfig, ObjectStoreMedium, Op, PutMode, PutOptions, checksum,
+    ObjectStoreConfig, ObjectStoreMedium, Op, Persistence, PutMode, PutOptions, RenameOptions,
+    checksum,
 };
 
 const MIB: usize = 1 << 20;
@@ -192,6 +193,97 @@ async fn concurrency(m: Arc<dyn Medium>) -> Result<()> {
     Ok(())
 }
 
+fn rename_to(version: u64, mode: PutMode) -> RenameOptions {
+    RenameOptions { version, mode }
+}
+
+async fn rename_semantics(m: &dyn Medium) -> Result<()> {
+    // More than two of the object store's rename chunks (8 MiB), not a multiple of 4 KiB.
+    let data = pattern(17 * MIB + 5, 4);
+    let v1 =
+        PutOptions { version: 10, pin: 1, persistence: Persistence::Lazy, ..Default::default() };
+    let put = m.put("mv/a", &data, v1).await?;
+    ensure!(m.previous_name("mv/a").await?.is_none(), "a put copy has no previous name");
+    let meta = m.rename("mv/a", "mv/b", rename_to(11, PutMode::CreateNew)).await?;
+    ensure!(meta == put_with_version(put, 11), "renamed meta {meta:?} from {put:?}");
+    ensure!(m.get("mv/b").await? == data, "bytes under the new key");
+    let mut aligned = AlignedBuf::new(data.len() + 4096);
+    ensure!(m.get_into("mv/b", &mut aligned).await? == meta && aligned[..data.len()] == data[..]);
+    ensure!(m.stat("mv/b").await? == meta, "stat of the new key");
+    ensure!(kind(m.stat("mv/a").await) == ErrorKind::NotFound, "old key gone");
+    ensure!(kind(m.get("mv/a").await) == ErrorKind::NotFound);
+    ensure!(kind(m.previous_name("mv/a").await) == ErrorKind::NotFound);
+    ensure!(m.previous_name("mv/b").await? == Some(("mv/a".into(), 10)), "previous name");
+    let listed = m.list().await?;
+    ensure!(!listed.iter().any(|(k, _)| k == "mv/a"), "old key not listed");
+    ensure!(listed.iter().any(|(k, l)| k == "mv/b" && *l == meta), "new key listed: {listed:?}");
+
+    let opts = rename_to(20, PutMode::Overwrite);
+    ensure!(kind(m.rename("mv/a", "mv/c", opts).await) == ErrorKind::NotFound, "absent from");
+    ensure!(
+        kind(m.rename("mv/b", "mv/b", opts).await) == ErrorKind::InvalidArgument,
+        "onto itself"
+    );
+    ensure!(kind(m.rename("", "mv/c", opts).await) == ErrorKind::InvalidArgument, "empty key");
+    ensure!(m.get("mv/b").await? == data, "refused renames left the object");
+
+    m.put("mv/c", b"other", PutOptions { version: 3, ..Default::default() }).await?;
+    let create = rename_to(12, PutMode::CreateNew);
+    ensure!(kind(m.rename("mv/b", "mv/c", create).await) == ErrorKind::AlreadyExists);
+    ensure!(m.get("mv/b").await? == data && m.get("mv/c").await? == b"other", "both kept");
+    let used = m.used_bytes();
+    let meta = m.rename("mv/b", "mv/c", rename_to(12, PutMode::Overwrite)).await?;
+    ensure!(meta == put_with_version(put, 12), "overwrite meta");
+    ensure!(m.get("mv/c").await? == data, "overwrite replaced the target");
+    ensure!(kind(m.stat("mv/b").await) == ErrorKind::NotFound);
+    ensure!(m.previous_name("mv/c").await? == Some(("mv/b".into(), 11)));
+    if m.capabilities().bounded_capacity {
+        ensure!(
+            m.used_bytes() < used,
+            "the replaced target was freed: {} -> {}",
+            used,
+            m.used_bytes()
+        );
+    }
+
+    // Back to the first name: a chain of renames, each recording the one before.
+    m.rename("mv/c", "mv/a", rename_to(13, PutMode::CreateNew)).await?;
+    ensure!(m.previous_name("mv/a").await? == Some(("mv/c".into(), 12)));
+    ensure!(m.get("mv/a").await? == data && m.stat("mv/a").await?.version == 13);
+    // The old name is free for a new object.
+    m.put("mv/c", b"new c", PutOptions::default()).await?;
+    ensure!(m.previous_name("mv/c").await?.is_none());
+
+    m.put("mv/empty", b"", PutOptions::default()).await?;
+    let long = "l".repeat(KEY_BYTES_MAX);
+    m.rename("mv/empty", &long, rename_to(1, PutMode::CreateNew)).await?;
+    ensure!(m.get(&long).await?.is_empty(), "empty object renamed to the longest key");
+    ensure!(m.previous_name(&long).await? == Some(("mv/empty".into(), 0)));
+    for k in ["mv/a", "mv/c", long.as_str()] {
+        m.remove(k).await?;
+    }
+    Ok(())
+}
+
+fn put_with_version(m: kvfs_tiers::ObjectMeta, version: u64) -> kvfs_tiers::ObjectMeta {
+    kvfs_tiers::ObjectMeta { version, ..m }
+}
+
+/// A renamed copy's key, version and previous name survive a restart.
+async fn rename_survives_restart(fx: &mut dyn Fixture) -> Result<()> {
+    let data = pattern(300_001, 8);
+    fx.medium().put("rr/a", &data, PutOptions { version: 5, ..Default::default() }).await?;
+    fx.medium().rename("rr/a", "rr/b", rename_to(6, PutMode::CreateNew)).await?;
+    fx.reopen().await?;
+    let m = fx.medium();
+    ensure!(m.get("rr/b").await? == data, "renamed bytes after reopen");
+    ensure!(m.stat("rr/b").await?.version == 6);
+    ensure!(m.previous_name("rr/b").await? == Some(("rr/a".into(), 5)));
+    ensure!(kind(m.stat("rr/a").await) == ErrorKind::NotFound, "old name stays gone");
+    m.remove("rr/b").await?;
+    Ok(())
+}
+
 async fn corruption(fx: &dyn Fixture) -> Result<()> {
     let m = fx.medium();
     let data = pattern(MIB + 123, 5);
@@ -249,12 +341,14 @@ async fn run_suite(fx: &mut dyn Fixture) -> Result<()> {
         no_space(&*m).await.context("no_space")?;
     }
     concurrency(m.clone()).await.context("concurrency")?;
+    rename_semantics(&*m).await.context("rename_semantics")?;
     drop(m);
     if caps.verifies_reads {
         corruption(&*fx).await.context("corruption")?;
     }
     if caps.survives_restart {
         restart(fx).await.context("restart")?;
+        rename_survives_restart(fx).await.context("rename_survives_restart")?;
     }
     ensure!(fx.medium().list().await?.is_empty(), "suite cleaned up after itself");
     Ok(())
@@ -515,7 +609,7 @@ async fn nvme_cancelled_operations_leave_whole_objects_or_nothing() -> Result<()
     ensure!(m.get("c/get").await? == data);
     let listed = m.list().await?;
     let want: u64 =
-        listed.iter().map(|(k, meta)| kvfs_tiers::nvme::file_bytes(k, meta.size_bytes)).sum();
+        listed.iter().map(|(k, meta)| kvfs_tiers::nvme::file_bytes(k, None, meta.size_bytes)).sum();
     ensure!(
         m.used_bytes() == want,
         "used {} != {want} for {} objects",
