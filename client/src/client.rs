@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 
 use kvfs_proto::store::{
     DirPage, ListPage, MasterRequest, MasterResponse, MasterStats, ObjectView, Persistence, Pin,
-    PutEndItem, PutGrant, PutStartItem, RemoveCounts, ReplicaDesc, Role, Strategy, Tier,
+    PutEndItem, PutGrant, PutStartItem, RemoveCounts, RenameItem, RenameMode, ReplicaDesc, Role,
+    Strategy, Tier,
 };
 use kvfs_transfer::{Engine, EngineConfig, SegmentHandle, TransferOp, TransferRequest};
 
@@ -527,6 +528,16 @@ impl Client {
         r.pop().unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "get", "no result")))
     }
 
+    /// [`Client::get_into`] that also returns the version of the object it read, for callers
+    /// that opened an older version and must not mix it up with a newer one.
+    pub async fn get_into_version(&self, key: &str, addr: u64, cap: u64) -> Result<(u64, u64)> {
+        let views = self.views("get", std::iter::once(key)).await;
+        let version = views.first().and_then(|v| v.as_ref().ok()).map_or(0, |v| v.version);
+        let r = self.read_views(views, &[(addr, cap)]).await.pop();
+        let r = r.unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "get", "no result")));
+        r.map(|size| (size, version)).map_err(|e| e.with_key(key))
+    }
+
     /// Zero-copy get of many objects: one master round trip, one transfer batch (plus one per
     /// replica fallback round). Returns each object's size.
     pub async fn get_into_batch(&self, items: &[GetInto<'_>]) -> Vec<Result<u64>> {
@@ -802,6 +813,55 @@ impl Client {
             Ok(other) => vec![Err(unexpected("remove", &other)); keys.len()],
             Err(e) => vec![Err(e); keys.len()],
         }
+    }
+
+    /// Gives the object `from` the name `to` (a metadata operation: the bytes stay where they
+    /// are) and returns its new version. With `RenameMode::Replace` an object under `to` is
+    /// replaced (its readers keep their bytes until their lease ends); with `NoReplace` it is
+    /// `AlreadyExists`. `NotFound` when `from` does not exist; `PutInProgress` (retryable)
+    /// while either name is being put.
+    pub async fn rename(&self, from: &str, to: &str, mode: RenameMode) -> Result<u64> {
+        let item = RenameItem { from: from.to_string(), to: to.to_string(), mode };
+        self.rename_batch(vec![item]).await.pop().unwrap_or_else(|| {
+            Err(Error::new(ErrorKind::Internal, "rename", "no result").with_key(from))
+        })
+    }
+
+    /// Several renames in one call, applied in order; one result per item.
+    pub async fn rename_batch(&self, items: Vec<RenameItem>) -> Vec<Result<u64>> {
+        let keys: Vec<String> = items.iter().map(|i| i.from.clone()).collect();
+        match self.call("rename", &MasterRequest::Rename(items)).await {
+            Ok(MasterResponse::Rename(v)) if v.len() == keys.len() => v
+                .into_iter()
+                .zip(&keys)
+                .map(|(r, k)| r.map_err(|e| Error::from_wire("rename", &e).with_key(k)))
+                .collect(),
+            Ok(other) => vec![Err(unexpected("rename", &other)); keys.len()],
+            Err(e) => vec![Err(e); keys.len()],
+        }
+    }
+
+    /// Removes objects as POSIX unlink does: the name goes at once, even while a read lease
+    /// protects the object (readers holding it keep their bytes until the lease ends).
+    /// `Pinned` for a hard-pinned object (only a forced `remove` takes it).
+    pub async fn unlink_batch<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<()>> {
+        let req = MasterRequest::Unlink(keys.iter().map(|k| k.as_ref().to_string()).collect());
+        match self.call("unlink", &req).await {
+            Ok(MasterResponse::Remove(v)) if v.len() == keys.len() => v
+                .into_iter()
+                .zip(keys)
+                .map(|(r, k)| r.map_err(|e| Error::from_wire("unlink", &e).with_key(k.as_ref())))
+                .collect(),
+            Ok(other) => vec![Err(unexpected("unlink", &other)); keys.len()],
+            Err(e) => vec![Err(e); keys.len()],
+        }
+    }
+
+    pub async fn unlink(&self, key: &str) -> Result<()> {
+        self.unlink_batch(&[key])
+            .await
+            .pop()
+            .unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "unlink", "no result")))
     }
 
     /// Drops each key's replicas on the node whose transfer endpoint is `endpoint` (every

@@ -19,6 +19,6 @@ pub use client::{
 pub use error::{Error, ErrorKind, Result};
 pub use kvfs_proto::store::{
     DirEntry, DirPage, ListEntry, ListPage, MasterStats, Persistence, Pin, RemoveCounts,
-    ReplicaDesc, Strategy, Tier,
+    RenameItem, RenameMode, ReplicaDesc, Strategy, Tier,
 };
 pub use node::{Node, NodeConfig, NodeStats, TierConfig};

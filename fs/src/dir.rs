@@ -226,6 +226,10 @@ impl DirStream {
         for e in &page.entries {
             let (name, is_dir) = entry_name(e);
             let component = name.strip_suffix('/').unwrap_or(name);
+            // Replacements being committed (`write::STAGING_PREFIX`) are nobody's files.
+            if base.is_empty() && is_dir && crate::write::STAGING_PREFIX.starts_with(name) {
+                continue;
+            }
             if !component.starts_with(&partial) {
                 self.done = true;
                 break;

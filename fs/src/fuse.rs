@@ -18,7 +18,7 @@ use fuser::{
 };
 use kvfs_fs_abi as abi;
 
-use crate::inode::{self, Kind};
+use crate::inode::{self, Kind, ObjAttr};
 use crate::read::{OpenPlan, ReadHandle};
 use crate::state::{Found, Handle, Inner, STATUS_FILES, bump, lock};
 use crate::{errno, procfs};
@@ -94,6 +94,8 @@ impl Filesystem for KvFs {
             let _ = config.set_max_readahead(max);
         }
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // open(O_TRUNC) arrives as one open with the flag (a replacement), not open + setattr.
+        let _ = config.add_capabilities(InitFlags::FUSE_ATOMIC_O_TRUNC);
         if self.inner.cfg.passthrough.is_some() {
             let ok = config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
                 && config.set_max_stack_depth(1).is_ok();
@@ -170,14 +172,24 @@ impl Filesystem for KvFs {
                     // Directories are implicit: mode and times are not kept.
                     Kind::Dir(_) | Kind::ControlDir => return Ok(inner.dir_attr(ino.0)),
                     Kind::Object { key } => {
+                        // A file being written takes truncation; its mode, owner and times
+                        // are accepted and not kept (the object gets 0444 and its put time).
                         if let Some(w) = writer {
                             let mut w = w.lock().await;
+                            if !w.is_open() && (changes || size.is_some()) {
+                                return Err(libc::EPERM);
+                            }
                             if let Some(len) = size {
                                 inner.truncate_staged(&mut w, len)?;
                             }
-                        } else if lock(&inner.pending).contains_key(&key) {
-                            if size.is_some() {
-                                return Err(libc::EBUSY);
+                            if w.is_open() {
+                                let a = ObjAttr { size: w.staged_len(), version: 0 };
+                                return Ok(inner.obj_attr(ino.0, a, true));
+                            }
+                        } else if let Some(w) = inner.writer_of(&key) {
+                            let mut w = w.lock().await;
+                            if let Some(len) = size {
+                                inner.truncate_staged(&mut w, len)?;
                             }
                         } else if changes || size.is_some() {
                             // Objects are immutable.
@@ -250,15 +262,20 @@ impl Filesystem for KvFs {
     fn rename(
         &self,
         _req: &Request,
-        _parent: INodeNo,
-        _name: &OsStr,
-        _newparent: INodeNo,
-        _newname: &OsStr,
-        _flags: RenameFlags,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        // Keys are objects' identities and the store has no atomic move.
-        reply.error(Errno::EOPNOTSUPP);
+        let (name, newname) = (name.to_os_string(), newname.to_os_string());
+        self.spawn(
+            move |inner| async move {
+                inner.rename(parent.0, &name, newparent.0, &newname, flags.bits()).await
+            },
+            answer_empty(reply),
+        );
     }
 
     fn link(
@@ -273,10 +290,11 @@ impl Filesystem for KvFs {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let write = flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
+        let trunc = flags.0 & libc::O_TRUNC != 0;
+        let write = flags.acc_mode() != OpenAccMode::O_RDONLY || trunc;
         let inner = self.inner.clone();
         self.spawn(
-            move |inner| async move { inner.plan_open(ino.0, write).await },
+            move |inner| async move { inner.plan_open(ino.0, write, trunc).await },
             move |r| match r {
                 Ok(plan) => finish_open(&inner, ino.0, plan, reply),
                 Err(e) => reply.error(err(e)),
@@ -672,6 +690,11 @@ fn finish_open(inner: &Arc<Inner>, ino: u64, plan: OpenPlan, reply: ReplyOpen) {
             let fh = inner.add_handle(Handle::Read(handle));
             let flags = if keep_cache { FopenFlags::FOPEN_KEEP_CACHE } else { FopenFlags::empty() };
             reply.opened(FileHandle(fh), flags);
+        }
+        OpenPlan::Replace(w) => {
+            lock(&inner.table).open(ino);
+            let fh = inner.add_handle(Handle::Write(w));
+            reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO);
         }
         OpenPlan::PassthroughReuse(id) => {
             lock(&inner.table).open(ino);

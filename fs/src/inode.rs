@@ -154,6 +154,20 @@ impl Table {
         }
     }
 
+    /// The numbers of every node of `kind` (several after renames: the kernel keeps the
+    /// number a renamed file had, and a fresh lookup of the new name derives another).
+    pub fn inos_of(&self, kind: &Kind) -> Vec<u64> {
+        self.nodes.iter().filter(|(_, n)| n.kind == *kind).map(|(&i, _)| i).collect()
+    }
+
+    /// A rename: the node keeps its number (the kernel moved its dentry) and stands for
+    /// `kind` from now on.
+    pub fn rekey(&mut self, ino: u64, kind: Kind) {
+        if let Some(n) = self.nodes.get_mut(&ino) {
+            n.kind = kind;
+        }
+    }
+
     /// Records one kernel lookup of `kind` (an `entry` reply); returns its number.
     pub fn remember(&mut self, kind: Kind, attr: Option<ObjAttr>) -> u64 {
         let ino = self.ino_of(&kind);

@@ -58,6 +58,7 @@ pub mod names;
 pub mod passthrough;
 pub mod procfs;
 mod read;
+mod rename;
 mod staging;
 mod state;
 mod write;

@@ -125,10 +125,12 @@ pub enum OpenPlan {
     /// Register this file with the kernel as the inode's backing file (or read `key` through
     /// the daemon if the kernel refuses).
     PassthroughNew { fd: OwnedFd, key: String, attr: ObjAttr },
+    /// `O_TRUNC` for writing: a writer replacing the object at its commit.
+    Replace(Arc<tokio::sync::Mutex<crate::write::Writer>>),
 }
 
 impl Inner {
-    pub async fn plan_open(&self, ino: u64, write: bool) -> Result<OpenPlan, Errno> {
+    pub async fn plan_open(&self, ino: u64, write: bool, trunc: bool) -> Result<OpenPlan, Errno> {
         let kind = self.kind_of(ino)?;
         if write && matches!(kind, Kind::Control | Kind::Status(_)) {
             return Err(libc::EPERM);
@@ -144,10 +146,13 @@ impl Inner {
         if lock(&self.pending).contains_key(&key) {
             return Err(libc::EBUSY);
         }
-        if write {
+        if write && !trunc {
             return Err(libc::EPERM);
         }
         let v = self.client.stat(&key).await.map_err(|e| errno::of(&e))?;
+        if write {
+            return Ok(OpenPlan::Replace(self.open_replace(ino, key)));
+        }
         let attr = ObjAttr { size: v.size, version: v.version };
         let previous = {
             let mut t = lock(&self.table);
@@ -219,7 +224,15 @@ impl Inner {
                 .map_err(|_| libc::ENOMEM)?
                 .map_err(|_| libc::ENOMEM)?;
         let buf = self.fetch_pool.take(size as usize)?;
-        let got = self.client.get_into(&h.key, buf.addr(), buf.len() as u64).await;
+        let got = self.client.get_into_version(&h.key, buf.addr(), buf.len() as u64).await;
+        // A new object under the name since this file was opened (replaced, renamed over):
+        // its bytes are not this file's, and mixing them with its size would show a partial
+        // object.
+        let got = match got {
+            Ok((_, version)) if version != h.attr.version => Err(libc::ESTALE),
+            Ok((size, _)) => Ok(size),
+            Err(e) => Err(errno::of(&e)),
+        };
         let f = Arc::new(Fetched {
             size: *got.as_ref().unwrap_or(&0),
             buf: Some(buf),
@@ -227,7 +240,7 @@ impl Inner {
             pool: self.fetch_pool.clone(),
             _permit: permit,
         });
-        let size = got.map_err(|e| errno::of(&e))?;
+        let size = got?;
         bump(&self.counters.fetches, 1);
         bump(&self.counters.fetch_bytes, size);
         lock(&self.fetched).insert(h.ino, Arc::downgrade(&f));

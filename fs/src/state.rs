@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{FileAttr, FileType, INodeNo};
-use kvfs_client::{Client, ErrorKind, ObjectInfo, Persistence, Pin, Tier};
+use kvfs_client::{Client, ObjectInfo, Persistence, Pin, Tier};
 
 use crate::fastpath::FastPath;
 use crate::inode::{self, DirNode, Kind, ObjAttr, Table};
@@ -69,6 +69,7 @@ pub enum Handle {
 pub struct Pending {
     pub ino: u64,
     pub size: Arc<AtomicU64>,
+    pub writer: Weak<tokio::sync::Mutex<Writer>>,
 }
 
 /// What a name resolves to.
@@ -121,6 +122,8 @@ counters!(
     commit_failures,
     aborted_writes,
     unlinks,
+    renames,
+    replaces,
     fastpath_registrations,
     fastpath_submits,
     fastpath_items_ok,
@@ -154,6 +157,9 @@ pub struct Inner {
     /// Whether the kernel accepts passthrough backing files (cleared after a refusal).
     pub passthrough_works: std::sync::atomic::AtomicBool,
     pub started: SystemTime,
+    /// Staging keys of replacements are `STAGING_PREFIX` + this + a counter.
+    pub staging_nonce: u64,
+    pub next_staging: AtomicU64,
     uid: u32,
     gid: u32,
 }
@@ -184,6 +190,8 @@ impl Inner {
             notifier: OnceLock::new(),
             passthrough_works: std::sync::atomic::AtomicBool::new(true),
             started: SystemTime::now(),
+            staging_nonce: rand_nonce(),
+            next_staging: AtomicU64::new(0),
             // SAFETY: getuid/getgid cannot fail and have no preconditions.
             uid: unsafe { libc::getuid() },
             // SAFETY: as above.
@@ -494,23 +502,6 @@ impl Inner {
         Ok(())
     }
 
-    /// unlink: removes the object (refused while a read lease protects it: `EBUSY`).
-    pub async fn unlink(&self, parent: u64, name: &OsStr) -> Result<(), Errno> {
-        match self.resolve(parent, name).await? {
-            Found::Object { pending: true, .. } => Err(libc::EBUSY),
-            Found::Object { key, .. } => {
-                self.client.remove(&key, false).await.map_err(|e| match e.kind() {
-                    ErrorKind::NotFound => libc::ENOENT,
-                    _ => errno::of(&e),
-                })?;
-                bump(&self.counters.unlinks, 1);
-                Ok(())
-            }
-            Found::Dir(_) => Err(libc::EISDIR),
-            _ => Err(libc::EPERM),
-        }
-    }
-
     /// Tells the kernel to forget a name (after a failed commit), off the request path.
     pub fn invalidate(&self, parent: u64, name: std::ffi::OsString) {
         if let Some(n) = self.notifier.get().cloned() {
@@ -519,6 +510,14 @@ impl Inner {
             });
         }
     }
+}
+
+/// A number no other mount's staging keys share (time and pid mixed through blake3).
+fn rand_nonce() -> u64 {
+    let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let seed = format!("{t}/{}", std::process::id());
+    let h = blake3::hash(seed.as_bytes());
+    u64::from_le_bytes(h.as_bytes()[..8].try_into().unwrap_or([0; 8]))
 }
 
 /// The chunk directory named `name` (decoded to `raw`) inside `dir`.

@@ -18,6 +18,13 @@
 //! A writer killed by a signal still has its files closed by the kernel; the daemon sees that
 //! the closing thread is exiting on a signal and discards the bytes instead of committing
 //! them. A file released without a committing flush is discarded too.
+//!
+//! Replacing an object (`open` with `O_TRUNC` for writing, `creat` of an existing name, or a
+//! pending file re-targeted by a rename): the name keeps showing the old object to everyone
+//! until the commit, which puts the bytes under a staging key (`\0kvfs-staging/...`, hidden
+//! from listings) and renames it over the name: readers see the old object or the new one,
+//! whole. Without `O_TRUNC`, opening an object for writing stays `EPERM` (objects are
+//! immutable; there is no in-place modification).
 
 use std::ffi::OsString;
 use std::sync::Arc;
@@ -32,6 +39,9 @@ use crate::names::{self, Piece};
 use crate::staging::Staged;
 use crate::state::{Errno, Found, Handle, Inner, Pending, bump, lock};
 
+/// Keys of replacements being committed: hidden from listings (see `dir`).
+pub const STAGING_PREFIX: &str = "\0kvfs-staging/";
+
 pub struct Writer {
     pub key: String,
     pub ino: u64,
@@ -40,11 +50,32 @@ pub struct Writer {
     staged: Staged,
     size: Arc<AtomicU64>,
     done: Option<Result<(), Errno>>,
+    /// Commit by replacing whatever the name holds (staging key, then rename over it).
+    replace: bool,
+    /// The name was unlinked while being written: the bytes go at close.
+    discard: bool,
 }
 
 impl Writer {
     pub fn is_open(&self) -> bool {
         self.done.is_none()
+    }
+
+    pub fn staged_len(&self) -> u64 {
+        self.staged.len()
+    }
+
+    /// A rename gave the file being written another name: it commits there, replacing.
+    pub fn retarget(&mut self, key: String, parent: u64, name: OsString) {
+        self.key = key;
+        self.parent = parent;
+        self.name = name;
+        self.replace = true;
+    }
+
+    /// The name was unlinked: the close succeeds and stores nothing.
+    pub fn discard_at_close(&mut self) {
+        self.discard = true;
     }
 }
 
@@ -81,13 +112,25 @@ impl Inner {
             return Err(libc::EISDIR);
         }
         match self.client.stat(&key).await {
-            Ok(_) => return Err(if excl { libc::EEXIST } else { libc::EPERM }),
+            Ok(_) if excl => return Err(libc::EEXIST),
+            Ok(v) => {
+                // creat(2) of an existing name truncates it: a replacement.
+                let attr = ObjAttr { size: v.size, version: v.version };
+                let found = Found::Object { key: key.clone(), attr, pending: false };
+                let (ino, _) = self.remember(&found);
+                lock(&self.table).open(ino);
+                let w = self.new_writer(key, ino, parent, name.to_os_string(), true);
+                let fh = self.add_handle(Handle::Write(w));
+                let found =
+                    Found::Object { key: String::new(), attr: ObjAttr::default(), pending: true };
+                return Ok((found, ino, fh));
+            }
             Err(e) if e.kind() == ErrorKind::NotFound => {}
             Err(e) => return Err(errno::of(&e)),
         }
-        let size = Arc::new(AtomicU64::new(0));
         let found = Found::Object { key: key.clone(), attr: ObjAttr::default(), pending: true };
         let (ino, _) = self.remember(&found);
+        let w = self.new_writer(key.clone(), ino, parent, name.to_os_string(), false);
         {
             let mut pending = lock(&self.pending);
             if pending.contains_key(&key) {
@@ -95,20 +138,42 @@ impl Inner {
                 lock(&self.table).forget(ino, 1);
                 return Err(libc::EEXIST);
             }
-            pending.insert(key.clone(), Pending { ino, size: size.clone() });
+            let size = w.try_lock().map(|w| w.size.clone()).map_err(|_| libc::EIO)?;
+            pending.insert(key, Pending { ino, size, writer: Arc::downgrade(&w) });
         }
         lock(&self.table).open(ino);
-        let w = Writer {
+        let fh = self.add_handle(Handle::Write(w));
+        Ok((found, ino, fh))
+    }
+
+    fn new_writer(
+        &self,
+        key: String,
+        ino: u64,
+        parent: u64,
+        name: OsString,
+        replace: bool,
+    ) -> Arc<tokio::sync::Mutex<Writer>> {
+        Arc::new(tokio::sync::Mutex::new(Writer {
             key,
             ino,
             parent,
-            name: name.to_os_string(),
+            name,
             staged: Staged::new(self.staging.clone(), self.cfg.staging_file_bytes_max),
-            size,
+            size: Arc::new(AtomicU64::new(0)),
             done: None,
-        };
-        let fh = self.add_handle(Handle::Write(Arc::new(tokio::sync::Mutex::new(w))));
-        Ok((found, ino, fh))
+            replace,
+            discard: false,
+        }))
+    }
+
+    /// open with `O_TRUNC` for writing of an existing object: a writer that replaces it at
+    /// its commit; until then everyone else still sees the old object.
+    pub fn open_replace(&self, ino: u64, key: String) -> Arc<tokio::sync::Mutex<Writer>> {
+        bump(&self.counters.replaces, 1);
+        // Name and parent matter only to drop the kernel's entry after a failed first commit
+        // of a new file; a replacement's name keeps the old object then.
+        self.new_writer(key, ino, 0, OsString::new(), true)
     }
 
     pub fn write(&self, w: &mut Writer, offset: u64, data: &[u8]) -> Result<u32, Errno> {
@@ -146,6 +211,10 @@ impl Inner {
         if let Some(r) = w.done {
             return r;
         }
+        if w.discard {
+            self.finish(w, Ok(()));
+            return Ok(());
+        }
         if w.staged.len() == 0 {
             return Err(libc::EINVAL);
         }
@@ -174,8 +243,13 @@ impl Inner {
     fn finish(&self, w: &mut Writer, r: Result<(), Errno>) {
         w.done = Some(r);
         w.staged.clear();
-        lock(&self.pending).remove(&w.key);
-        if r.is_err() {
+        {
+            let mut pending = lock(&self.pending);
+            if pending.get(&w.key).is_some_and(|p| p.ino == w.ino) {
+                pending.remove(&w.key);
+            }
+        }
+        if r.is_err() && !w.replace && w.parent != 0 {
             self.invalidate(w.parent, w.name.clone());
         }
     }
@@ -190,13 +264,36 @@ impl Inner {
         });
         let engine = self.client.engine().clone();
         engine.register_buffer(buf.clone(), false).map_err(|_| libc::ENOMEM)?;
-        let r = self.put_and_check(&w.key, &buf, len).await;
+        let r = if w.replace {
+            self.put_replacing(&w.key, &buf, len).await
+        } else {
+            self.put_and_check(&w.key, &buf, len).await
+        };
         let _ = engine.unregister(buf.addr());
         let version = r?;
         if let Some(n) = lock(&self.table).get_mut(w.ino) {
             n.attr = Some(ObjAttr { size: len, version });
         }
         Ok(())
+    }
+
+    /// Puts `len` bytes of `buf` under a staging key and renames it over `key`; the new
+    /// object's version.
+    async fn put_replacing(&self, key: &str, buf: &Arc<Buffer>, len: u64) -> Result<u64, Errno> {
+        let n = self.next_staging.fetch_add(1, Ordering::Relaxed);
+        let staging = format!("{}{:016x}/{n}", STAGING_PREFIX, self.staging_nonce);
+        let opts = PutOptions { checksum: true, upsert: false, ..self.cfg.put.clone() };
+        self.client.put_from(&staging, buf.addr(), len, &opts).await.map_err(|e| errno::of(&e))?;
+        match self.client.rename(&staging, key, kvfs_client::RenameMode::Replace).await {
+            Ok(version) => Ok(version),
+            Err(e) => {
+                let _ = self.client.remove(&staging, true).await;
+                Err(match e.kind() {
+                    ErrorKind::PutInProgress => libc::EBUSY,
+                    _ => errno::of(&e),
+                })
+            }
+        }
     }
 
     /// Puts `len` bytes of `buf` under `key`; `Ok(version)` when the stored object is ours.

@@ -94,6 +94,30 @@ pub struct HeldObject {
     pub pin: Pin,
     /// The node's tier manager knows this object is also in object storage.
     pub persisted: bool,
+    /// The key and version the object had before its last rename, if the node remembers it:
+    /// a copy still under that old name and version is stale (see `Directory::rename`).
+    pub renamed_from: Option<(String, u64)>,
+}
+
+/// What `Directory::rename` does when the new name exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum RenameMode {
+    /// Replace the object there (POSIX rename): its ranges stay allocated until readers'
+    /// lease ends, like an upsert's.
+    #[default]
+    Replace,
+    /// `AlreadyExists`.
+    NoReplace,
+}
+
+/// What a rename did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Renamed {
+    /// The renamed object's version before and after.
+    pub from_version: u64,
+    pub version: u64,
+    /// The object store holds a copy (under the old name until the service moves it).
+    pub persisted: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -243,12 +267,17 @@ pub enum NodeEffect {
     },
     /// Forget the object stored in this range; the master already reuses the range.
     Drop { node: NodeId, key: Arc<str>, segment: u32, offset: u64, len: u64 },
+    /// The object the node holds under `from` (at `from_version`) is now `to` at `version`;
+    /// one per node, covering all its copies.
+    Rename { node: NodeId, from: Arc<str>, to: Arc<str>, from_version: u64, version: u64 },
 }
 
 impl NodeEffect {
     pub fn node(&self) -> NodeId {
         match self {
-            NodeEffect::Commit { node, .. } | NodeEffect::Drop { node, .. } => *node,
+            NodeEffect::Commit { node, .. }
+            | NodeEffect::Drop { node, .. }
+            | NodeEffect::Rename { node, .. } => *node,
         }
     }
 }

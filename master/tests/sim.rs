@@ -152,6 +152,7 @@ impl Sim {
                         persistence,
                         pin,
                         persisted: false,
+                        renamed_from: None,
                     };
                     node.held.insert((segment, offset), h);
                 }
@@ -162,6 +163,15 @@ impl Sim {
                         Some(key.to_string()),
                         "drop of what the node holds"
                     );
+                }
+                NodeEffect::Rename { from, to, from_version, version, .. } => {
+                    for h in node.held.values_mut() {
+                        if *h.key == *from && h.version == from_version {
+                            h.key = to.to_string();
+                            h.version = version;
+                            h.renamed_from = Some((from.to_string(), from_version));
+                        }
+                    }
                 }
             }
         }

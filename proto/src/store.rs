@@ -16,7 +16,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Version of the store protocol; a master refuses a client or node that speaks another one.
-pub const STORE_PROTOCOL_VERSION: u32 = 2;
+pub const STORE_PROTOCOL_VERSION: u32 = 3;
 
 /// Storage medium of a segment or replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -244,6 +244,29 @@ pub struct HeldObject {
     pub persistence: Persistence,
     pub pin: Pin,
     pub persisted: bool,
+    /// The name and version this object had before its last rename, while the node still
+    /// remembers it: a master rebuilding its directory drops a copy of that old name and
+    /// version, so a rename the master died in the middle of leaves one name.
+    pub renamed_from: Option<(String, u64)>,
+}
+
+/// What a rename does when the new name exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum RenameMode {
+    /// Replace the object under the new name (POSIX rename): readers holding a lease on it
+    /// keep its bytes until the lease ends.
+    #[default]
+    Replace,
+    /// Fail with `AlreadyExists` (`RENAME_NOREPLACE`).
+    NoReplace,
+}
+
+/// One rename.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RenameItem {
+    pub from: String,
+    pub to: String,
+    pub mode: RenameMode,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -357,6 +380,13 @@ pub enum MasterRequest {
         keys: Vec<String>,
         endpoint: Option<String>,
     },
+    /// Give objects new names (a metadata operation: the bytes stay where they are); each
+    /// renamed object gets a new version, answered per item.
+    Rename(Vec<RenameItem>),
+    /// Remove objects the way POSIX unlink does: the name goes at once, even under a read
+    /// lease; readers holding a lease keep the bytes until it ends. Hard-pinned objects are
+    /// refused (`Pinned`). Answered with `Remove`.
+    Unlink(Vec<String>),
 }
 
 /// Answers of the master, one variant per request.
@@ -385,6 +415,8 @@ pub enum MasterResponse {
     /// The request as a whole was refused (version, role, malformed).
     Refused(WireError),
     ClearReplicas(Vec<ItemResult<bool>>),
+    /// Per item of a `Rename`: the renamed object's new version.
+    Rename(Vec<ItemResult<u64>>),
 }
 
 /// An object the node now holds (sent after the put completed on the master).
@@ -407,6 +439,18 @@ pub struct DropItem {
     pub segment: u32,
     pub offset: u64,
     pub len: u64,
+}
+
+/// An object the node holds under `from` is now `to`, with a new version (sent after the
+/// master renamed it; the node moves its DRAM and NVMe copies to the new name).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RenameRecord {
+    pub from: String,
+    pub to: String,
+    /// The version of the node's copy under `from`.
+    pub from_version: u64,
+    /// Its version under `to`.
+    pub version: u64,
 }
 
 /// Where a copy a node reports lives.
@@ -516,6 +560,7 @@ pub enum NodeRequest {
     Drop(Vec<DropItem>),
     Persist(Vec<PersistItem>),
     Load(Vec<LoadItem>),
+    Rename(Vec<RenameRecord>),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

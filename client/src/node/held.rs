@@ -40,6 +40,9 @@ pub struct Held {
     pub queued: bool,
     /// A tier move of this key is running.
     pub busy: bool,
+    /// The key and version before the last rename (reported to a master rebuilding its
+    /// directory, which then drops a copy left under the old name).
+    pub renamed_from: Option<(String, u64)>,
 }
 
 impl Held {
@@ -55,6 +58,7 @@ impl Held {
             persisted: false,
             queued: false,
             busy: false,
+            renamed_from: None,
         }
     }
 
@@ -133,6 +137,7 @@ impl Index {
                     persistence: h.persistence,
                     pin: h.pin,
                     persisted: h.persisted,
+                    renamed_from: h.renamed_from.clone(),
                 });
             }
         }

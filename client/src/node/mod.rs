@@ -411,6 +411,10 @@ impl Inner {
             }
             NodeRequest::Persist(items) => NodeResponse::Persisted(self.persist(items).await),
             NodeRequest::Load(items) => NodeResponse::Loaded(self.load(items).await),
+            NodeRequest::Rename(items) => {
+                self.rename(items).await;
+                NodeResponse::Done
+            }
         }
     }
 

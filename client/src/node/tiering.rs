@@ -41,7 +41,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use kvfs_proto::store::{
     CommitItem, DropItem, ErrorCode, ItemResult, LoadItem, MasterRequest, MasterResponse,
-    NodeStats, PersistItem, Persistence, ReplicaLoc, ReplicaReport, ReportOutcome, Tier, WireError,
+    NodeStats, PersistItem, Persistence, RenameRecord, ReplicaLoc, ReplicaReport, ReportOutcome,
+    Tier, WireError,
 };
 use kvfs_tiers::policy::{Action, Held as PHeld, Tier as PTier, TierPolicy, TierUsage};
 use kvfs_tiers::writeback::{WritebackConfig, WritebackEvent, WritebackQueue};
@@ -244,6 +245,19 @@ impl Medium for NodeSource {
         Err(unsupported("list"))
     }
 
+    async fn rename(
+        &self,
+        _: &str,
+        _: &str,
+        _: kvfs_tiers::RenameOptions,
+    ) -> kvfs_tiers::Result<ObjectMeta> {
+        Err(unsupported("rename"))
+    }
+
+    async fn previous_name(&self, _: &str) -> kvfs_tiers::Result<Option<(String, u64)>> {
+        Err(unsupported("previous_name"))
+    }
+
     fn capacity_bytes(&self) -> Option<u64> {
         None
     }
@@ -303,6 +317,12 @@ impl Inner {
                 return;
             }
         };
+        let mut previous = std::collections::HashMap::new();
+        for (key, _) in &listed {
+            if let Ok(Some(p)) = nvme.previous_name(key).await {
+                previous.insert(key.clone(), p);
+            }
+        }
         let mut dropped = Vec::new();
         let mut adopted = Vec::new();
         {
@@ -321,6 +341,7 @@ impl Inner {
                 h.checksum = Some(meta.checksum);
                 h.nvme = Some(off);
                 h.persisted = meta.persistence == kvfs_tiers::Persistence::Eager;
+                h.renamed_from = previous.remove(&key);
                 adopted.push((key.clone(), h.clone()));
                 idx.objects.insert(key, h);
             }
@@ -383,6 +404,69 @@ impl Inner {
             });
         }
         if !lazy.is_empty() {
+            let inner = self.clone();
+            tokio::spawn(async move { inner.enqueue_writebacks(lazy).await });
+        }
+    }
+
+    /// `Rename` records: the object held under `from` (at `from_version`) is now `to` at
+    /// `version`. The DRAM copy is re-keyed in the index (its bytes stay); the NVMe copy is
+    /// renamed on disk (its data file re-linked, a new header naming the old name); a queued
+    /// write-back is queued again under the new name. A tier move of the key that is running
+    /// is waited for (bounded), so its report cannot name the old key after the rename.
+    pub(super) async fn rename(self: &Arc<Self>, items: Vec<RenameRecord>) {
+        const MOVE_WAIT: Duration = Duration::from_secs(2);
+        let mut lazy = Vec::new();
+        for it in items {
+            let waited = std::time::Instant::now();
+            loop {
+                let busy = lock(&self.index).objects.get(&it.from).is_some_and(|h| h.busy);
+                if !busy || waited.elapsed() >= MOVE_WAIT {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            let (nvme_copy, stale) = {
+                let mut idx = lock(&self.index);
+                let mut policy = lock(&self.tiers.policy);
+                let now = self.now_ms();
+                if idx.objects.get(&it.from).is_none_or(|h| h.version != it.from_version) {
+                    continue;
+                }
+                // The master dropped what it had under the new name (drops come first);
+                // anything left there is older than the renamed object.
+                let stale = idx.remove(&it.to).filter(|o| o.nvme.is_some()).map(|o| o.version);
+                sync_policy(&mut policy, &it.to, None, now);
+                let Some(mut h) = idx.objects.remove(&it.from) else { continue };
+                sync_policy(&mut policy, &it.from, None, now);
+                h.version = it.version;
+                h.renamed_from = Some((it.from.clone(), it.from_version));
+                if h.queued {
+                    h.queued = false;
+                    lazy.push(it.to.clone());
+                }
+                let nvme_copy = h.nvme.is_some();
+                sync_policy(&mut policy, &it.to, Some(&h), now);
+                idx.objects.insert(it.to.clone(), h);
+                (nvme_copy, stale)
+            };
+            let Some(nvme) = self.tiers.nvme.clone() else { continue };
+            if let Some(version) = stale {
+                remove_nvme_version(&nvme, &it.to, version).await;
+            }
+            if nvme_copy {
+                let opts =
+                    kvfs_tiers::RenameOptions { version: it.version, mode: PutMode::Overwrite };
+                if let Err(e) = nvme.rename(&it.from, &it.to, opts).await {
+                    // The index names a copy the disk does not have under the new name: drop
+                    // it here; the master learns it when the copy is next moved or reported.
+                    tracing::error!(from = %it.from, to = %it.to, error = %e, "NVMe copy not renamed; dropped");
+                    lock(&self.index).clear_nvme(&it.to);
+                    remove_nvme_version(&nvme, &it.from, it.from_version).await;
+                }
+            }
+        }
+        if !lazy.is_empty() && self.tiers.writeback.is_some() {
             let inner = self.clone();
             tokio::spawn(async move { inner.enqueue_writebacks(lazy).await });
         }

@@ -41,6 +41,7 @@ mod list;
 mod memory;
 mod nodes;
 mod placement;
+mod rename;
 #[cfg(test)]
 mod tests;
 mod tiers;
@@ -193,6 +194,8 @@ pub struct Directory {
     loading: hashbrown::HashMap<Arc<str>, tiers::Loading, FixedState>,
     /// Persisted objects removed or replaced, whose object-store copy must go (see `tiers`).
     unpersisted: Vec<(Arc<str>, u64)>,
+    /// Names renamed away, for recovery's duplicate check (see `rename`).
+    renamed_away: rename::RenamedAway,
     nodes: BTreeMap<NodeId, Node>,
     /// Indexed by segment id; slot 0 is never used so that ids are `NonZeroU32`.
     segments: Vec<Option<Segment>>,
@@ -224,6 +227,7 @@ impl Directory {
             retired: Vec::new(),
             loading: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
             unpersisted: Vec::new(),
+            renamed_away: rename::RenamedAway::default(),
             nodes: BTreeMap::new(),
             segments: vec![None],
             free_seg_ids: Vec::new(),

@@ -280,6 +280,10 @@ impl Directory {
         if self.segment(seg).tier != h.tier {
             return Err(ConflictReason::TierMismatch);
         }
+        if self.was_renamed_away(&h.key, h.version) {
+            return Err(ConflictReason::Superseded);
+        }
+        self.settle_renamed_from(h.renamed_from.as_ref(), fx);
         let existing = self.lookup(&h.key);
         if let Some(id) = existing {
             let o = &self.objects[id];

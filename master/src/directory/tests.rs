@@ -60,7 +60,7 @@ fn drops(fx: &[NodeEffect]) -> Vec<String> {
         .iter()
         .filter_map(|e| match e {
             NodeEffect::Drop { key, .. } => Some(key.to_string()),
-            NodeEffect::Commit { .. } => None,
+            NodeEffect::Commit { .. } | NodeEffect::Rename { .. } => None,
         })
         .collect();
     keys.sort();
@@ -628,6 +628,7 @@ fn held_from(fx: &[NodeEffect], n: NodeId) -> Vec<HeldObject> {
                 persistence: *persistence,
                 pin: *pin,
                 persisted: false,
+                renamed_from: None,
             }),
             _ => None,
         })
@@ -675,6 +676,7 @@ fn recovery_conflicts_resolve_the_same_way_in_any_order() {
         persistence: Persistence::None,
         pin: Pin::None,
         persisted: false,
+        renamed_from: None,
     };
     let node1 = || {
         let mut r = reg(1, "h1", vec![seg(0, Tier::Dram, 64 * MIB)]);
@@ -764,6 +766,7 @@ fn a_put_racing_with_recovery_loses_to_the_adopted_object() {
         persistence: Persistence::None,
         pin: Pin::None,
         persisted: false,
+        renamed_from: None,
     }];
     d.register_node(&r, 1, &mut fx).unwrap();
     assert_eq!(kind(d.put_end(&PutEnd::new("k", None), 2, &mut fx)), ErrorKind::AlreadyExists);
@@ -852,5 +855,193 @@ fn clear_replicas_drops_one_nodes_copies_or_the_whole_object() {
     assert!(d.clear_replicas("fresh", None, later, &mut fx).unwrap());
     assert_eq!(kind(d.stat("fresh")), ErrorKind::NotFound);
     assert_eq!(kind(d.clear_replicas("fresh", None, later, &mut fx)), ErrorKind::NotFound);
+    d.verify().unwrap();
+}
+
+// ----- rename and unlink ---------------------------------------------------------------------
+
+fn renames(fx: &[NodeEffect]) -> Vec<(NodeId, String, String)> {
+    let mut v: Vec<_> = fx
+        .iter()
+        .filter_map(|e| match e {
+            NodeEffect::Rename { node, from, to, .. } => {
+                Some((*node, from.to_string(), to.to_string()))
+            }
+            _ => None,
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn rename_moves_the_name_not_the_bytes() {
+    let mut d = cluster(2, 64 * MIB);
+    let mut req = PutStart::new("a", MIB);
+    req.replicas = 2;
+    put_with(&mut d, &req, 100).unwrap();
+    let before = d.stat("a").unwrap();
+    let mut fx = Vec::new();
+    let r = d.rename("a", "b", RenameMode::Replace, 200, &mut fx).unwrap();
+    assert_eq!(r.from_version, before.version);
+    assert!(r.version > before.version, "a renamed object is a new version");
+    assert_eq!(kind(d.stat("a")), ErrorKind::NotFound);
+    let after = d.stat("b").unwrap();
+    assert_eq!(
+        (after.replicas.clone(), after.size, after.checksum),
+        (before.replicas, MIB, Some([7; 32]))
+    );
+    assert_eq!(
+        renames(&fx),
+        vec![(NodeId(1), "a".into(), "b".into()), (NodeId(2), "a".into(), "b".into())]
+    );
+    assert!(drops(&fx).is_empty(), "no byte moves and nothing is freed");
+    assert_eq!(d.list("", None, 10).unwrap().entries.len(), 1);
+    // renaming onto itself changes nothing; a missing source is NotFound
+    let same = d.rename("b", "b", RenameMode::Replace, 300, &mut fx).unwrap();
+    assert_eq!(same.version, r.version);
+    assert_eq!(kind(d.rename("a", "c", RenameMode::Replace, 300, &mut fx)), ErrorKind::NotFound);
+    d.verify().unwrap();
+}
+
+#[test]
+fn rename_over_a_leased_object_keeps_its_ranges_for_the_readers() {
+    let mut d = cluster(1, 64 * MIB);
+    put(&mut d, "tmp", MIB, 0);
+    put(&mut d, "final", MIB, 0);
+    let mut fx = Vec::new();
+    assert_eq!(
+        kind(d.rename("tmp", "final", RenameMode::NoReplace, 50, &mut fx)),
+        ErrorKind::AlreadyExists
+    );
+    d.get("final", 100).unwrap(); // lease until 10_100
+    d.rename("tmp", "final", RenameMode::Replace, 200, &mut fx).unwrap();
+    assert!(drops(&fx).is_empty(), "the replaced object's range stays while it is leased");
+    assert_eq!(d.stats().tiers[Tier::Dram.index()].used_bytes, 2 * MIB);
+    assert_eq!(d.len(), 1);
+    d.verify().unwrap();
+    assert_eq!(d.tick(10_100, &mut fx).released_ranges, 1);
+    assert_eq!(drops(&fx), vec!["final".to_string()]);
+    assert_eq!(d.stats().tiers[Tier::Dram.index()].used_bytes, MIB);
+    // a hard-pinned object is replaced too (the caller names it, as an upsert does)
+    let mut req = PutStart::new("pinned", MIB);
+    req.pin = Pin::Hard;
+    put_with(&mut d, &req, 20_000).unwrap();
+    d.rename("final", "pinned", RenameMode::Replace, 20_001, &mut fx).unwrap();
+    assert_eq!(d.stat("pinned").unwrap().pin, Pin::None, "the renamed object keeps its own pin");
+    // a name being put is busy
+    put(&mut d, "final", MIB, 20_002);
+    d.put_start(&PutStart::new("busy", MIB), 20_002, &mut fx).unwrap();
+    assert_eq!(
+        kind(d.rename("final", "busy", RenameMode::Replace, 20_003, &mut fx)),
+        ErrorKind::PutInProgress
+    );
+    assert_eq!(
+        kind(d.rename("busy", "x", RenameMode::Replace, 20_003, &mut fx)),
+        ErrorKind::PutInProgress
+    );
+    d.verify().unwrap();
+}
+
+#[test]
+fn unlink_takes_the_name_at_once_and_the_bytes_when_the_lease_ends() {
+    let mut d = cluster(1, 64 * MIB);
+    put(&mut d, "k", MIB, 0);
+    let mut fx = Vec::new();
+    d.get("k", 100).unwrap(); // lease until 10_100
+    assert_eq!(kind(d.remove("k", false, 200, &mut fx)), ErrorKind::Leased);
+    d.unlink("k", 200, &mut fx).unwrap();
+    assert_eq!(kind(d.stat("k")), ErrorKind::NotFound);
+    assert!(drops(&fx).is_empty());
+    // the name is free again at once
+    put(&mut d, "k", MIB, 300);
+    d.verify().unwrap();
+    d.tick(10_100, &mut fx);
+    assert_eq!(drops(&fx), vec!["k".to_string()]);
+    assert_eq!(d.stat("k").unwrap().size, MIB, "the new object is untouched");
+    let mut req = PutStart::new("hard", MIB);
+    req.pin = Pin::Hard;
+    put_with(&mut d, &req, 20_000).unwrap();
+    assert_eq!(kind(d.unlink("hard", 20_001, &mut fx)), ErrorKind::Pinned);
+    d.verify().unwrap();
+}
+
+/// What node `n` holds after applying the Commit effects and, if `renamed`, the Rename ones.
+fn held_after(fx: &[NodeEffect], n: NodeId, renamed: bool) -> Vec<HeldObject> {
+    let mut held = held_from(fx, n);
+    if renamed {
+        for e in fx {
+            if let NodeEffect::Rename { node, from, to, from_version, version } = e
+                && *node == n
+            {
+                for h in held.iter_mut().filter(|h| *h.key == **from && h.version == *from_version)
+                {
+                    h.key = to.to_string();
+                    h.version = *version;
+                    h.renamed_from = Some((from.to_string(), *from_version));
+                }
+            }
+        }
+    }
+    held
+}
+
+#[test]
+fn a_rename_the_master_died_in_leaves_one_name_whatever_the_order_of_reports() {
+    let mut d = cluster(2, 64 * MIB);
+    let mut fx = Vec::new();
+    let mut req = PutStart::new("tmp", MIB);
+    req.replicas = 2;
+    fx.extend(put_with(&mut d, &req, 100).unwrap());
+    fx.extend(put(&mut d, "other", MIB, 100));
+    d.rename("tmp", "final", RenameMode::Replace, 200, &mut fx).unwrap();
+    // node 1 applied the rename before the master died, node 2 did not
+    for order in [[1u64, 2], [2, 1]] {
+        let mut fresh = Directory::new(cfg()).unwrap();
+        let mut out_fx = Vec::new();
+        for n in order {
+            let mut r = reg(n, &format!("host{n}"), vec![seg(0, Tier::Dram, 64 * MIB)]);
+            r.held = held_after(&fx, NodeId(n), n == 1);
+            fresh.register_node(&r, 5000, &mut out_fx).unwrap();
+        }
+        assert_eq!(kind(fresh.stat("tmp")), ErrorKind::NotFound, "order {order:?}");
+        let v = fresh.stat("final").unwrap();
+        assert_eq!(nodes_of(&v), vec![NodeId(1)], "order {order:?}");
+        // node 2's stale copy under the old name is dropped there
+        let stale: Vec<_> = out_fx
+            .iter()
+            .filter(|e| matches!(e, NodeEffect::Drop { node, key, .. } if *node == NodeId(2) && &**key == "tmp"))
+            .collect();
+        assert_eq!(stale.len(), 1, "order {order:?}");
+        assert!(fresh.stat("other").is_ok());
+        fresh.verify().unwrap();
+    }
+    // no node applied it: the old name stays
+    let mut fresh = Directory::new(cfg()).unwrap();
+    for n in [1u64, 2] {
+        let mut r = reg(n, &format!("host{n}"), vec![seg(0, Tier::Dram, 64 * MIB)]);
+        r.held = held_after(&fx, NodeId(n), false);
+        fresh.register_node(&r, 5000, &mut Vec::new()).unwrap();
+    }
+    assert_eq!(nodes_of(&fresh.stat("tmp").unwrap()).len(), 2);
+    assert_eq!(kind(fresh.stat("final")), ErrorKind::NotFound);
+    fresh.verify().unwrap();
+}
+
+#[test]
+fn a_node_that_missed_a_rename_cannot_bring_the_old_name_back() {
+    let mut d = cluster(2, 64 * MIB);
+    let mut fx = Vec::new();
+    let mut req = PutStart::new("tmp", MIB);
+    req.replicas = 2;
+    fx.extend(put_with(&mut d, &req, 100).unwrap());
+    d.rename("tmp", "final", RenameMode::Replace, 200, &mut fx).unwrap();
+    // node 2 re-registers with what it had before the rename reached it
+    let mut r = reg(2, "host2", vec![seg(0, Tier::Dram, 64 * MIB)]);
+    r.held = held_after(&fx, NodeId(2), false);
+    let out = d.register_node(&r, 300, &mut Vec::new()).unwrap();
+    assert_eq!(out.conflicts.len(), 1);
+    assert_eq!(kind(d.stat("tmp")), ErrorKind::NotFound);
+    assert!(d.stat("final").is_ok());
     d.verify().unwrap();
 }

@@ -83,6 +83,8 @@ pub struct PersistedObject {
     pub version: u64,
     pub persistence: Persistence,
     pub pin: Pin,
+    /// The name and version it had before a rename (from its header), if any.
+    pub renamed_from: Option<(String, u64)>,
 }
 
 /// What a replica report did.
@@ -366,6 +368,12 @@ impl Directory {
                 .with_key(&p.key)
                 .with_detail(detail));
         }
+        if self.was_renamed_away(&p.key, p.version) {
+            // A copy a rename left behind: it must go from the object store too.
+            self.note_unpersisted(Arc::from(p.key.as_str()), p.version);
+            return Ok(false);
+        }
+        self.settle_renamed_from(p.renamed_from.as_ref(), fx);
         if let Some(id) = self.lookup(&p.key) {
             let v = self.objects[id].version;
             if v == p.version {
@@ -628,6 +636,7 @@ mod tests {
             version,
             persistence: Persistence::Lazy,
             pin: Pin::Soft,
+            renamed_from: None,
         };
         let mut fx = Vec::new();
         assert!(d.adopt_persisted(&p("a", 10), &mut fx).unwrap());

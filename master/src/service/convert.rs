@@ -153,7 +153,15 @@ pub fn registration(r: &w::NodeRegistration) -> NodeRegistration {
                 persistence: persistence_in(h.persistence),
                 pin: pin_in(h.pin),
                 persisted: h.persisted,
+                renamed_from: h.renamed_from.clone(),
             })
             .collect(),
+    }
+}
+
+pub fn rename_mode_in(m: w::RenameMode) -> crate::RenameMode {
+    match m {
+        w::RenameMode::Replace => crate::RenameMode::Replace,
+        w::RenameMode::NoReplace => crate::RenameMode::NoReplace,
     }
 }

@@ -31,10 +31,11 @@ pub enum Op {
     UnregisterNode,
     ReportReplicas,
     Promote,
+    Rename,
 }
 
 /// Number of [`Op`]s.
-const OPS: usize = 18;
+const OPS: usize = 19;
 
 impl Op {
     const ALL: [Op; OPS] = [
@@ -56,6 +57,7 @@ impl Op {
         Op::UnregisterNode,
         Op::ReportReplicas,
         Op::Promote,
+        Op::Rename,
     ];
 
     fn name(self) -> &'static str {
@@ -78,6 +80,7 @@ impl Op {
             Op::UnregisterNode => "unregister_node",
             Op::ReportReplicas => "report_replicas",
             Op::Promote => "promote",
+            Op::Rename => "rename",
         }
     }
 }

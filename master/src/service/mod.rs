@@ -39,7 +39,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvfs_proto::store::{
     self as w, CommitItem, DropItem, ErrorCode, MasterRequest, MasterResponse, NodeRequest,
-    NodeResponse, WireError,
+    NodeResponse, RenameRecord, WireError,
 };
 use kvfs_rpc::{RpcConn, RpcOptions, handler_fn};
 use tokio::net::TcpListener;
@@ -349,6 +349,8 @@ fn op_of(req: &MasterRequest) -> (Op, usize) {
         MasterRequest::ReportReplicas { items, .. } => (Op::ReportReplicas, items.len()),
         MasterRequest::Promote { keys, .. } => (Op::Promote, keys.len()),
         MasterRequest::ClearReplicas { keys, .. } => (Op::Remove, keys.len()),
+        MasterRequest::Rename(v) => (Op::Rename, v.len()),
+        MasterRequest::Unlink(v) => (Op::Remove, v.len()),
     }
 }
 
@@ -450,6 +452,14 @@ async fn dispatch(state: &Arc<State>, conn: &RpcConn, req: MasterRequest) -> Mas
             };
             deliver(state, fx, false).await;
             MasterResponse::ClearReplicas(results(r, |b| b))
+        }
+        MasterRequest::Rename(items) => rename(state, items, now).await,
+        MasterRequest::Unlink(keys) => {
+            let mut fx = Vec::new();
+            let r = state.lock().unlink_batch(&keys, now, &mut fx);
+            deliver(state, fx, false).await;
+            tiers::delete_unpersisted(state).await;
+            MasterResponse::Remove(results(r, |()| ()))
         }
         MasterRequest::List { prefix, start_after, limit } => {
             let r = state.lock().list(&prefix, start_after.as_deref(), limit as usize);
@@ -606,6 +616,33 @@ async fn put_end(state: &Arc<State>, mut items: Vec<w::PutEndItem>, now: u64) ->
     MasterResponse::PutEnd(out)
 }
 
+/// Renames in the directory, then on the nodes (awaited, like commits: a node that answered
+/// reports the new name after a master restart), then the object store copies.
+async fn rename(state: &Arc<State>, items: Vec<w::RenameItem>, now: u64) -> MasterResponse {
+    let mut fx = Vec::new();
+    let r: Vec<crate::Result<crate::Renamed>> = {
+        let dir = &mut *state.lock();
+        let now = now_ms().max(now);
+        items
+            .iter()
+            .map(|i| dir.rename(&i.from, &i.to, convert::rename_mode_in(i.mode), now, &mut fx))
+            .collect()
+    };
+    deliver(state, fx, true).await;
+    let mut out = Vec::with_capacity(r.len());
+    for (item, r) in items.iter().zip(r) {
+        out.push(match r {
+            Ok(done) if done.persisted && done.version != done.from_version => {
+                tiers::move_persisted(state, &item.from, &item.to, done).await
+            }
+            Ok(done) => Ok(done.version),
+            Err(e) => Err(convert::error(&e)),
+        });
+    }
+    tiers::delete_unpersisted(state).await;
+    MasterResponse::Rename(out)
+}
+
 async fn register(
     state: &Arc<State>,
     conn: &RpcConn,
@@ -670,11 +707,14 @@ fn watch_node(state: &Arc<State>, node: u64, conn: RpcConn) {
 }
 
 /// Sends node effects, grouped into one commit and one drop call per node.
+/// The records one node is sent: commits, drops, renames (in that order).
+type Records = (Vec<CommitItem>, Vec<DropItem>, Vec<RenameRecord>);
+
 async fn deliver(state: &Arc<State>, fx: Vec<NodeEffect>, wait: bool) {
     if fx.is_empty() {
         return;
     }
-    let mut per_node: HashMap<u64, (Vec<CommitItem>, Vec<DropItem>)> = HashMap::new();
+    let mut per_node: HashMap<u64, Records> = HashMap::new();
     for e in fx {
         let slot = per_node.entry(e.node().0).or_default();
         match e {
@@ -701,11 +741,19 @@ async fn deliver(state: &Arc<State>, fx: Vec<NodeEffect>, wait: bool) {
             NodeEffect::Drop { key, segment, offset, len, .. } => {
                 slot.1.push(DropItem { key: key.to_string(), segment, offset, len })
             }
+            NodeEffect::Rename { from, to, from_version, version, .. } => {
+                slot.2.push(RenameRecord {
+                    from: from.to_string(),
+                    to: to.to_string(),
+                    from_version,
+                    version,
+                })
+            }
         }
     }
     let timeout = Duration::from_millis(state.cfg.node_call_timeout_ms);
     let mut calls = Vec::new();
-    for (node, (commits, drops)) in per_node {
+    for (node, (commits, drops, renames)) in per_node {
         let conn = state.nodes.lock().unwrap_or_else(|e| e.into_inner()).get(&node).cloned();
         let Some(conn) = conn else {
             state.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
@@ -714,9 +762,13 @@ async fn deliver(state: &Arc<State>, fx: Vec<NodeEffect>, wait: bool) {
         };
         let st = state.clone();
         calls.push(async move {
-            for req in [NodeRequest::Commit(commits), NodeRequest::Drop(drops)] {
-                let empty = matches!(&req, NodeRequest::Commit(v) if v.is_empty())
-                    || matches!(&req, NodeRequest::Drop(v) if v.is_empty());
+            // Drops first: a rename may replace an object the node holds under the new name.
+            let reqs = [
+                (commits.is_empty(), NodeRequest::Commit(commits)),
+                (drops.is_empty(), NodeRequest::Drop(drops)),
+                (renames.is_empty(), NodeRequest::Rename(renames)),
+            ];
+            for (empty, req) in reqs {
                 if empty {
                     continue;
                 }

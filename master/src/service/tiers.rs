@@ -520,7 +520,7 @@ pub(crate) fn heartbeat(
 pub(crate) async fn scan(state: Arc<State>) {
     let Some(store) = state.tiers.object_store.clone() else { return };
     let started = std::time::Instant::now();
-    let listed = match store.list().await {
+    let listed = match store.list_detailed().await {
         Ok(l) => l,
         Err(e) => {
             tracing::error!(error = %e, "object store scan failed; persisted objects are not adopted");
@@ -533,7 +533,9 @@ pub(crate) async fn scan(state: Arc<State>) {
         let mut fx = Vec::new();
         {
             let mut dir = state.lock();
-            for (key, meta) in chunk {
+            for kvfs_tiers::ListedObject { key, meta, previous } in chunk {
+                // A copy a crash left under its old name next to the renamed one is dropped
+                // by the directory (see `Directory::rename`).
                 let p = PersistedObject {
                     key: key.clone(),
                     size: meta.size_bytes,
@@ -545,6 +547,7 @@ pub(crate) async fn scan(state: Arc<State>) {
                         kvfs_tiers::Persistence::None => crate::Persistence::None,
                     },
                     pin: convert::pin_in(w::Pin::from_code(meta.pin)),
+                    renamed_from: previous.clone(),
                 };
                 match dir.adopt_persisted(&p, &mut fx) {
                     Ok(true) => adopted += 1,
@@ -574,6 +577,35 @@ pub(crate) async fn scan(state: Arc<State>) {
 /// (called by the timer). A copy of another version (a newer write) is left alone; the check
 /// and the delete are two requests, so a newer write landing between them can be lost (see the
 /// module notes).
+/// Moves the object store copy of a renamed object to its new name (`from` -> `to`, at the
+/// renamed version, naming `from` as its previous name so a scan after a crash in the middle
+/// keeps one name). When that fails the object keeps its node copies but is no longer
+/// persisted, and the old copy is deleted (it must not come back under the old name).
+pub(crate) async fn move_persisted(
+    state: &Arc<State>,
+    from: &str,
+    to: &str,
+    done: crate::Renamed,
+) -> w::ItemResult<u64> {
+    let Some(store) = state.tiers.object_store.clone() else { return Ok(done.version) };
+    let opts =
+        kvfs_tiers::RenameOptions { version: done.version, mode: kvfs_tiers::PutMode::Overwrite };
+    match store.rename(from, to, opts).await {
+        Ok(_) => Ok(done.version),
+        Err(e) => {
+            tracing::warn!(from, to, error = %e, "object store copy of a renamed object not moved");
+            let mut dir = state.lock();
+            let gone = dir.remove_replica(to, &crate::Location::ObjectStore).unwrap_or(false);
+            dir.forget_persisted_copy(from, done.from_version);
+            if gone {
+                let detail = format!("the object store copy could not be moved: {e}");
+                return Err(WireError::new(ErrorCode::Internal, detail));
+            }
+            Ok(done.version)
+        }
+    }
+}
+
 pub(crate) async fn delete_unpersisted(state: &Arc<State>) {
     let gone = state.lock().take_unpersisted();
     let Some(store) = state.tiers.object_store.clone() else { return };
