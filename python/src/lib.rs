@@ -21,6 +21,7 @@
 mod client;
 mod engine;
 mod errors;
+mod fastpath;
 mod memory;
 mod runtime;
 mod session;
@@ -46,6 +47,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<memory::BufferHandle>()?;
     m.add_class::<engine::TransferEngine>()?;
     m.add_class::<engine::TransferNotify>()?;
+    m.add_class::<fastpath::FastPath>()?;
+    m.add_class::<fastpath::FastPathBuffer>()?;
+    m.add_function(wrap_pyfunction!(fastpath::fastpath_error, m)?)?;
     let py = m.py();
     let codes = PyDict::new(py);
     for &(name, value) in errors::code::ALL {
@@ -59,6 +63,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kinds.set_item("timeout", errors::code::RPC_TIMEOUT)?;
     kinds.set_item("not_connected", errors::code::INVALID_PARAMS)?;
     m.add("KIND_CODES", kinds)?;
+    m.add("FASTPATH_KEY_AREA_BYTES_DEFAULT", fastpath::KEY_AREA_BYTES_DEFAULT)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -77,11 +77,13 @@ enum BenchCmd {
     /// get that finds its object only on NVMe (in a master and node started in this process)
     /// against raw reads of the same size.
     Tiers(TiersArgs),
-    /// Reads through the mount: FUSE cold and warm, the ioctl fast path, and memcpy.
+    /// Reads through the mount: FUSE cold and warm, the ioctl fast path from Rust and from
+    /// Python, and memcpy.
     ///
     /// Runs master, node and mount in this process (needs root and /dev/fuse), puts one object
     /// per size, and prints GB/s and p50/p99 per mode, each as a ratio of single-thread memcpy
-    /// measured in the same run; the fast path also as a ratio of the FUSE cold read.
+    /// measured in the same run; the fast paths also as a ratio of the FUSE cold read, and the
+    /// Python one (`kvfs.fastpath` in a child process of `--python`) as a ratio of the Rust one.
     Fs(FsArgs),
     /// (internal) The peer process of `kvfs bench store`.
     #[command(hide = true)]
@@ -175,6 +177,10 @@ struct FsArgs {
     /// Bytes copied when measuring the memcpy limit.
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     limit_bytes: u64,
+    /// Python interpreter with the kvfs package, for the fastpath-python figure (skipped with
+    /// a note when it cannot import kvfs.fastpath).
+    #[arg(long, env = "KVFS_PYTHON", default_value = "python3")]
+    python: String,
 }
 
 #[derive(Args)]
@@ -284,6 +290,7 @@ fn run() -> anyhow::Result<()> {
                     min_ms: a.min_ms,
                     json: a.json,
                     limit_bytes: a.limit_bytes as usize,
+                    python: a.python,
                 })
                 .await
             }

@@ -18,6 +18,9 @@ call ends within its deadline):
 * :class:`kvfs.mooncake.MooncakeDistributedStore`, the reference store's Python class with
   its arguments, return codes and semantics (also importable as ``mooncake.store``).
 
+:mod:`kvfs.fastpath` is a kvfs mount's ioctl fast path (``import kvfs.fastpath``): registered
+shared buffers shown as numpy arrays or torch tensors, and batches of gets and puts on them.
+
 Errors: :class:`KvfsError` and its subclasses; ``ERROR_CODES`` maps the reference's code names
 to numbers and ``KIND_CODES`` each kvfs error kind to its code.
 """

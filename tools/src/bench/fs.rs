@@ -1,7 +1,8 @@
 //! `kvfs bench fs`: reading objects through the mount against the machine's memcpy, all in the
 //! same run: FUSE cold (neither the page cache nor the daemon holds the object), FUSE warm
-//! (page cache), the ioctl fast path (one batch of one get into a registered buffer), and a
-//! plain memcpy of the same size.
+//! (page cache), the ioctl fast path from Rust (one batch of one get into a registered buffer),
+//! the same from Python (`kvfs.fastpath` in a child process), and a plain memcpy of the same
+//! size.
 //!
 //! The bench runs a one-machine cluster in this process (master, node, mount at a temporary
 //! directory, as `kvfs up --mount` does), puts one object per size, and measures each mode for
@@ -9,8 +10,15 @@
 //! (`posix_fadvise(DONTNEED)`), reads it whole and closes it; between cold reads the bench waits
 //! for the daemon to see the close, so every cold read fetches the object from the node again.
 //! Throughput is bytes over the time spent inside the measured operations. Figures are held
-//! against single-thread memcpy of `limit_bytes` (1 GiB), and the fast path also against FUSE
-//! cold (limit `fuse-cold`). Needs root and /dev/fuse.
+//! against single-thread memcpy of `limit_bytes` (1 GiB), and the fast paths also against FUSE
+//! cold (limit `fuse-cold`); the Python fast path also against the Rust one, whose reads are
+//! taken half right before and half right after the Python ones (limit `fastpath`, the ratio
+//! python/rust). Needs root and /dev/fuse.
+//!
+//! The Python figure runs `python/bench/bench_fastpath.py` (embedded in the binary) with the
+//! interpreter `python` names, once per size, timed from Python around each call. Where that
+//! interpreter cannot `import kvfs.fastpath`, the bench prints a note and goes on without the
+//! Python figures; a Python run that fails after the import worked fails the bench.
 
 use std::io::Read;
 use std::os::fd::AsRawFd;
@@ -33,7 +41,14 @@ pub struct FsBench {
     pub min_ms: u64,
     pub json: bool,
     pub limit_bytes: usize,
+    /// The Python interpreter of the `fastpath-python` figure.
+    pub python: String,
 }
+
+/// The Python half of the bench (reads through `kvfs.fastpath`), run as `python -c`.
+const PYTHON_BENCH: &str = include_str!("../../../python/bench/bench_fastpath.py");
+/// Fill byte of the bench's objects (the Python bench checks it once).
+const FILL: u8 = 0xa5;
 
 const KEY_OFF: usize = 4096;
 const DATA_OFF: usize = 1 << 20;
@@ -63,7 +78,7 @@ pub async fn run(opts: FsBench) -> anyhow::Result<()> {
     let client =
         Client::connect(ClientConfig { master: addr.clone(), ..ClientConfig::default() }).await?;
     for &size in &opts.sizes {
-        let data = vec![0xa5u8; size as usize];
+        let data = vec![FILL; size as usize];
         client.put(&key_of(size), &data, &PutOptions::default()).await?;
     }
     let dir = std::env::temp_dir().join(format!("kvfs-bench-fs-{}", std::process::id()));
@@ -112,6 +127,7 @@ async fn measure(opts: &FsBench, mount: &Mount, dir: &Path, largest: u64) -> any
         ..Default::default()
     });
     let fast = FastPath::open(dir, largest as usize)?;
+    let python = python_usable(&opts.python);
     let min = Duration::from_millis(opts.min_ms);
     for &size in &opts.sizes {
         let path = dir.join(kvfs_fs::names::key_to_path(&key_of(size)));
@@ -126,11 +142,22 @@ async fn measure(opts: &FsBench, mount: &Mount, dir: &Path, largest: u64) -> any
             move || warm_reads(&path, size, min)
         })
         .await?;
-        let fp = blocking({
+        // With the Python figure, the Rust one is taken half before and half after it, so a
+        // change in the machine's load during the pair weighs on both alike.
+        let rust_min = if python.is_some() { min / 2 } else { min };
+        let rust_gets = || {
             let fast = fast.clone();
-            move || fast.gets(&key_of(size), size, min)
-        })
-        .await?;
+            blocking(move || fast.gets(&key_of(size), size, rust_min))
+        };
+        let mut fp = rust_gets().await?;
+        let py = match &python {
+            Some(p) => {
+                let py = python_gets(p, mount, dir, size, opts.min_ms).await?;
+                fp.merge(rust_gets().await?);
+                Some(py)
+            }
+            None => None,
+        };
         let mc = blocking(move || memcpy_samples(size, min)).await?;
         let mut emit = |mode: &str, mut s: Samples, limit: &str, limit_gbps: f64| {
             rep.emit(&Figure {
@@ -148,28 +175,106 @@ async fn measure(opts: &FsBench, mount: &Mount, dir: &Path, largest: u64) -> any
                 ..Default::default()
             })
         };
-        let cold_gbps = cold.gbps();
+        let (cold_gbps, fp_gbps) = (cold.gbps(), fp.gbps());
         emit("fuse-cold", cold, "memcpy", memcpy);
         emit("fuse-warm", warm, "memcpy", memcpy);
         emit("fastpath", fp.clone(), "memcpy", memcpy);
+        if let Some(py) = &py {
+            emit("fastpath-python", py.clone(), "memcpy", memcpy);
+        }
         emit("memcpy", mc, "memcpy", memcpy);
-        let mut vs = fp;
-        rep.emit(&Figure {
-            bench: "fs",
-            case: "fastpath vs cold".into(),
-            mode: Some("fastpath".into()),
-            op: "read".into(),
-            size_bytes: Some(size),
-            gbps: Some(vs.gbps()),
-            ops_per_s: Some(vs.ops_per_s()),
-            p50_us: vs.percentile(0.5),
-            p99_us: vs.percentile(0.99),
-            limit: Some("fuse-cold".into()),
-            limit_gbps: Some(cold_gbps),
-            ..Default::default()
-        });
+        let mut against = |case: &str, mode: &str, mut s: Samples, limit: &str, gbps: f64| {
+            rep.emit(&Figure {
+                bench: "fs",
+                case: case.into(),
+                mode: Some(mode.into()),
+                op: "read".into(),
+                size_bytes: Some(size),
+                gbps: Some(s.gbps()),
+                ops_per_s: Some(s.ops_per_s()),
+                p50_us: s.percentile(0.5),
+                p99_us: s.percentile(0.99),
+                limit: Some(limit.into()),
+                limit_gbps: Some(gbps),
+                ..Default::default()
+            })
+        };
+        against("fastpath vs cold", "fastpath", fp, "fuse-cold", cold_gbps);
+        if let Some(py) = py {
+            against("python vs rust", "fastpath-python", py.clone(), "fastpath", fp_gbps);
+            against("python vs cold", "fastpath-python", py, "fuse-cold", cold_gbps);
+        }
     }
     Ok(())
+}
+
+/// `python` if it imports `kvfs.fastpath`; otherwise a note says the Python figure is skipped.
+fn python_usable(python: &str) -> Option<String> {
+    let out = std::process::Command::new(python).args(["-c", "import kvfs.fastpath"]).output();
+    let why = match out {
+        Ok(o) if o.status.success() => return Some(python.to_string()),
+        Ok(o) => {
+            let err = String::from_utf8_lossy(&o.stderr);
+            err.lines().last().unwrap_or("it exited with an error").trim().to_string()
+        }
+        Err(e) => format!("cannot run it: {e}"),
+    };
+    eprintln!(
+        "note: the fastpath-python figure is skipped: `{python} -c 'import kvfs.fastpath'` \
+         failed ({why}); install the kvfs package (pip install ./python) into that Python, or \
+         pass --python PATH (or set KVFS_PYTHON)"
+    );
+    None
+}
+
+/// Runs the Python fast-path bench against the mount for one object; its samples.
+async fn python_gets(
+    python: &str,
+    mount: &Mount,
+    dir: &Path,
+    size: u64,
+    min_ms: u64,
+) -> anyhow::Result<Samples> {
+    let probe = mount.probe();
+    let before = probe.open_handles();
+    let out = tokio::process::Command::new(python)
+        .args(["-c", PYTHON_BENCH, "--mount"])
+        .arg(dir)
+        .args(["--key", &key_of(size), "--size", &size.to_string()])
+        .args(["--min-ms", &min_ms.to_string(), "--fill", &FILL.to_string()])
+        .kill_on_drop(true)
+        .output()
+        .await
+        .with_context(|| format!("running {python} for the fastpath-python figure"))?;
+    if !out.status.success() {
+        bail!(
+            "the Python fast-path bench ({python}) failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_default();
+    let v: serde_json::Value = serde_json::from_str(line)
+        .with_context(|| format!("the Python fast-path bench printed {line:?}"))?;
+    let lat_us: Vec<f64> = v["lat_us"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+        .unwrap_or_default();
+    let s = Samples {
+        bytes: v["bytes"].as_u64().unwrap_or(0),
+        ops: v["ops"].as_u64().unwrap_or(0),
+        elapsed_s: v["elapsed_s"].as_f64().unwrap_or(0.0),
+        lat_us,
+    };
+    if s.ops == 0 || s.elapsed_s <= 0.0 || s.lat_us.len() as u64 != s.ops {
+        bail!("the Python fast-path bench printed no samples: {line:?}");
+    }
+    // The child's control file must be released before the next cold read counts handles.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while probe.open_handles() > before && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    Ok(s)
 }
 
 async fn blocking<T: Send + 'static>(

@@ -166,6 +166,14 @@ impl Samples {
         self.bytes as f64 / self.elapsed_s / 1e9
     }
 
+    /// Adds another run of the same case.
+    pub fn merge(&mut self, other: Samples) {
+        self.lat_us.extend(other.lat_us);
+        self.bytes += other.bytes;
+        self.ops += other.ops;
+        self.elapsed_s += other.elapsed_s;
+    }
+
     pub fn ops_per_s(&self) -> f64 {
         self.ops as f64 / self.elapsed_s
     }
@@ -187,6 +195,15 @@ mod tests {
         assert_eq!(human_bytes(4096), "4 KiB");
         assert_eq!(human_bytes(64 << 20), "64 MiB");
         assert_eq!(human_bytes(1536), "1.5 KiB");
+    }
+
+    #[test]
+    fn merged_samples_add_up() {
+        let mut a = Samples { lat_us: vec![1.0], bytes: 10, ops: 1, elapsed_s: 1.0 };
+        a.merge(Samples { lat_us: vec![3.0, 5.0], bytes: 30, ops: 2, elapsed_s: 4.0 });
+        assert_eq!((a.lat_us.len(), a.bytes, a.ops, a.elapsed_s), (3, 40, 3, 5.0));
+        assert_eq!(a.percentile(0.5), Some(3.0));
+        assert!((a.gbps() - 8e-9).abs() < 1e-15);
     }
 
     #[test]
