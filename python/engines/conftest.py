@@ -9,6 +9,11 @@ contributes 256 MiB of DRAM. The binary is ``$KVFS_BIN``, else
 The master's addresses are exported to the environment (``KVFS_ENGINES_MASTER``,
 ``KVFS_ENGINES_METRICS_PORT``) so the child processes the scenarios start find it too. When
 both are already set (scripts/test-engines starts the cluster itself), that cluster is used.
+
+``kvfs_mounts`` is a second, separate cluster for the file backends (test_file_backends.py):
+``kvfs up --mount`` (master, node and FUSE mount in one process) and a second ``kvfs mount`` of
+it, so a file written through one mount is read through the other. It starts only when a test
+asks for it.
 """
 
 import json
@@ -126,6 +131,17 @@ class ExternalCluster:
         return json.loads(_http_get(f"http://127.0.0.1:{self.metrics_port}/get_all_segments"))
 
 
+def _print_panics(c, names):
+    """Shows the tail of a kvfs process log that records a panic."""
+    for name in names:
+        path = os.path.join(c.tmp, f"{name}.log")
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                tail = f.read()[-1500:]
+            if "panicked" in tail:
+                print(f"--- {name}.log (tail) ---\n{tail}")
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     if os.environ.get("KVFS_ENGINES_MASTER") and os.environ.get("KVFS_ENGINES_METRICS_PORT"):
@@ -141,13 +157,74 @@ def cluster(tmp_path_factory):
         yield c
     finally:
         c.stop()
-        for name in ("master", "node0"):
-            path = os.path.join(c.tmp, f"{name}.log")
-            if os.path.exists(path):
-                with open(path, errors="replace") as f:
-                    tail = f.read()[-1500:]
-                if "panicked" in tail:
-                    print(f"--- {name}.log (tail) ---\n{tail}")
+        _print_panics(c, ("master", "node0"))
+
+
+class MountedCluster(Cluster):
+    """``kvfs up --mount`` (master, node and FUSE mount in one process) plus ``kvfs mount``s of
+    the same cluster at other mount points (``add_mount``): the mounts a file backend writes
+    through. Started with the same read lease as ``Cluster``; ``kvfs up`` prints
+    ``kvfs is up: master HOST:PORT``, the address the further mounts are given."""
+
+    def __init__(self, tmp):
+        super().__init__(tmp)
+        self.mounts = []
+
+    def start(self):
+        mnt = os.path.join(self.tmp, "mnt0")
+        log = os.path.join(self.tmp, "up.log")
+        self._spawn(
+            "up",
+            [
+                "up",
+                "--data", os.path.join(self.tmp, "data"),
+                "--mount", mnt,
+                "--listen", self.master,
+                "--admin", f"127.0.0.1:{self.metrics_port}",
+                f"--lease-ttl-ms={int(LEASE_TTL_S * 1000)}",
+                "--dram", "256MiB",
+                "--no-populate",
+            ],
+        )
+
+        def up():
+            with open(log, errors="replace") as f:
+                text = f.read()
+            if "kvfs is up: master " in text and os.path.ismount(mnt):
+                return text.split("kvfs is up: master ", 1)[1].split()[0]
+            return None
+
+        self._wait(up, f"`kvfs up` to mount {mnt}")
+        self.master = up()
+        self.mounts.append(mnt)
+
+    def add_mount(self):
+        """A further mount of this cluster (``kvfs --master M mount DIR``); returns DIR."""
+        mnt = os.path.join(self.tmp, f"mnt{len(self.mounts)}")
+        self._spawn(f"mount{len(self.mounts)}", ["--master", self.master, "mount", mnt])
+        self._wait(lambda: os.path.ismount(mnt), f"`kvfs mount` of {mnt}")
+        self.mounts.append(mnt)
+        return mnt
+
+    def stop(self):
+        super().stop()  # SIGTERM: each process unmounts its mount point
+        for mnt in self.mounts:
+            if os.path.ismount(mnt):
+                subprocess.run(["fusermount3", "-u", "-z", mnt], check=False)
+
+
+@pytest.fixture(scope="session")
+def kvfs_mounts(tmp_path_factory):
+    """Two FUSE mounts of one kvfs cluster: ``mounts[0]`` from ``kvfs up --mount``, ``mounts[1]``
+    from ``kvfs mount`` against its master."""
+    c = MountedCluster(str(tmp_path_factory.mktemp("kvfs-mounts")))
+    try:
+        c.start()
+        c.add_mount()
+        yield c
+    finally:
+        c.stop()
+        _print_panics(c, ("up", "mount1"))
 
 
 @pytest.fixture
