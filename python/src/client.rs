@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use kvfs_client::{GetInto, Persistence, Pin, PutFrom, PutOptions, Strategy};
+use kvfs_client::{GetInto, Persistence, Pin, PutFrom, PutOptions, RenameMode, Strategy};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
@@ -473,6 +473,34 @@ impl PyClient {
                     .into_iter()
                     .collect::<Result<Vec<bool>, _>>()
                     .map_err(Failure::from)
+            }),
+        )
+    }
+
+    /// Renames an object (a metadata operation: its bytes stay where they are) and returns
+    /// its new version. With `replace` (the default, POSIX rename) an object under `dst` is
+    /// replaced, even while readers hold it (they keep its bytes until their lease ends);
+    /// without, an existing `dst` raises `AlreadyExistsError`.
+    #[pyo3(signature = (src, dst, *, replace=true))]
+    fn rename(&self, py: Python<'_>, src: &str, dst: &str, replace: bool) -> PyResult<u64> {
+        let s = raise(py, live(&self.slot))?;
+        let mode = if replace { RenameMode::Replace } else { RenameMode::NoReplace };
+        raise(
+            py,
+            runtime::call(py, "rename", s.call_timeout, async {
+                s.client.rename(src, dst, mode).await.map_err(Failure::from)
+            }),
+        )
+    }
+
+    /// Removes an object as POSIX unlink does: at once, even while a read lease protects it
+    /// (readers keep its bytes until the lease ends); a hard-pinned object raises.
+    fn unlink(&self, py: Python<'_>, key: &str) -> PyResult<()> {
+        let s = raise(py, live(&self.slot))?;
+        raise(
+            py,
+            runtime::call(py, "unlink", s.call_timeout, async {
+                s.client.unlink(key).await.map_err(Failure::from)
             }),
         )
     }

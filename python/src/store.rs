@@ -899,6 +899,20 @@ impl MooncakeCore {
         })
     }
 
+    /// A kvfs extension (the reference has no rename): 0, -704 when `src` is missing, -705
+    /// when `dst` exists and `replace` is false.
+    #[pyo3(signature = (src, dst, replace=true))]
+    fn rename(&self, py: Python<'_>, src: &str, dst: &str, replace: bool) -> i64 {
+        let mode = if replace {
+            kvfs_client::RenameMode::Replace
+        } else {
+            kvfs_client::RenameMode::NoReplace
+        };
+        self.code_call(py, "rename", move |s: Arc<Session>| async move {
+            s.client.rename(src, dst, mode).await.map(|_| ()).map_err(Failure::from)
+        })
+    }
+
     #[pyo3(signature = (keys, force=false))]
     fn batch_remove(&self, py: Python<'_>, keys: Vec<String>, force: bool) -> Vec<i64> {
         let r = self.session().and_then(|s| {

@@ -433,3 +433,14 @@ s.close()
 def test_import_shim_and_run_python_helper(cluster):
     out = run_python("import mooncake.store as m, kvfs.mooncake as k; print(m.MooncakeDistributedStore is k.MooncakeDistributedStore)")
     assert out.strip() == "True"
+
+
+def test_rename_is_a_kvfs_extension_with_reference_codes(store, key):
+    src, dst = key + "-src", key + "-dst"
+    assert store.put(src, b"abc") == 0
+    assert store.put(dst, b"xyz") == 0
+    assert store.rename(src, dst, replace=False) == -705
+    assert store.rename(src, dst) == 0
+    assert store.get(dst) == b"abc"
+    assert store.is_exist(src) == 0
+    assert store.rename(src, dst) == -704

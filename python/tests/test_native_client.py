@@ -124,3 +124,26 @@ def test_master_reference_flags_took_effect(cluster):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(base, timeout=2)
     assert e.value.code == 404
+
+
+def test_rename_and_unlink(client, key):
+    src, dst = f"{key}/tmp", f"{key}/final"
+    client.put(src, b"new bytes")
+    client.put(dst, b"old")
+    assert client.get(dst) == b"old"  # a reader now holds a lease on dst
+    with pytest.raises(kvfs.AlreadyExistsError):
+        client.rename(src, dst, replace=False)
+    before = client.stat(src)["version"]
+    version = client.rename(src, dst)  # replaces dst even under the lease
+    assert version > before
+    assert client.get(dst) == b"new bytes"
+    assert not client.exists(src)
+    with pytest.raises(kvfs.NotFoundError):
+        client.rename(src, dst)
+    # unlink takes the name at once even while leased; remove refuses
+    with pytest.raises(kvfs.LeasedError):
+        client.remove(dst)
+    client.unlink(dst)
+    assert not client.exists(dst)
+    with pytest.raises(kvfs.NotFoundError):
+        client.unlink(dst)

@@ -770,6 +770,14 @@ class MooncakeDistributedStore:
     def batch_remove(self, keys, force=False):
         return self._core.batch_remove(list(keys), force)
 
+    def rename(self, src, dst, replace=True):
+        """kvfs extension: give ``src`` the name ``dst`` (its bytes stay where they are).
+
+        0; -704 when ``src`` is missing; -705 when ``dst`` exists and ``replace`` is false.
+        With ``replace`` an object under ``dst`` is replaced, even while read.
+        """
+        return self._core.rename(src, dst, replace)
+
     def remove_by_regex(self, regex_pattern, force=False):
         """Objects removed, or a negative code (bad pattern: -600)."""
         return self._core.remove_by_regex(regex_pattern, force)
