@@ -550,12 +550,14 @@ impl Filesystem for KvFs {
                         .filter(|t| t.tier != kvfs_client::Tier::ObjectStore)
                         .fold((0u64, 0u64), |(c, u), t| (c + t.capacity_bytes, u + t.used_bytes));
                     let free = cap.saturating_sub(used) / 4096;
+                    // Objects are the files; there is no inode table to run out of.
+                    let free_files = u64::from(u32::MAX);
                     reply.statfs(
                         cap / 4096,
                         free,
                         free,
-                        s.objects,
-                        u32::MAX as u64,
+                        s.objects + free_files,
+                        free_files,
                         4096,
                         255,
                         4096,

@@ -13,7 +13,11 @@
 //!   ([`read`]); objects in local files are read by the kernel itself through passthrough
 //!   ([`passthrough`]).
 //! - **Writes.** create + write + close (or fsync) is one put, committed atomically
-//!   ([`write`]); a failed commit fails close/fsync and leaves nothing.
+//!   ([`write`]); a failed commit fails close/fsync and leaves nothing. `O_TRUNC` of an
+//!   existing object is an atomic replacement committed at close.
+//! - **Renames and unlink** ([`rename`]): rename is a metadata operation in the master (the
+//!   object takes the new key and a new version; the bytes stay); unlink and replacement keep
+//!   the bytes for handles already open, as POSIX does.
 //! - **`/.kvfs/`** holds `control` (the fast path's ioctl target) and JSON status files
 //!   ([`control`]).
 //! - **Fast path** ([`fastpath`], ABI in `kvfs-fs-abi` and `fs/abi/include/kvfs.h`): shared
@@ -25,11 +29,13 @@
 //! | errno | when |
 //! |---|---|
 //! | `ENOENT` | no such key or directory; a name that is not the canonical spelling of a key |
-//! | `EPERM` | opening an object for writing (or with `O_TRUNC`); changing an object's size, mode, owner or times; unlink of a hard-pinned object; link, symlink, mknod; anything written under `/.kvfs/`; `user.kvfs.*` xattr writes |
-//! | `EBUSY` | unlink of an object under a read lease (reading an object takes one, default 10 s); opening or unlinking a file another handle is still writing |
-//! | `EEXIST` | create with `O_EXCL` of an existing key; mkdir of an existing name; close of a new file when another writer's put of the same key completed first |
-//! | `EOPNOTSUPP` | rename (keys are identities; the store has no atomic move); xattrs outside `user.kvfs.` |
-//! | `EINVAL` | create/mkdir of a name that is not canonical (e.g. `%41`, a lone `%`) or of a `%+` name as a file; close of a new file before any byte was written (the store holds no empty objects; the file stays open, as shells close duplicates before writing) |
+//! | `EPERM` | open of an object for writing without `O_TRUNC` (no in-place changes; `O_APPEND` too); chmod/chown/utime/truncate of a committed object (a file still being written accepts them: mode and times are not kept); unlink of a hard-pinned object; link, symlink, mknod; writes under `/.kvfs/`; setting `user.kvfs.*`; writing again after the commit |
+//! | `EBUSY` | open, unlink or rename onto a file another handle of this mount is still writing; rename while a put of either name runs |
+//! | `EEXIST` | create `O_EXCL` of an existing key; `RENAME_NOREPLACE` onto an existing name; mkdir of an existing name; close of a new file when another writer's put of the key completed first |
+//! | `EXDEV` | rename of a directory keys are under (the store has no atomic move of a prefix; `mv` then copies and removes file by file) |
+//! | `ESTALE` | the first read of a file whose name got a new object after this descriptor was opened (replaced from another mount or the store API); reopen it |
+//! | `EOPNOTSUPP` | `O_TMPFILE` (the kernel's FUSE has no tmpfile call; Python's `tempfile` falls back to a named file); xattrs outside `user.kvfs.` |
+//! | `EINVAL` | create or mkdir of a non-canonical name; close of a new file (or of an `O_TRUNC` replacement) before any byte was written (the store holds no empty objects; the file stays open and the old object stays); `RENAME_EXCHANGE`, `RENAME_WHITEOUT`; renaming a directory into itself |
 //! | `ENAMETOOLONG` | create/mkdir of a key longer than `key_bytes_max` (4096) |
 //! | `EISDIR` / `ENOTDIR` | a file operation on a directory, or the reverse |
 //! | `ENOTEMPTY` | rmdir of a directory keys are under |

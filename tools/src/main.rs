@@ -48,6 +48,8 @@ enum Cmd {
     Stat(cmd::objects::StatArgs),
     /// Remove objects.
     Rm(cmd::objects::RmArgs),
+    /// Rename an object (a metadata operation: the bytes stay where they are).
+    Mv(cmd::objects::MvArgs),
     /// Measure kvfs against the machine's own limits (memcpy, loopback TCP, raw disk).
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -243,6 +245,7 @@ fn run() -> anyhow::Result<()> {
             Cmd::Ls(a) => cmd::objects::ls(&master, a).await,
             Cmd::Stat(a) => cmd::objects::stat(&master, a).await,
             Cmd::Rm(a) => cmd::objects::rm(&master, a).await,
+            Cmd::Mv(a) => cmd::objects::mv(&master, a).await,
             Cmd::Bench(BenchCmd::Transfer(a)) => {
                 bench::transfer::run(bench::transfer::TransferBench {
                     sizes: a.sizes,

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
-use kvfs_client::{Client, ClientConfig, DirEntry, ErrorKind, Persistence, Pin, PutOptions};
+use kvfs_client::{
+    Client, ClientConfig, DirEntry, ErrorKind, Persistence, Pin, PutOptions, RenameMode,
+};
 
 use crate::bench::report::human_bytes;
 
@@ -83,6 +85,36 @@ pub struct RmArgs {
     /// Remove every object.
     #[arg(long)]
     pub all: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct MvArgs {
+    /// The object's key.
+    pub from: String,
+    /// Its new key. An object there is replaced (its readers keep their bytes until their
+    /// lease ends), unless --no-clobber.
+    pub to: String,
+    /// Fail if an object already has the new key.
+    #[arg(short = 'n', long)]
+    pub no_clobber: bool,
+}
+
+pub async fn mv(master: &str, a: MvArgs) -> anyhow::Result<()> {
+    let client = connect(master).await?;
+    let mode = if a.no_clobber { RenameMode::NoReplace } else { RenameMode::Replace };
+    match client.rename(&a.from, &a.to, mode).await {
+        Ok(version) => {
+            println!("{:?} -> {:?} (version {version})", a.from, a.to);
+            Ok(())
+        }
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => {
+            bail!("mv {:?}: {:?} exists (drop --no-clobber to replace it)", a.from, a.to)
+        }
+        Err(e) if e.kind() == ErrorKind::PutInProgress => {
+            bail!("mv {:?}: one of the keys is being written; retry when its put ends", a.from)
+        }
+        Err(e) => Err(e).with_context(|| format!("mv {:?} {:?}", a.from, a.to)),
+    }
 }
 
 pub async fn connect(master: &str) -> anyhow::Result<Client> {
