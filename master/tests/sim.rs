@@ -207,7 +207,8 @@ impl Sim {
             0..=379 => self.op_put(),
             380..=559 => self.op_get(),
             560..=619 => self.op_exists(),
-            620..=649 => self.op_remove(),
+            620..=639 => self.op_remove(),
+            640..=649 => self.op_rename(),
             650..=869 => self.op_end_or_revoke(),
             870..=919 => self.op_time(),
             920..=924 => self.op_node_death(),
@@ -357,6 +358,41 @@ impl Sim {
         }
         self.apply(fx);
         "remove"
+    }
+
+    fn op_rename(&mut self) -> &'static str {
+        let from = key(self.rand.below(KEYS));
+        let to = key(self.rand.below(KEYS));
+        let mode = if self.rand.chance(20) { RenameMode::NoReplace } else { RenameMode::Replace };
+        let mut fx = Vec::new();
+        match self.dir.rename(&from, &to, mode, self.now, &mut fx) {
+            Ok(_) if from == to => {}
+            Ok(r) => {
+                assert!(r.version > r.from_version);
+                // The object keeps its lease and pin under the new name.
+                let lease = self.leases.remove(&from);
+                self.leases.remove(&to);
+                if let Some(l) = lease {
+                    self.leases.insert(to.clone(), l);
+                }
+                let hard = self.hard.remove(&from);
+                self.hard.remove(&to);
+                if hard {
+                    self.hard.insert(to.clone());
+                }
+                assert!(self.dir.stat(&from).is_err());
+                assert!(self.dir.stat(&to).is_ok());
+            }
+            Err(e) => assert!(
+                matches!(
+                    e.kind(),
+                    ErrorKind::NotFound | ErrorKind::AlreadyExists | ErrorKind::PutInProgress
+                ),
+                "rename: {e}"
+            ),
+        }
+        self.apply(fx);
+        "rename"
     }
 
     fn op_time(&mut self) -> &'static str {

@@ -1037,8 +1037,20 @@ async fn writeback_events(
                 };
                 // Lost reports are not retried: the registration carries `persisted`, and a
                 // restarted master finds the object in its scan.
-                if let Err(e) = inner.report(&link, item).await {
-                    tracing::debug!(key, error = %e, "write-back report not accepted");
+                match inner.report(&link, item).await {
+                    Err(e) if e.kind() == ErrorKind::NotFound => {
+                        // Removed or renamed while it was uploaded: the copy is nobody's, and
+                        // a scan after a restart must not bring the old name back.
+                        let ours = h.as_ref().is_some_and(|h| h.version == version);
+                        if let Some(store) = inner.tiers.object_store.clone().filter(|_| !ours)
+                            && store.stat(&key).await.is_ok_and(|m| m.version == version)
+                            && let Err(e) = store.remove(&key).await
+                        {
+                            tracing::warn!(key, error = %e, "stale write-back not deleted");
+                        }
+                    }
+                    Err(e) => tracing::debug!(key, error = %e, "write-back report not accepted"),
+                    Ok(_) => {}
                 }
             }
             WritebackEvent::Failed { key, error, .. } => {
