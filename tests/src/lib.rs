@@ -7,7 +7,7 @@
 //! failing test leaves nothing running.
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -95,6 +95,50 @@ impl Drop for Proc {
     }
 }
 
+/// A `kvfs mount` process. Dropped or killed, the process gets SIGKILL and its (now dead)
+/// mount is detached, so a failing test leaves no mount behind.
+pub struct MountProc {
+    proc: Option<Proc>,
+    pub dir: PathBuf,
+}
+
+impl MountProc {
+    /// SIGKILL (the kernel aborts the FUSE connection: the mount answers `ENOTCONN`), then a
+    /// lazy unmount of what is left.
+    pub fn kill(mut self) {
+        self.kill_and_detach();
+    }
+
+    fn kill_and_detach(&mut self) {
+        if let Some(p) = self.proc.take() {
+            p.kill();
+        }
+        lazy_unmount(&self.dir);
+    }
+}
+
+impl Drop for MountProc {
+    fn drop(&mut self) {
+        self.kill_and_detach();
+    }
+}
+
+/// `fusermount3 -uz DIR`, else `umount -l DIR` (a mount whose daemon died).
+pub fn lazy_unmount(dir: &Path) {
+    let quiet = |cmd: &str, args: &[&std::ffi::OsStr]| {
+        Command::new(cmd)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let d = dir.as_os_str();
+    if !quiet("fusermount3", &["-uz".as_ref(), d]) {
+        quiet("umount", &["-l".as_ref(), d]);
+    }
+}
+
 /// Options of a test cluster.
 #[derive(Debug, Clone)]
 pub struct ClusterOpts {
@@ -102,6 +146,9 @@ pub struct ClusterOpts {
     pub dram: String,
     pub master_args: Vec<String>,
     pub node_args: Vec<String>,
+    /// Give every node started a data directory of its own under this one (a node started
+    /// again gets a new, empty one: a new node id, nothing carried over).
+    pub data_root: Option<PathBuf>,
 }
 
 impl Default for ClusterOpts {
@@ -118,6 +165,7 @@ impl Default for ClusterOpts {
                 "1500".into(),
             ],
             node_args: vec!["--no-populate".into()],
+            data_root: None,
         }
     }
 }
@@ -165,8 +213,30 @@ impl Cluster {
             self.opts.dram.clone(),
         ];
         args.extend(self.opts.node_args.iter().cloned());
+        if let Some(root) = &self.opts.data_root {
+            args.push("--data".into());
+            args.push(root.join(format!("node{}", self.nodes.len())).display().to_string());
+        }
         self.nodes.push(Some(Proc::start(&args)));
         self.nodes.len() - 1
+    }
+
+    /// SIGKILLs every node still running.
+    pub fn kill_nodes(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill_node(i);
+        }
+    }
+
+    /// Starts `kvfs mount` of this cluster at `dir` (made if missing).
+    pub fn start_mount(&self, dir: &Path) -> MountProc {
+        let args = vec![
+            "mount".into(),
+            "--master".into(),
+            self.master_addr.clone(),
+            dir.display().to_string(),
+        ];
+        MountProc { proc: Some(Proc::start(&args)), dir: dir.to_path_buf() }
     }
 
     pub fn kill_node(&mut self, i: usize) {

@@ -267,6 +267,14 @@ impl Medium for NodeSource {
     }
 }
 
+/// Whether a renamed copy must be queued for write-back under its new name: every lazy copy
+/// not yet persisted, queued under the old name or not. The enqueue a commit spawns may not
+/// have run when the rename arrives (then `queued` is still false, and that enqueue finds the
+/// old name gone and skips it): re-queueing only queued copies lost those write-backs.
+fn writeback_after_rename(h: &Held) -> bool {
+    h.persistence == Persistence::Lazy && !h.persisted
+}
+
 /// Removes a key's NVMe file if it still holds `version` (a newer copy may have replaced it).
 async fn remove_nvme_version(nvme: &NvmeMedium, key: &str, version: u64) {
     if nvme.stat(key).await.is_ok_and(|m| m.version == version)
@@ -441,7 +449,7 @@ impl Inner {
                 sync_policy(&mut policy, &it.from, None, now);
                 h.version = it.version;
                 h.renamed_from = Some((it.from.clone(), it.from_version));
-                if h.queued {
+                if writeback_after_rename(&h) {
                     h.queued = false;
                     lazy.push(it.to.clone());
                 }
@@ -1057,6 +1065,29 @@ async fn writeback_events(
                 inner.tiers.counters.writeback_failed.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(key, %error, "write-back failed");
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_unpersisted_lazy_copy_is_written_back_after_a_rename() {
+        let lazy = |queued: bool, persisted: bool| {
+            let mut h = Held::new(10, 1, Persistence::Lazy, kvfs_proto::store::Pin::None);
+            (h.queued, h.persisted) = (queued, persisted);
+            h
+        };
+        // Queued under the old name, and not queued yet (its enqueue still to run).
+        assert!(writeback_after_rename(&lazy(true, false)));
+        assert!(writeback_after_rename(&lazy(false, false)));
+        // Already in the object store (the master moves that copy), or never to be.
+        assert!(!writeback_after_rename(&lazy(false, true)));
+        for p in [Persistence::None, Persistence::Eager] {
+            let h = Held::new(10, 1, p, kvfs_proto::store::Pin::None);
+            assert!(!writeback_after_rename(&h));
         }
     }
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use kvfs_client::{Client, ClientConfig, Node, NodeConfig, PutOptions};
+use kvfs_client::{Client, ClientConfig, Node, NodeConfig, PutOptions, TierConfig};
 use kvfs_fs::{Mount, MountConfig};
 use kvfs_master::service::{MasterService, ServiceConfig};
 
@@ -25,11 +25,13 @@ pub struct Cluster {
 pub struct ClusterOpts {
     pub lease_ttl_ms: u64,
     pub dram_bytes: u64,
+    /// A local-directory object store shared by the master and the node (persistence).
+    pub object_store: Option<PathBuf>,
 }
 
 impl Default for ClusterOpts {
     fn default() -> Self {
-        ClusterOpts { lease_ttl_ms: 10_000, dram_bytes: 256 << 20 }
+        ClusterOpts { lease_ttl_ms: 10_000, dram_bytes: 256 << 20, object_store: None }
     }
 }
 
@@ -48,12 +50,15 @@ impl Cluster {
                 ..ServiceConfig::default()
             };
             cfg.directory.lease_ttl_ms = opts.lease_ttl_ms;
+            let store = opts.object_store.map(|root| kvfs_tiers::ObjectStoreConfig::Fs { root });
+            cfg.object_store = store.clone();
             let master = MasterService::start(cfg).await.unwrap();
             let addr = master.rpc_addr().to_string();
             let node = Node::start(NodeConfig {
                 master: addr.clone(),
                 dram_bytes: opts.dram_bytes,
                 populate: false,
+                tiers: TierConfig { object_store: store, ..TierConfig::default() },
                 ..NodeConfig::default()
             })
             .await
