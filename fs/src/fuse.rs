@@ -94,8 +94,9 @@ impl Filesystem for KvFs {
             let _ = config.set_max_readahead(max);
         }
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
-        // open(O_TRUNC) arrives as one open with the flag (a replacement), not open + setattr.
-        let _ = config.add_capabilities(InitFlags::FUSE_ATOMIC_O_TRUNC);
+        // No FUSE_ATOMIC_O_TRUNC: with it the kernel zeroes the size of the inode readers of
+        // the old object share at open(O_TRUNC); without it the truncation is a setattr whose
+        // answer (the old object's size) the kernel keeps until the replacement commits.
         if self.inner.cfg.passthrough.is_some() {
             let ok = config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
                 && config.set_max_stack_depth(1).is_ok();
@@ -182,9 +183,22 @@ impl Filesystem for KvFs {
                             if let Some(len) = size {
                                 inner.truncate_staged(&mut w, len)?;
                             }
+                            if let Some(old) = w.replacing() {
+                                // Readers share this inode until the commit: its size stays
+                                // the old object's.
+                                return Ok(inner.obj_attr(ino.0, old, false));
+                            }
                             if w.is_open() {
                                 let a = ObjAttr { size: w.staged_len(), version: 0 };
                                 return Ok(inner.obj_attr(ino.0, a, true));
+                            }
+                        } else if let (Some(0), Some(w)) = (size, inner.untruncated_writer(ino.0)) {
+                            // open(O_TRUNC) of an existing object: the kernel's truncation
+                            // comes without a handle; it starts the replacement.
+                            let mut w = w.lock().await;
+                            inner.truncate_staged(&mut w, 0)?;
+                            if let Some(old) = w.replacing() {
+                                return Ok(inner.obj_attr(ino.0, old, false));
                             }
                         } else if let Some(w) = inner.writer_of(&key) {
                             let mut w = w.lock().await;
@@ -290,11 +304,13 @@ impl Filesystem for KvFs {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        // Without atomic O_TRUNC the kernel strips the flag and truncates with a setattr.
         let trunc = flags.0 & libc::O_TRUNC != 0;
         let write = flags.acc_mode() != OpenAccMode::O_RDONLY || trunc;
+        let replace = flags.acc_mode() == OpenAccMode::O_WRONLY && flags.0 & libc::O_APPEND == 0;
         let inner = self.inner.clone();
         self.spawn(
-            move |inner| async move { inner.plan_open(ino.0, write, trunc).await },
+            move |inner| async move { inner.plan_open(ino.0, write, replace).await },
             move |r| match r {
                 Ok(plan) => finish_open(&inner, ino.0, plan, reply),
                 Err(e) => reply.error(err(e)),
@@ -571,14 +587,18 @@ impl Filesystem for KvFs {
     fn setxattr(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         name: &OsStr,
         _value: &[u8],
         _flags: i32,
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        reply.error(if is_kvfs_xattr(name) { Errno::EPERM } else { Errno::EOPNOTSUPP });
+        // A file being written has no attributes to keep (copying tools such as `mv` across
+        // directories preserve xattrs and carry on past EOPNOTSUPP); an object's are computed.
+        let pending = matches!(self.inner.kind_of(ino.0), Ok(Kind::Object { key })
+            if lock(&self.inner.pending).contains_key(&key));
+        reply.error(if is_kvfs_xattr(name) && !pending { Errno::EPERM } else { Errno::EOPNOTSUPP });
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {

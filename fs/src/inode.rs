@@ -73,6 +73,10 @@ pub enum Kind {
     ControlDir,
     Control,
     Status(usize),
+    /// An object whose name went (unlinked, renamed over, replaced) while the kernel still
+    /// held this inode: descriptors opened before keep reading its bytes and see these
+    /// attributes; opening it again is `ESTALE`, which makes the kernel look the name up anew.
+    Unlinked(ObjAttr),
 }
 
 impl Kind {
@@ -98,6 +102,9 @@ pub struct Node {
     pub lookups: u64,
     pub opens: u32,
     pub attr: Option<ObjAttr>,
+    /// The version whose pages the kernel may cache for this inode (set by opens that keep
+    /// or start a page cache); 0 when none.
+    pub cached: u64,
 }
 
 #[derive(Debug, Default)]
@@ -117,7 +124,7 @@ impl Table {
             .into_iter()
             .chain((0..status_files).map(|i| (STATUS_FIRST + i as u64, Kind::Status(i))))
         {
-            t.nodes.insert(ino, Node { kind, lookups: 1, opens: 0, attr: None });
+            t.nodes.insert(ino, Node { kind, lookups: 1, opens: 0, attr: None, cached: 0 });
         }
         t
     }
@@ -140,15 +147,29 @@ impl Table {
 
     /// The number `kind` has (or would get), without remembering it.
     pub fn ino_of(&self, kind: &Kind) -> u64 {
-        let Some(id) = kind.identity() else {
+        self.ino_of_version(kind, None)
+    }
+
+    /// The number of `kind` at an object version: each version of an object is its own inode
+    /// (objects never change, so the kernel never has to resize an inode it already holds; a
+    /// name that gets a new object gets a new inode, and the old one keeps its size for the
+    /// descriptors open on it). `None`: whichever version the table holds first.
+    pub fn ino_of_version(&self, kind: &Kind, version: Option<u64>) -> u64 {
+        let Some(mut id) = kind.identity() else {
             return self.nodes.iter().find(|(_, n)| n.kind == *kind).map(|(i, _)| *i).unwrap_or(0);
         };
+        if let (Kind::Object { .. }, Some(v)) = (kind, version) {
+            id.extend_from_slice(&v.to_le_bytes());
+        }
         let h = blake3::hash(&id);
         let mut ino = u64::from_le_bytes(h.as_bytes()[..8].try_into().unwrap_or([0; 8]));
         ino = ino % (1 << 62) + DERIVED_MIN;
+        let same = |n: &Node| {
+            n.kind == *kind && version.is_none_or(|v| n.attr.map_or(0, |a| a.version) == v)
+        };
         loop {
             match self.nodes.get(&ino) {
-                Some(n) if n.kind != *kind => ino = ino.wrapping_add(1).max(DERIVED_MIN),
+                Some(n) if !same(n) => ino = ino.wrapping_add(1).max(DERIVED_MIN),
                 _ => return ino,
             }
         }
@@ -168,10 +189,32 @@ impl Table {
         }
     }
 
+    /// The name of these objects went: their inodes keep the attributes they last showed
+    /// and stand for nothing by name any more.
+    pub fn detach(&mut self, key: &str) -> Vec<u64> {
+        let inos = self.inos_of(&Kind::Object { key: key.to_string() });
+        for &ino in &inos {
+            if let Some(n) = self.nodes.get_mut(&ino) {
+                n.kind = Kind::Unlinked(n.attr.unwrap_or_default());
+            }
+        }
+        inos
+    }
+
     /// Records one kernel lookup of `kind` (an `entry` reply); returns its number.
     pub fn remember(&mut self, kind: Kind, attr: Option<ObjAttr>) -> u64 {
-        let ino = self.ino_of(&kind);
-        let node = self.nodes.entry(ino).or_insert(Node { kind, lookups: 0, opens: 0, attr: None });
+        let version = match kind {
+            Kind::Object { .. } => Some(attr.map_or(0, |a| a.version)),
+            _ => None,
+        };
+        let ino = self.ino_of_version(&kind, version);
+        let node = self.nodes.entry(ino).or_insert(Node {
+            kind,
+            lookups: 0,
+            opens: 0,
+            attr: None,
+            cached: 0,
+        });
         node.lookups += 1;
         if attr.is_some() {
             node.attr = attr;
@@ -217,10 +260,15 @@ mod tests {
     fn numbers_are_stable_and_lookups_counted() {
         let mut t = Table::new(2);
         let obj = Kind::Object { key: "a/b".into() };
-        let ino = t.ino_of(&obj);
+        let v1 = Some(ObjAttr { size: 3, version: 1 });
+        let ino = t.ino_of_version(&obj, Some(1));
         assert!(ino >= DERIVED_MIN);
-        assert_eq!(t.remember(obj.clone(), Some(ObjAttr { size: 3, version: 1 })), ino);
-        assert_eq!(t.remember(obj.clone(), None), ino);
+        assert_eq!(t.remember(obj.clone(), v1), ino);
+        assert_eq!(t.remember(obj.clone(), v1), ino);
+        let v2 = t.remember(obj.clone(), Some(ObjAttr { size: 5, version: 2 }));
+        assert_ne!(v2, ino, "another version of the object is another inode");
+        assert_eq!(t.get(v2).unwrap().attr.unwrap().size, 5);
+        t.forget(v2, 1);
         assert_eq!(t.get(ino).unwrap().attr.unwrap().size, 3);
         let dir = Kind::Dir(DirNode::dir("a/".into()));
         assert_ne!(t.ino_of(&dir), ino, "a directory and an object never share a number");
@@ -238,15 +286,21 @@ mod tests {
     fn collisions_probe_to_a_free_number() {
         let mut t = Table::new(0);
         let a = Kind::Object { key: "x".into() };
-        let ino = t.ino_of(&a);
+        let ino = t.ino_of_version(&a, Some(0));
         // Squat a's number with another node: a must move on, deterministically.
         t.nodes.insert(
             ino,
-            Node { kind: Kind::Object { key: "y".into() }, lookups: 1, opens: 0, attr: None },
+            Node {
+                kind: Kind::Object { key: "y".into() },
+                lookups: 1,
+                opens: 0,
+                attr: None,
+                cached: 0,
+            },
         );
         let moved = t.remember(a.clone(), None);
         assert_ne!(moved, ino);
-        assert_eq!(t.ino_of(&a), moved);
+        assert_eq!(t.ino_of_version(&a, Some(0)), moved);
     }
 
     #[test]

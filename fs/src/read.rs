@@ -130,7 +130,10 @@ pub enum OpenPlan {
 }
 
 impl Inner {
-    pub async fn plan_open(&self, ino: u64, write: bool, trunc: bool) -> Result<OpenPlan, Errno> {
+    /// `replace`: a write-only open (not appending) of an existing object becomes a writer
+    /// that replaces it once truncated to 0 (the kernel's setattr of an `O_TRUNC` open); any
+    /// write before that is `EPERM`, as is every other write open of an object.
+    pub async fn plan_open(&self, ino: u64, write: bool, replace: bool) -> Result<OpenPlan, Errno> {
         let kind = self.kind_of(ino)?;
         if write && matches!(kind, Kind::Control | Kind::Status(_)) {
             return Err(libc::EPERM);
@@ -142,22 +145,31 @@ impl Inner {
             }
             Kind::Object { key } => key,
             Kind::Dir(_) | Kind::ControlDir => return Err(libc::EISDIR),
+            // The kernel looks the name up again and opens what it names now.
+            Kind::Unlinked(_) => return Err(libc::ESTALE),
         };
         if lock(&self.pending).contains_key(&key) {
             return Err(libc::EBUSY);
         }
-        if write && !trunc {
+        if write && !replace {
             return Err(libc::EPERM);
         }
         let v = self.client.stat(&key).await.map_err(|e| errno::of(&e))?;
-        if write {
-            return Ok(OpenPlan::Replace(self.open_replace(ino, key)));
-        }
         let attr = ObjAttr { size: v.size, version: v.version };
-        let previous = {
+        if write {
+            return Ok(OpenPlan::Replace(self.open_replace(ino, key, attr)));
+        }
+        let cached = {
             let mut t = lock(&self.table);
             let n = t.get_mut(ino).ok_or(libc::ENOENT)?;
-            n.attr.replace(attr)
+            // The kernel sized this inode for another object (the name was replaced or renamed
+            // over since it last heard): reading the new one through it would be cut to the old
+            // size. ESTALE makes it look the name up again (new attributes) and retry the open.
+            if n.attr.is_some_and(|p| p.version != 0 && p.version != attr.version) {
+                return Err(libc::ESTALE);
+            }
+            n.attr = Some(attr);
+            std::mem::replace(&mut n.cached, attr.version)
         };
         bump(&self.counters.opens, 1);
         if let Some(plan) = self.plan_passthrough(ino, &key, attr).await {
@@ -165,7 +177,7 @@ impl Inner {
             return Ok(plan);
         }
         *lock(&self.cached_opens).entry(ino).or_insert(0) += 1;
-        let keep_cache = previous.is_some_and(|p| p.version == attr.version);
+        let keep_cache = cached == attr.version;
         let handle = Arc::new(ReadHandle::new(ino, key, attr));
         Ok(OpenPlan::Cached { handle, keep_cache })
     }
@@ -231,6 +243,8 @@ impl Inner {
         let got = match got {
             Ok((_, version)) if version != h.attr.version => Err(libc::ESTALE),
             Ok((size, _)) => Ok(size),
+            // Larger than the object this file was opened on: a newer one has the name.
+            Err(e) if e.kind() == kvfs_client::ErrorKind::BufferTooSmall => Err(libc::ESTALE),
             Err(e) => Err(errno::of(&e)),
         };
         let f = Arc::new(Fetched {

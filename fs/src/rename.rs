@@ -116,6 +116,9 @@ impl Inner {
                         _ => errno::of(&e),
                     }
                 })?;
+                // The object that had the new name is gone by name: inodes the kernel still
+                // holds for it keep its attributes (readers of open files see it whole).
+                lock(&self.table).detach(&to);
                 self.rekey_object(&key, &to, version);
                 bump(&self.counters.renames, 1);
                 Ok(())
@@ -264,6 +267,7 @@ impl Inner {
                     ErrorKind::PutInProgress => libc::EBUSY,
                     _ => errno::of(&e),
                 })?;
+                lock(&self.table).detach(&key);
                 bump(&self.counters.unlinks, 1);
                 Ok(())
             }

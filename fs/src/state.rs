@@ -407,15 +407,21 @@ impl Inner {
             Kind::Dir(_) | Kind::ControlDir => Ok(self.dir_attr(ino)),
             Kind::Control => Ok(self.found_attr(ino, &Found::Control)),
             Kind::Status(i) => Ok(self.found_attr(ino, &Found::Status(i))),
+            Kind::Unlinked(a) => Ok(self.obj_attr(ino, a, false)),
             Kind::Object { key } => {
                 if let Some(p) = lock(&self.pending).get(&key) {
                     let a = ObjAttr { size: p.size.load(Ordering::Acquire), version: 0 };
                     return Ok(self.obj_attr(ino, a, true));
                 }
                 let v = self.client.stat(&key).await.map_err(|e| errno::of(&e))?;
-                let a = ObjAttr { size: v.size, version: v.version };
+                let mut a = ObjAttr { size: v.size, version: v.version };
                 if let Some(n) = lock(&self.table).get_mut(ino) {
-                    n.attr = Some(a);
+                    match n.attr {
+                        // This inode is an older object of the name: it keeps its size (the
+                        // name's lookup gives the new object its own inode).
+                        Some(p) if p.version != 0 && p.version != a.version => a = p,
+                        _ => n.attr = Some(a),
+                    }
                 }
                 Ok(self.obj_attr(ino, a, false))
             }
@@ -500,6 +506,28 @@ impl Inner {
         }
         local.remove(&d.prefix);
         Ok(())
+    }
+
+    /// Tells the kernel to forget the name of `key` in every directory inode it holds for the
+    /// key's parent, and waits until it did (after a replacement: the name has a new inode).
+    pub async fn forget_name(&self, key: &str) {
+        let Some(n) = self.notifier.get().cloned() else { return };
+        let (prefix, last) = match key.rfind('/') {
+            Some(i) => (&key[..=i], &key[i + 1..]),
+            None => ("", key),
+        };
+        let name = names::encode_component(last, prefix.is_empty(), false);
+        if name.len() != 1 {
+            return; // a component cut into a chain: its entry lives deeper; the TTL ends it
+        }
+        let parents = lock(&self.table).inos_of(&Kind::Dir(DirNode::dir(prefix.to_string())));
+        let name = std::ffi::OsString::from(&name[0]);
+        let _ = tokio::task::spawn_blocking(move || {
+            for p in parents {
+                let _ = n.inval_entry(INodeNo(p), &name);
+            }
+        })
+        .await;
     }
 
     /// Tells the kernel to forget a name (after a failed commit), off the request path.

@@ -52,6 +52,11 @@ pub struct Writer {
     done: Option<Result<(), Errno>>,
     /// Commit by replacing whatever the name holds (staging key, then rename over it).
     replace: bool,
+    /// For an open of an existing object: its attributes (what readers sharing the inode
+    /// keep seeing until the commit), and whether it was truncated to 0 yet (writes before
+    /// that would modify the object in place: `EPERM`).
+    old: Option<ObjAttr>,
+    truncated: bool,
     /// The name was unlinked while being written: the bytes go at close.
     discard: bool,
 }
@@ -71,6 +76,11 @@ impl Writer {
         self.parent = parent;
         self.name = name;
         self.replace = true;
+    }
+
+    /// The object this writer replaces, while it has not committed.
+    pub fn replacing(&self) -> Option<ObjAttr> {
+        self.old.filter(|_| self.is_open())
     }
 
     /// The name was unlinked: the close succeeds and stores nothing.
@@ -119,11 +129,13 @@ impl Inner {
                 let found = Found::Object { key: key.clone(), attr, pending: false };
                 let (ino, _) = self.remember(&found);
                 lock(&self.table).open(ino);
-                let w = self.new_writer(key, ino, parent, name.to_os_string(), true);
+                let w = self.new_writer(key.clone(), ino, parent, name.to_os_string(), true);
+                if let Ok(mut w) = w.try_lock() {
+                    w.old = Some(attr);
+                }
                 let fh = self.add_handle(Handle::Write(w));
-                let found =
-                    Found::Object { key: String::new(), attr: ObjAttr::default(), pending: true };
-                return Ok((found, ino, fh));
+                // Readers may share the inode: it keeps the old object's size until the commit.
+                return Ok((Found::Object { key, attr, pending: false }, ino, fh));
             }
             Err(e) if e.kind() == ErrorKind::NotFound => {}
             Err(e) => return Err(errno::of(&e)),
@@ -163,21 +175,48 @@ impl Inner {
             size: Arc::new(AtomicU64::new(0)),
             done: None,
             replace,
+            old: None,
+            truncated: true,
             discard: false,
         }))
     }
 
     /// open with `O_TRUNC` for writing of an existing object: a writer that replaces it at
     /// its commit; until then everyone else still sees the old object.
-    pub fn open_replace(&self, ino: u64, key: String) -> Arc<tokio::sync::Mutex<Writer>> {
+    pub fn open_replace(
+        &self,
+        ino: u64,
+        key: String,
+        old: ObjAttr,
+    ) -> Arc<tokio::sync::Mutex<Writer>> {
         bump(&self.counters.replaces, 1);
         // Name and parent matter only to drop the kernel's entry after a failed first commit
         // of a new file; a replacement's name keeps the old object then.
-        self.new_writer(key, ino, 0, OsString::new(), true)
+        let w = self.new_writer(key, ino, 0, OsString::new(), true);
+        if let Ok(mut g) = w.try_lock() {
+            g.old = Some(old);
+            g.truncated = false;
+        }
+        w
+    }
+
+    /// A writer of an existing object opened on `ino` and not truncated yet (the kernel
+    /// truncates after the open, without naming the handle).
+    pub fn untruncated_writer(&self, ino: u64) -> Option<Arc<tokio::sync::Mutex<Writer>>> {
+        lock(&self.handles).values().find_map(|h| match h {
+            Handle::Write(w)
+                if w.try_lock().is_ok_and(|g| {
+                    g.ino == ino && g.old.is_some() && g.is_open() && !g.truncated
+                }) =>
+            {
+                Some(w.clone())
+            }
+            _ => None,
+        })
     }
 
     pub fn write(&self, w: &mut Writer, offset: u64, data: &[u8]) -> Result<u32, Errno> {
-        if !w.is_open() {
+        if !w.is_open() || !w.truncated {
             return Err(libc::EPERM);
         }
         w.staged.write(offset, data)?;
@@ -196,9 +235,10 @@ impl Inner {
     }
 
     pub fn truncate_staged(&self, w: &mut Writer, len: u64) -> Result<(), Errno> {
-        if !w.is_open() {
+        if !w.is_open() || (!w.truncated && len != 0) {
             return Err(libc::EPERM);
         }
+        w.truncated = true;
         w.staged.set_len(len)?;
         w.size.store(len, Ordering::Release);
         Ok(())
@@ -212,6 +252,11 @@ impl Inner {
             return r;
         }
         if w.discard {
+            self.finish(w, Ok(()));
+            return Ok(());
+        }
+        if !w.truncated {
+            // Opened for writing, never truncated nor written: the object stays as it was.
             self.finish(w, Ok(()));
             return Ok(());
         }
@@ -285,7 +330,13 @@ impl Inner {
         let opts = PutOptions { checksum: true, upsert: false, ..self.cfg.put.clone() };
         self.client.put_from(&staging, buf.addr(), len, &opts).await.map_err(|e| errno::of(&e))?;
         match self.client.rename(&staging, key, kvfs_client::RenameMode::Replace).await {
-            Ok(version) => Ok(version),
+            Ok(version) => {
+                // The inode the kernel holds for the name (the writer's, shared with readers
+                // of the old object) keeps the old object; the name gets a new inode.
+                lock(&self.table).detach(key);
+                self.forget_name(key).await;
+                Ok(version)
+            }
             Err(e) => {
                 let _ = self.client.remove(&staging, true).await;
                 Err(match e.kind() {

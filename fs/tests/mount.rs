@@ -160,10 +160,11 @@ fn the_documented_errnos() {
     let obj = p("e/obj");
 
     assert_eq!(
-        errno_of(&format!("os.open('{obj}', os.O_WRONLY)")),
+        errno_of(&format!("fd = os.open('{obj}', os.O_WRONLY)\n    os.write(fd, b'x')")),
         libc::EPERM,
-        "write to an object"
+        "write to an object without O_TRUNC"
     );
+    assert_eq!(errno_of(&format!("os.open('{obj}', os.O_WRONLY | os.O_APPEND)")), libc::EPERM);
     assert_eq!(errno_of(&format!("os.open('{obj}', os.O_RDWR)")), libc::EPERM);
     assert_eq!(
         errno_of(&format!("os.open('{obj}', os.O_WRONLY | os.O_CREAT | os.O_EXCL)")),

@@ -316,7 +316,6 @@ async fn renamed_persisted_objects_keep_their_new_names_after_every_process_is_k
 /// under the old name: after every process is killed and restarted empty, only the new name
 /// comes back from the object store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "product bug: a write-back running under the old name completes after the rename and leaves an orphan copy that a restarted master's scan adopts (see the rename tests report)"]
 async fn lazy_objects_renamed_while_their_write_back_runs_keep_one_name() {
     let data = tempfile::tempdir().unwrap();
     let store = format!("fs:{}", data.path().join("objects").display());
