@@ -2,8 +2,11 @@
 //! file, and how many kernel lookups keep each alive.
 //!
 //! Mechanism. An inode number is derived from what the node *is* (blake3 of its identity: the
-//! directory's key prefix, or the object's key), so the same key has the same number across
-//! lookups, readdir and remounts, and `du`/`find` see consistent identities. Collisions (2^-62
+//! directory's key prefix, or the object's key and version), so the same object has the same
+//! number across lookups and remounts, and `du`/`find` see consistent identities. A name that
+//! gets a new object (upsert, rename over it, replacement) gets a new inode: objects never
+//! change, so the kernel never resizes an inode it holds, and descriptors open on the old one
+//! keep its size and bytes. Inodes whose name went are `Kind::Unlinked`. Collisions (2^-62
 //! per pair) are resolved by probing to the next free number. The kernel's lookup count is kept
 //! exactly: every `entry`/`created` reply adds one, `forget` subtracts, and a node with no
 //! lookups and no open handles is dropped, so the table is bounded by what the kernel caches.
