@@ -162,6 +162,10 @@ impl Inner {
         let cached = {
             let mut t = lock(&self.table);
             let n = t.get_mut(ino).ok_or(libc::ENOENT)?;
+            // Detached (unlinked, replaced) while the stat ran: the name has a new inode.
+            if !matches!(&n.kind, Kind::Object { key: k } if *k == key) {
+                return Err(libc::ESTALE);
+            }
             // The kernel sized this inode for another object (the name was replaced or renamed
             // over since it last heard): reading the new one through it would be cut to the old
             // size. ESTALE makes it look the name up again (new attributes) and retry the open.

@@ -316,7 +316,11 @@ impl Inner {
         };
         let _ = engine.unregister(buf.addr());
         let version = r?;
-        if let Some(n) = lock(&self.table).get_mut(w.ino) {
+        // A new file's inode now shows the object; a replacement's inode keeps the old one's
+        // attributes (it was detached: the name has a new inode).
+        if let Some(n) = lock(&self.table).get_mut(w.ino)
+            && !w.replace
+        {
             n.attr = Some(ObjAttr { size: len, version });
         }
         Ok(())

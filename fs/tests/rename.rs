@@ -294,7 +294,7 @@ fn write_temp_then_rename_publishes_whole_versions_to_concurrent_readers() {
 }
 
 #[test]
-#[ignore = "known gap: under four readers hammering the same mount, about one O_TRUNC rewrite in twenty still reaches a reader as the new object cut to the old size (writer and readers share one kernel inode until the commit); other mounts and the store API see old or new whole"]
+#[ignore = "known gap: with four readers hammering the same mount, about one run in five still sees one O_TRUNC rewrite reach a reader as the new bytes under the old inode's size; other mounts and the store API see old or new whole (see issue 17's closing note)"]
 fn truncating_rewrites_publish_whole_versions_to_concurrent_readers() {
     publish_under_readers(|m, _, data| write_and_close(&m.p("dir/final"), data, true));
 }
