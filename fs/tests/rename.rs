@@ -294,7 +294,7 @@ fn write_temp_then_rename_publishes_whole_versions_to_concurrent_readers() {
 }
 
 #[test]
-#[ignore = "known gap: with four readers hammering the same mount, about one run in five still sees one O_TRUNC rewrite reach a reader as the new bytes under the old inode's size; other mounts and the store API see old or new whole (see issue 17's closing note)"]
+#[ignore = "known gap (about one run in five): the next rewrite's writer shares the inode readers of the current object hold, the kernel grows its size with the writer's direct writes, and a reader of the old object reads its bytes then zeros up to the writer's progress; other mounts and the store API see old or new whole (issue 17 closing note)"]
 fn truncating_rewrites_publish_whole_versions_to_concurrent_readers() {
     publish_under_readers(|m, _, data| write_and_close(&m.p("dir/final"), data, true));
 }
