@@ -1,0 +1,475 @@
+#!/usr/bin/env python3
+"""Side-by-side benchmark of kvfs and the reference store (Mooncake) through the same Python calls.
+
+Each system runs as its own cluster on this host: its master, a *holder* process that
+contributes the memory (``setup`` with ``global_segment_size > 0``) and a *client* process
+that makes the calls (``global_segment_size = 0``), both under that system's own Python:
+
+* kvfs: ``--kvfs-python`` (``/opt/kvfs-bench-venv/bin/python``, our release wheel) and
+  ``kvfs master`` (``--kvfs-bin``, else ``target/release/kvfs`` of this checkout, else
+  ``$KVFS_BIN``);
+* reference: ``--ref-venv`` (``/opt/mooncake-ref-venv``), created with ``python3 -m venv``
+  when missing and given ``--ref-wheel`` (``mooncake-transfer-engine-non-cuda`` from PyPI, or
+  a wheel file) with pip; its ``mooncake_master`` runs with the HTTP metadata server the
+  clients name as ``http://127.0.0.1:PORT/metadata``. The reference is never installed into a
+  venv that has ``kvfs``: both wheels own the ``mooncake`` package.
+
+Both clients run the same code (this file with ``--worker``, importing
+``mooncake.store.MooncakeDistributedStore``, which kvfs's wheel re-exports) with protocol
+``tcp``; kvfs is forced onto TCP too (``KVFS_TRANSPORT=tcp``) unless ``--kvfs-transport auto``
+lets it pick shared memory. For every call and size the driver runs rounds alternately on
+kvfs and the reference (A, B, A, B, ...) after one untimed warm-up round each, so the
+machine's drift touches both alike. The calls: ``put``/``get`` (bytes),
+``put_from``/``get_into`` (registered numpy buffers), ``put_batch``/``get_batch``,
+``batch_put_from``/``batch_get_into``, and ``is_exist``/``remove`` (per-key operations, the
+smallest size only, in ops/s). A round is ``min(batch_bytes / size, ops_max)`` objects: one
+call per object, or one batch call for them all; puts write fresh keys after an untimed
+``remove_all(force=True)``, reads read objects put once, and every read is checked.
+
+The table gives per call and size: kvfs's and the reference's GB/s (ops/s for
+``is_exist``/``remove``), their ratio kvfs / reference (above 1: kvfs is faster), and the p50
+latency of one call on each (of one object, or of the whole batch for the batch forms).
+Raw loopback TCP (``bench_mooncake_api.raw_tcp_gbps``) is printed before and after as the
+machine's limit. On a shared machine absolute figures are noise; the ratios are the figures.
+
+Usage::
+
+    python python/bench/bench_side_by_side.py --quick        # under 2 minutes
+    python python/bench/bench_side_by_side.py                # 4 KiB .. 64 MiB
+    python python/bench/bench_side_by_side.py --sizes 64K,1M --calls get,batch_get_into --json
+    python python/bench/bench_side_by_side.py --no-ref       # kvfs only (no reference wheel)
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+TAG = "@@bench "  # prefix of the workers' reply lines (the stores log to the same streams)
+CALLS = ["put", "get", "put_from", "get_into", "put_batch", "get_batch", "batch_put_from",
+         "batch_get_into", "is_exist", "remove"]
+KEY_OPS = {"is_exist", "remove"}  # size-independent: smallest size only, in ops/s
+BATCH = {"put_batch", "get_batch", "batch_put_from", "batch_get_into"}
+
+
+# ----- worker: runs under either system's Python, with only numpy and mooncake.store --------
+
+
+def worker(role, master, metadata, segment_bytes, buffer_bytes):
+    import numpy as np
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup("127.0.0.1", metadata, segment_bytes, buffer_bytes, "tcp", "", master)
+    if rc != 0:
+        reply({"error": f"{role} setup returned {rc}"})
+        return
+    if role == "holder":
+        reply({"ready": True})
+        sys.stdin.read()  # hold the segment until the driver closes stdin
+        store.close()
+        return
+    src = np.random.default_rng(1).integers(0, 255, buffer_bytes // 2, dtype=np.uint8)
+    dst = np.ones_like(src)  # touched: no first-use page faults inside the figures
+    for buf in (src, dst):
+        if store.register_buffer(buf.ctypes.data, buf.nbytes) != 0:
+            reply({"error": "register_buffer failed"})
+            return
+    reply({"ready": True})
+    rounds = Rounds(store, src, dst)
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            reply(rounds.run(req["call"], req["size"], req["n"]))
+        except Exception as e:  # the driver prints it and stops
+            reply({"error": f"{req['call']} {req['size']}: {e}"})
+    store.close()
+
+
+def reply(obj):
+    sys.stdout.write(TAG + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+class Rounds:
+    """One timed round of a call: the untimed preparation, the timed calls, the check."""
+
+    def __init__(self, store, src, dst):
+        self.store, self.src, self.dst = store, src, dst
+        self.seq = 0
+        self.stored = None  # (size, n, keys) put from src since the last remove_all
+
+    def fresh(self, size, n):
+        self.store.remove_all(force=True)
+        self.stored = None
+        self.seq += 1
+        return [f"sbs/{size}/{self.seq}/{i}" for i in range(n)]
+
+    def ensure_stored(self, size, n):
+        if self.stored and self.stored[:2] == (size, n):
+            return self.stored[2]
+        keys = self.fresh(size, n)
+        codes = self.store.batch_put_from(keys, self.ptrs(self.src, size, n), [size] * n)
+        ok(codes, "batch_put_from (preparation)")
+        self.stored = (size, n, keys)
+        return keys
+
+    @staticmethod
+    def ptrs(buf, size, n):
+        return [buf.ctypes.data + i * size for i in range(n)]
+
+    def run(self, call, size, n):
+        s, nbytes = self.store, size * n
+        sizes = [size] * n
+        value = self.src[:size].tobytes()
+        read = call in ("get", "get_into", "get_batch", "batch_get_into", "is_exist")
+        keys = self.ensure_stored(size, n) if read else self.fresh(size, n)
+        if call == "remove":
+            ok(s.batch_put_from(keys, self.ptrs(self.src, size, n), sizes), "batch_put_from")
+        if call in BATCH:
+            fn = {
+                "put_batch": lambda: ok(s.put_batch(keys, [value] * n), "put_batch"),
+                "get_batch": lambda: check_lens(s.get_batch(keys), size),
+                "batch_put_from": lambda: ok(
+                    s.batch_put_from(keys, self.ptrs(self.src, size, n), sizes), "batch_put_from"),
+                "batch_get_into": lambda: ok(
+                    s.batch_get_into(keys, self.ptrs(self.dst, size, n), sizes), "batch_get_into"),
+            }[call]
+            t0 = time.perf_counter()
+            fn()
+            times = [time.perf_counter() - t0]
+        else:
+            one = {
+                "put": lambda i, k: ok(s.put(k, value), "put"),
+                "get": lambda i, k: check_lens([s.get(k)], size),
+                "put_from": lambda i, k: ok(s.put_from(k, self.src.ctypes.data + i * size, size),
+                                            "put_from"),
+                "get_into": lambda i, k: ok(s.get_into(k, self.dst.ctypes.data + i * size, size),
+                                            "get_into"),
+                "is_exist": lambda i, k: ok(s.is_exist(k) - 1, "is_exist"),
+                "remove": lambda i, k: ok(s.remove(k, True), "remove"),
+            }[call]
+            times = []
+            for i, k in enumerate(keys):
+                t0 = time.perf_counter()
+                one(i, k)
+                times.append(time.perf_counter() - t0)
+        if call in ("get_into", "batch_get_into"):
+            if not (self.src[:nbytes] == self.dst[:nbytes]).all():
+                raise RuntimeError("read back wrong bytes")
+            self.dst[:nbytes] = 1
+        return {"times": times, "bytes": 0 if call in KEY_OPS else nbytes, "ops": n}
+
+
+def ok(rc, what):
+    bad = [r for r in (rc if isinstance(rc, list) else [rc]) if r < 0]
+    if bad:
+        raise RuntimeError(f"{what} returned {bad[0]}")
+
+
+def check_lens(values, size):
+    if any(len(v) != size for v in values):
+        raise RuntimeError("get returned a short or empty value")
+
+
+# ----- driver: the clusters ------------------------------------------------------------------
+
+
+class System:
+    """One system's master, holder and client; ``round`` runs one round on the client."""
+
+    def __init__(self, name, python, master_cmd, master_ok, rpc_port, metadata, env, args, tmp):
+        self.name, self.procs = name, []
+        self.log_path = os.path.join(tmp, f"{name}.log")
+        self.log = open(self.log_path, "wb")
+        self.procs.append(subprocess.Popen(master_cmd, stdin=subprocess.DEVNULL, stdout=self.log,
+                                           stderr=self.log))
+        wait_for(master_ok, self, f"the {name} master ({' '.join(master_cmd)})")
+        master = f"127.0.0.1:{rpc_port}"
+        base = [python, os.path.abspath(__file__), "--worker", "--master", master,
+                "--metadata", metadata, "--buffer-bytes", str(2 * args.batch_bytes)]
+        self.holder = self.start(base + ["--role", "holder", "--segment-bytes",
+                                         str(args.segment_bytes)], env=env)
+        self.expect(self.holder, "holder")
+        # the holder's stdout is read no more: drain it so that its prints never block it
+        threading.Thread(target=lambda: [self.log.write(x.encode()) for x in self.holder.stdout],
+                         daemon=True).start()
+        self.client = self.start(base + ["--role", "client", "--segment-bytes", "0"], env=env)
+        self.expect(self.client, "client")
+
+    def start(self, cmd, env):
+        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                             env=env, text=True)
+        self.procs.append(p)
+        return p
+
+    def expect(self, proc, what):
+        for line in proc.stdout:
+            if line.startswith(TAG):
+                msg = json.loads(line[len(TAG):])
+                if "error" in msg:
+                    self.fail(f"{what}: {msg['error']}")
+                return msg
+            self.log.write(line.encode())
+        self.fail(f"the {what} process exited (rc {proc.wait()})")
+
+    def round(self, call, size, n):
+        self.client.stdin.write(json.dumps({"call": call, "size": size, "n": n}) + "\n")
+        self.client.stdin.flush()
+        return self.expect(self.client, "client")
+
+    def fail(self, why):
+        self.log.flush()
+        with open(self.log_path, "rb") as f:
+            tail = f.read()[-2000:].decode(errors="replace")
+        raise SystemExit(f"{self.name}: {why}\n--- last lines of {self.log_path} ---\n{tail}")
+
+    def stop(self):
+        """Workers leave when their stdin closes (the store's close); then the master."""
+        for p in reversed(self.procs[1:]):
+            p.stdin.close()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs[0].terminate()
+        self.procs[0].wait(timeout=10)
+
+
+def port_open(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def wait_for(pred, system, what, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in system.procs):
+            system.fail(f"{what} exited (rc {system.procs[-1].poll()})")
+        if pred():
+            return
+        time.sleep(0.1)
+    system.fail(f"{what} did not listen within {timeout} s")
+
+
+def kvfs_system(args, tmp, free_port):
+    binary = args.kvfs_bin or os.path.join(REPO, "target", "release", "kvfs")
+    if not os.access(binary, os.X_OK):
+        binary = os.environ.get("KVFS_BIN", "")
+    if not os.access(binary, os.X_OK):
+        sys.exit("no kvfs binary: cargo build --release --bin kvfs, or --kvfs-bin / $KVFS_BIN")
+    rpc, admin = free_port(), free_port()
+    cmd = [binary, "master", f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+           f"--metrics_port={admin}", "--metrics_host=127.0.0.1"]
+    env = dict(os.environ)
+    if args.kvfs_transport == "tcp":
+        env["KVFS_TRANSPORT"] = "tcp"
+    return System("kvfs", args.kvfs_python, cmd, lambda: port_open(rpc), rpc, "P2PHANDSHAKE",
+                  env, args, tmp)
+
+
+def ref_python(args):
+    """The reference venv's python, created and given the wheel when missing."""
+    venv = args.ref_venv
+    py = os.path.join(venv, "bin", "python")
+    probe = "import mooncake.store, numpy"
+    if os.access(py, os.X_OK) and subprocess.run([py, "-c", "import kvfs"],
+                                                 capture_output=True).returncode == 0:
+        sys.exit(f"{venv} has kvfs installed: the reference wheel must have a venv of its own "
+                 "(both own the mooncake package); pass another --ref-venv")
+    if os.access(py, os.X_OK) and subprocess.run([py, "-c", probe], capture_output=True).returncode == 0:
+        return py
+    if not os.access(py, os.X_OK):
+        r = subprocess.run(["python3", "-m", "venv", venv], capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"cannot create the reference venv {venv}: python3 -m venv {venv}:\n"
+                     f"{r.stderr[-2000:]}")
+    cmd = [py, "-m", "pip", "install", "--disable-pip-version-check", args.ref_wheel, "numpy"]
+    print(f"installing the reference: {' '.join(cmd)}", file=sys.stderr)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0 or subprocess.run([py, "-c", probe]).returncode != 0:
+        sys.exit(f"cannot install the reference wheel ({' '.join(cmd)}): rc {r.returncode}\n"
+                 f"{(r.stdout + r.stderr)[-2000:]}\nwithout network: pip download "
+                 f"{args.ref_wheel} elsewhere and pass --ref-wheel FILE.whl, or run --no-ref "
+                 "(kvfs only)")
+    return py
+
+
+def ref_system(args, tmp, free_port):
+    py = ref_python(args)
+    master = os.path.join(os.path.dirname(py), "mooncake_master")
+    if not os.access(master, os.X_OK):
+        sys.exit(f"no mooncake_master in {os.path.dirname(py)}: is {args.ref_wheel} installed?")
+    rpc, http, admin = free_port(), free_port(), free_port()
+    cmd = [master, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+           "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+           f"--http_metadata_server_port={http}", f"--metrics_port={admin}"]
+    return System("reference", py, cmd, lambda: port_open(rpc) and port_open(http), rpc,
+                  f"http://127.0.0.1:{http}/metadata", dict(os.environ), args, tmp)
+
+
+# ----- driver: rounds and the table ----------------------------------------------------------
+
+
+def summarize(replies):
+    total = sum(sum(r["times"]) for r in replies)
+    lat = [t for r in replies for t in r["times"]]
+    return {
+        "gbps": sum(r["bytes"] for r in replies) / total / 1e9,
+        "ops_per_s": sum(r["ops"] for r in replies) / total,
+        "p50_us": statistics.median(lat) * 1e6,
+        "rounds": len(replies),
+    }
+
+
+def measure(systems, calls, sizes, args, emit):
+    for size in sizes:
+        for call in calls:
+            if call in KEY_OPS and size != sizes[0]:
+                continue
+            n = max(1, min(args.batch_bytes // size, args.ops_max))
+            got = {s.name: [] for s in systems}
+            for s in systems:
+                s.round(call, size, n)  # warm-up, untimed
+            for _ in range(args.rounds):
+                for s in systems:  # A, B, A, B: drift touches both alike
+                    got[s.name].append(s.round(call, size, n))
+            row = {"call": call, "size_bytes": size, "objects_per_round": n}
+            for name, replies in got.items():
+                row[name] = {k: round(v, 3) for k, v in summarize(replies).items()}
+            if len(systems) == 2:
+                k, r = row["kvfs"], row["reference"]
+                key = "ops_per_s" if call in KEY_OPS else "gbps"
+                row["ratio"] = round(k[key] / r[key], 3) if r[key] else None
+            emit(row)
+
+
+def print_row(row, with_ref):
+    from bench_mooncake_api import human
+    key = "ops_per_s" if row["call"] in KEY_OPS else "gbps"
+    unit = "ops/s" if key == "ops_per_s" else "GB/s"
+    fmt = "{:>10.0f}" if key == "ops_per_s" else "{:>10.3f}"
+    k = row["kvfs"]
+    line = f"{row['call']:<15} {human(row['size_bytes']):>8} {unit:>5} " + fmt.format(k[key])
+    if with_ref:
+        r = row["reference"]
+        line += " " + fmt.format(r[key]) + f" {row['ratio']:>6.2f}"
+        line += f" {k['p50_us']:>10.0f} {r['p50_us']:>10.0f}"
+    else:
+        line += f" {k['p50_us']:>10.0f}"
+    print(line, flush=True)
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="sizes 4K,64K,1M,16M, 4 rounds, 64 MiB batches: well within 2 minutes")
+    ap.add_argument("--sizes", default=None, help="object sizes, K/M/G binary "
+                    "(default 4K,64K,1M,16M,64M)")
+    ap.add_argument("--calls", default=",".join(CALLS), help="calls to measure, comma separated")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per system (default 5)")
+    ap.add_argument("--batch-bytes", default=None, help="bytes per round (default 128M)")
+    ap.add_argument("--ops-max", type=int, default=None,
+                    help="most objects per round (default 1024; 256 with --quick)")
+    ap.add_argument("--limit-bytes", default=None, help="bytes sent to measure raw TCP "
+                    "(default 1G; 256M with --quick)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per figure")
+    ap.add_argument("--kvfs-python", default="/opt/kvfs-bench-venv/bin/python",
+                    help="python with our kvfs wheel (default %(default)s)")
+    ap.add_argument("--kvfs-bin", default=None,
+                    help="kvfs binary for the master (default target/release/kvfs, $KVFS_BIN)")
+    ap.add_argument("--kvfs-transport", choices=("tcp", "auto"), default="tcp",
+                    help="tcp: KVFS_TRANSPORT=tcp, as the reference's protocol; auto: kvfs "
+                    "picks (shared memory on one host)")
+    ap.add_argument("--ref-venv", default="/opt/mooncake-ref-venv",
+                    help="the reference's own venv, created when missing (default %(default)s)")
+    ap.add_argument("--ref-wheel", default="mooncake-transfer-engine-non-cuda",
+                    help="pip requirement or wheel file of the reference (default %(default)s)")
+    ap.add_argument("--no-ref", action="store_true", help="kvfs only")
+    # worker mode (internal)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--master", help=argparse.SUPPRESS)
+    ap.add_argument("--metadata", help=argparse.SUPPRESS)
+    ap.add_argument("--segment-bytes", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--buffer-bytes", type=int, help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        return worker(args.role, args.master, args.metadata, args.segment_bytes, args.buffer_bytes)
+    try:
+        import bench_mooncake_api as api  # needs kvfs and numpy: the driver runs under kvfs's python
+    except ImportError:
+        if sys.prefix == os.path.dirname(os.path.dirname(os.path.abspath(args.kvfs_python))):
+            raise  # already kvfs's python
+        os.execv(args.kvfs_python, [args.kvfs_python, os.path.abspath(__file__)] + sys.argv[1:])
+    q = args.quick
+    sizes = [api.parse_size(s) for s in (args.sizes or ("4K,64K,1M,16M" if q else "4K,64K,1M,16M,64M")).split(",")]
+    calls = [c.strip() for c in args.calls.split(",") if c.strip()]
+    unknown = set(calls) - set(CALLS)
+    if unknown:
+        sys.exit(f"unknown calls {sorted(unknown)}; known: {','.join(CALLS)}")
+    args.rounds = args.rounds or (4 if q else 5)
+    args.ops_max = args.ops_max or (256 if q else 1024)
+    args.batch_bytes = max(api.parse_size(args.batch_bytes or ("64M" if q else "128M")), max(sizes))
+    args.segment_bytes = 2 * args.batch_bytes + (64 << 20)
+    limit_bytes = api.parse_size(args.limit_bytes or ("256M" if q else "1G"))
+
+    def tcp_limit():
+        return max(api.raw_tcp_gbps(limit_bytes, 1), api.raw_tcp_gbps(limit_bytes, 4))
+
+    before = tcp_limit()
+    rows = []
+    with_ref = not args.no_ref
+    with tempfile.TemporaryDirectory() as tmp:
+        systems = []
+        try:
+            systems.append(kvfs_system(args, tmp, api.free_port))
+            if with_ref:
+                systems.append(ref_system(args, tmp, api.free_port))
+            if not args.json:
+                print(f"raw loopback TCP before: {before:.2f} GB/s; kvfs transport "
+                      f"{args.kvfs_transport}; {args.rounds} rounds each, interleaved")
+                head = f"{'call':<15} {'size':>8} {'unit':>5} {'kvfs':>10}"
+                if with_ref:
+                    head += f" {'reference':>10} {'ratio':>6} {'kvfs p50us':>10} {'ref p50us':>10}"
+                else:
+                    head += f" {'p50 us':>10}"
+                print(head, flush=True)
+
+            def emit(row):
+                rows.append(row)
+                print(json.dumps(row), flush=True) if args.json else print_row(row, with_ref)
+
+            measure(systems, calls, sizes, args, emit)
+        finally:
+            for s in systems:
+                s.stop()
+    after = tcp_limit()
+    if args.json:
+        print(json.dumps({"limit": "raw loopback tcp", "before_gbps": round(before, 3),
+                          "after_gbps": round(after, 3)}))
+    else:
+        print(f"raw loopback TCP after: {after:.2f} GB/s")
+        print("ratio = kvfs / reference; above 1 kvfs is faster" if with_ref
+              else "reference not run (--no-ref): kvfs figures only")
+
+
+if __name__ == "__main__":
+    main()
