@@ -141,15 +141,37 @@ impl StagingPool {
         }
     }
 
+    /// Keeps a released buffer for reuse. When the cache is full, buffers of the class holding
+    /// the most bytes (other than this one's) make room: a workload that moves on to a new
+    /// object size gets its buffers cached instead of a fresh, unfaulted memfd per call.
     fn give_back(&self, buf: Arc<Buffer>) {
         let class = buf.len();
+        let mut evicted = Vec::new();
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        while class <= self.cached_bytes_max && free.bytes + class > self.cached_bytes_max {
+            let Some(victim) = free
+                .by_class
+                .iter()
+                .filter(|(c, v)| **c != class && !v.is_empty())
+                .max_by_key(|(c, v)| **c * v.len())
+                .map(|(c, _)| *c)
+            else {
+                break;
+            };
+            if let Some(b) = free.by_class.get_mut(&victim).and_then(Vec::pop) {
+                free.bytes -= victim;
+                evicted.push(b);
+            }
+        }
         if free.bytes + class <= self.cached_bytes_max {
             free.bytes += class;
             free.by_class.entry(class).or_default().push(buf);
         } else {
-            drop(free);
-            let _ = self.engine.unregister(buf.addr());
+            evicted.push(buf);
+        }
+        drop(free);
+        for b in evicted {
+            let _ = self.engine.unregister(b.addr());
         }
     }
 }
@@ -195,5 +217,20 @@ mod tests {
         assert_eq!(pool.loaned.load(Ordering::Acquire), 0);
         let zero = StagingPool::new(pool.engine.clone(), 0, 0);
         assert!(zero.take(1).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_new_size_class_evicts_the_biggest_other_one_when_the_cache_is_full() {
+        let engine = Engine::start(kvfs_transfer::EngineConfig::default()).await.unwrap();
+        let pool = StagingPool::new(engine, 1 << 20, 4 << 20);
+        let small: Vec<_> = (0..4).map(|_| pool.take(200 << 10).unwrap()).collect();
+        drop(small); // four 256 KiB buffers: the cache (1 MiB) is full
+        let big = pool.take(1 << 20).unwrap();
+        let addr = big.buffer().addr();
+        drop(big);
+        let again = pool.take(1 << 20).unwrap();
+        assert_eq!(again.buffer().addr(), addr, "the 1 MiB buffer was kept and reused");
+        let free = pool.free.lock().unwrap();
+        assert_eq!(free.bytes, 0);
     }
 }
