@@ -3,7 +3,10 @@
 
 Each system runs as its own cluster on this host: its master, a *holder* process that
 contributes the memory (``setup`` with ``global_segment_size > 0``) and a *client* process
-that makes the calls (``global_segment_size = 0``), both under that system's own Python:
+that makes the calls (``global_segment_size = 0``), both under that system's own Python.
+With ``--in-process`` there is no holder: the client itself contributes the same segment
+(``setup`` with ``global_segment_size`` = the holder's size), so segment and calls share ONE
+process per system, as vLLM and SGLang run by default. The Pythons and masters:
 
 * kvfs: ``--kvfs-python`` (``/opt/kvfs-bench-venv/bin/python``, our release wheel) and
   ``kvfs master`` (``--kvfs-bin``, else ``target/release/kvfs`` of this checkout, else
@@ -17,7 +20,9 @@ that makes the calls (``global_segment_size = 0``), both under that system's own
 Both clients run the same code (this file with ``--worker``, importing
 ``mooncake.store.MooncakeDistributedStore``, which kvfs's wheel re-exports) with protocol
 ``tcp``; kvfs is forced onto TCP too (``KVFS_TRANSPORT=tcp``) unless ``--kvfs-transport auto``
-lets it pick shared memory. For every call and size the driver runs rounds alternately on
+lets it pick shared memory. With ``--in-process`` kvfs's default is ``auto`` (its own
+selection: the embedded node serving its own process; ``--kvfs-transport tcp`` still forces
+TCP) while the reference keeps its default protocol ``tcp``. For every call and size the driver runs rounds alternately on
 kvfs and the reference (A, B, A, B, ...) after one untimed warm-up round each, so the
 machine's drift touches both alike. The calls: ``put``/``get`` (bytes),
 ``put_from``/``get_into`` (registered numpy buffers), ``put_batch``/``get_batch``,
@@ -38,6 +43,7 @@ Usage::
     python python/bench/bench_side_by_side.py                # 4 KiB .. 64 MiB
     python python/bench/bench_side_by_side.py --sizes 64K,1M --calls get,batch_get_into --json
     python python/bench/bench_side_by_side.py --no-ref       # kvfs only (no reference wheel)
+    python python/bench/bench_side_by_side.py --in-process --quick   # segment in the client
 """
 
 import argparse
@@ -184,7 +190,8 @@ def check_lens(values, size):
 
 
 class System:
-    """One system's master, holder and client; ``round`` runs one round on the client."""
+    """One system's master, holder (none with ``--in-process``) and client; ``round`` runs one
+    round on the client."""
 
     def __init__(self, name, python, master_cmd, master_ok, rpc_port, metadata, env, args, tmp):
         self.name, self.procs = name, []
@@ -196,13 +203,18 @@ class System:
         master = f"127.0.0.1:{rpc_port}"
         base = [python, os.path.abspath(__file__), "--worker", "--master", master,
                 "--metadata", metadata, "--buffer-bytes", str(2 * args.batch_bytes)]
-        self.holder = self.start(base + ["--role", "holder", "--segment-bytes",
-                                         str(args.segment_bytes)], env=env)
-        self.expect(self.holder, "holder")
-        # the holder's stdout is read no more: drain it so that its prints never block it
-        threading.Thread(target=lambda: [self.log.write(x.encode()) for x in self.holder.stdout],
-                         daemon=True).start()
-        self.client = self.start(base + ["--role", "client", "--segment-bytes", "0"], env=env)
+        if args.in_process:  # no holder: the client contributes the segment itself
+            client_segment = args.segment_bytes
+        else:
+            client_segment = 0
+            self.holder = self.start(base + ["--role", "holder", "--segment-bytes",
+                                             str(args.segment_bytes)], env=env)
+            self.expect(self.holder, "holder")
+            # the holder's stdout is read no more: drain it so that its prints never block it
+            threading.Thread(target=lambda: [self.log.write(x.encode()) for x in self.holder.stdout],
+                             daemon=True).start()
+        self.client = self.start(base + ["--role", "client", "--segment-bytes",
+                                         str(client_segment)], env=env)
         self.expect(self.client, "client")
 
     def start(self, cmd, env):
@@ -276,6 +288,8 @@ def kvfs_system(args, tmp, free_port):
     env = dict(os.environ)
     if args.kvfs_transport == "tcp":
         env["KVFS_TRANSPORT"] = "tcp"
+    else:  # auto: kvfs's own selection, whatever this shell's environment says
+        env.pop("KVFS_TRANSPORT", None)
     return System("kvfs", args.kvfs_python, cmd, lambda: port_open(rpc), rpc, "P2PHANDSHAKE",
                   env, args, tmp)
 
@@ -391,9 +405,15 @@ def parse_args():
                     help="python with our kvfs wheel (default %(default)s)")
     ap.add_argument("--kvfs-bin", default=None,
                     help="kvfs binary for the master (default target/release/kvfs, $KVFS_BIN)")
-    ap.add_argument("--kvfs-transport", choices=("tcp", "auto"), default="tcp",
+    ap.add_argument("--in-process", action="store_true",
+                    help="no holder process: each system's client contributes the segment "
+                    "itself (global_segment_size = the holder's size), segment and calls in one "
+                    "process as vLLM and SGLang run by default; kvfs's transport defaults to "
+                    "auto there, the reference keeps its default protocol tcp")
+    ap.add_argument("--kvfs-transport", choices=("tcp", "auto"), default=None,
                     help="tcp: KVFS_TRANSPORT=tcp, as the reference's protocol; auto: kvfs "
-                    "picks (shared memory on one host)")
+                    "picks (shared memory on one host; its own process's embedded node with "
+                    "--in-process). Default tcp, auto with --in-process")
     ap.add_argument("--ref-venv", default="/opt/mooncake-ref-venv",
                     help="the reference's own venv, created when missing (default %(default)s)")
     ap.add_argument("--ref-wheel", default="mooncake-transfer-engine-non-cuda",
@@ -420,6 +440,8 @@ def main():
             raise  # already kvfs's python
         os.execv(args.kvfs_python, [args.kvfs_python, os.path.abspath(__file__)] + sys.argv[1:])
     q = args.quick
+    args.kvfs_transport = args.kvfs_transport or ("auto" if args.in_process else "tcp")
+    mode = "in-process (segment in the client)" if args.in_process else "holder + client"
     sizes = [api.parse_size(s) for s in (args.sizes or ("4K,64K,1M,16M" if q else "4K,64K,1M,16M,64M")).split(",")]
     calls = [c.strip() for c in args.calls.split(",") if c.strip()]
     unknown = set(calls) - set(CALLS)
@@ -444,8 +466,10 @@ def main():
             if with_ref:
                 systems.append(ref_system(args, tmp, api.free_port))
             if not args.json:
-                print(f"raw loopback TCP before: {before:.2f} GB/s; kvfs transport "
-                      f"{args.kvfs_transport}; {args.rounds} rounds each, interleaved")
+                print(f"mode {mode}; raw loopback TCP before: {before:.2f} GB/s; kvfs "
+                      f"transport {args.kvfs_transport}"
+                      f"{'' if args.no_ref else ', reference protocol tcp'}; "
+                      f"{args.rounds} rounds each, interleaved")
                 head = f"{'call':<15} {'size':>8} {'unit':>5} {'kvfs':>10}"
                 if with_ref:
                     head += f" {'reference':>10} {'ratio':>6} {'kvfs p50us':>10} {'ref p50us':>10}"
@@ -454,6 +478,8 @@ def main():
                 print(head, flush=True)
 
             def emit(row):
+                row["mode"] = "in-process" if args.in_process else "holder"
+                row["kvfs_transport"] = args.kvfs_transport
                 rows.append(row)
                 print(json.dumps(row), flush=True) if args.json else print_row(row, with_ref)
 
@@ -464,7 +490,9 @@ def main():
     after = tcp_limit()
     if args.json:
         print(json.dumps({"limit": "raw loopback tcp", "before_gbps": round(before, 3),
-                          "after_gbps": round(after, 3)}))
+                          "after_gbps": round(after, 3),
+                          "mode": "in-process" if args.in_process else "holder",
+                          "kvfs_transport": args.kvfs_transport}))
     else:
         print(f"raw loopback TCP after: {after:.2f} GB/s")
         print("ratio = kvfs / reference; above 1 kvfs is faster" if with_ref
