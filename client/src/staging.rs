@@ -176,19 +176,24 @@ impl StagingPool {
     }
 }
 
+/// Asks for transparent huge pages on the whole 2 MiB pages inside `[addr, addr + len)`, before
+/// fresh memory is first touched (harmless if refused; nothing for ranges under 2 MiB).
+pub fn advise_huge_pages(addr: usize, len: usize) {
+    const HUGE: usize = 2 << 20;
+    let start = addr.next_multiple_of(HUGE);
+    let end = addr.saturating_add(len) & !(HUGE - 1);
+    if end > start {
+        // SAFETY: advice only, on pages inside the caller's own allocation.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
+}
+
 /// A vector of `len` bytes copied from `src`, with transparent huge pages requested before the
 /// first touch: returning fresh memory costs a page fault per 4 KiB page otherwise, which in a
 /// VM is slower than the copy itself.
 pub(crate) fn vec_from(src: &Buffer, len: usize) -> Vec<u8> {
     let mut v: Vec<u8> = Vec::with_capacity(len);
-    const HUGE: usize = 2 << 20;
-    let start = (v.as_ptr() as usize).next_multiple_of(HUGE);
-    let end = (v.as_ptr() as usize + len) & !(HUGE - 1);
-    if end > start {
-        // SAFETY: advice on whole huge pages inside the vector's own allocation; harmless if
-        // refused.
-        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-    }
+    advise_huge_pages(v.as_ptr() as usize, len);
     assert!(len <= src.len(), "staging buffer smaller than the object");
     // SAFETY: `len` bytes are readable in `src` (checked) and writable in the capacity of `v`;
     // the ranges are distinct allocations. After the copy the first `len` bytes are initialised.

@@ -67,19 +67,6 @@ impl Inner {
         newname: &OsStr,
         flags: u32,
     ) -> Result<(), Errno> {
-        let r = self.rename_inner(parent, name, newparent, newname, flags).await;
-        tracing::debug!(?name, ?newname, flags, result = ?r, "rename");
-        r
-    }
-
-    async fn rename_inner(
-        &self,
-        parent: u64,
-        name: &OsStr,
-        newparent: u64,
-        newname: &OsStr,
-        flags: u32,
-    ) -> Result<(), Errno> {
         if flags & !libc::RENAME_NOREPLACE != 0 {
             return Err(libc::EINVAL);
         }
@@ -109,13 +96,11 @@ impl Inner {
                 }
                 self.keep_open_bytes(&key).await;
                 self.keep_open_bytes(&to).await;
-                let version = self.client.rename(&key, &to, mode).await.map_err(|e| {
-                    tracing::debug!(error = %e, "rename refused");
-                    match e.kind() {
+                let version =
+                    self.client.rename(&key, &to, mode).await.map_err(|e| match e.kind() {
                         ErrorKind::PutInProgress => libc::EBUSY,
                         _ => errno::of(&e),
-                    }
-                })?;
+                    })?;
                 // The object that had the new name is gone by name: inodes the kernel still
                 // holds for it keep its attributes (readers of open files see it whole).
                 lock(&self.table).detach(&to);
@@ -236,15 +221,6 @@ impl Inner {
             t.rekey(ino, Kind::Dir(DirNode::dir(to.clone())));
         }
         Ok(())
-    }
-
-    /// Whether any key (committed or being written here) lies under `prefix`.
-    pub async fn dir_has_keys(&self, prefix: &str) -> Result<bool, Errno> {
-        if lock(&self.pending).keys().any(|k| k.starts_with(prefix)) {
-            return Ok(true);
-        }
-        let page = self.client.list_dir(prefix, None, 1).await.map_err(|e| errno::of(&e))?;
-        Ok(!page.entries.is_empty())
     }
 
     /// unlink: the name goes at once, even while readers hold the object (they keep its

@@ -362,6 +362,11 @@ impl Inner {
         if lock(&self.local_dirs).contains_key(prefix) {
             return Ok(true);
         }
+        self.dir_has_keys(prefix).await
+    }
+
+    /// Whether any key (committed, or being written here) lies under `prefix`.
+    pub async fn dir_has_keys(&self, prefix: &str) -> Result<bool, Errno> {
         if lock(&self.pending).keys().any(|k| k.starts_with(prefix)) {
             return Ok(true);
         }
@@ -484,15 +489,7 @@ impl Inner {
     pub async fn rmdir(&self, parent: u64, name: &OsStr) -> Result<(), Errno> {
         let Found::Dir(d) = self.resolve(parent, name).await? else { return Err(libc::ENOTDIR) };
         let has_keys = if d.chain.is_empty() {
-            let pending = lock(&self.pending).keys().any(|k| k.starts_with(&d.prefix));
-            pending
-                || !self
-                    .client
-                    .list_dir(&d.prefix, None, 1)
-                    .await
-                    .map_err(|e| errno::of(&e))?
-                    .entries
-                    .is_empty()
+            self.dir_has_keys(&d.prefix).await?
         } else {
             self.chunk_exists(&d).await?
         };

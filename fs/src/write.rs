@@ -129,11 +129,12 @@ impl Inner {
                 let found = Found::Object { key: key.clone(), attr, pending: false };
                 let (ino, _) = self.remember(&found);
                 lock(&self.table).open(ino);
-                let w = self.new_writer(key.clone(), ino, parent, name.to_os_string(), true);
-                if let Ok(mut w) = w.try_lock() {
-                    w.old = Some(attr);
-                }
-                let fh = self.add_handle(Handle::Write(w));
+                bump(&self.counters.replaces, 1);
+                let w = Writer {
+                    old: Some(attr),
+                    ..self.new_writer(key.clone(), ino, parent, name.to_os_string(), true)
+                };
+                let fh = self.add_handle(Handle::Write(Arc::new(tokio::sync::Mutex::new(w))));
                 // Readers may share the inode: it keeps the old object's size until the commit.
                 return Ok((Found::Object { key, attr, pending: false }, ino, fh));
             }
@@ -143,6 +144,8 @@ impl Inner {
         let found = Found::Object { key: key.clone(), attr: ObjAttr::default(), pending: true };
         let (ino, _) = self.remember(&found);
         let w = self.new_writer(key.clone(), ino, parent, name.to_os_string(), false);
+        let size = w.size.clone();
+        let w = Arc::new(tokio::sync::Mutex::new(w));
         {
             let mut pending = lock(&self.pending);
             if pending.contains_key(&key) {
@@ -150,7 +153,6 @@ impl Inner {
                 lock(&self.table).forget(ino, 1);
                 return Err(libc::EEXIST);
             }
-            let size = w.try_lock().map(|w| w.size.clone()).map_err(|_| libc::EIO)?;
             pending.insert(key, Pending { ino, size, writer: Arc::downgrade(&w) });
         }
         lock(&self.table).open(ino);
@@ -165,8 +167,8 @@ impl Inner {
         parent: u64,
         name: OsString,
         replace: bool,
-    ) -> Arc<tokio::sync::Mutex<Writer>> {
-        Arc::new(tokio::sync::Mutex::new(Writer {
+    ) -> Writer {
+        Writer {
             key,
             ino,
             parent,
@@ -178,7 +180,7 @@ impl Inner {
             old: None,
             truncated: true,
             discard: false,
-        }))
+        }
     }
 
     /// open with `O_TRUNC` for writing of an existing object: a writer that replaces it at
@@ -192,12 +194,12 @@ impl Inner {
         bump(&self.counters.replaces, 1);
         // Name and parent matter only to drop the kernel's entry after a failed first commit
         // of a new file; a replacement's name keeps the old object then.
-        let w = self.new_writer(key, ino, 0, OsString::new(), true);
-        if let Ok(mut g) = w.try_lock() {
-            g.old = Some(old);
-            g.truncated = false;
-        }
-        w
+        let w = Writer {
+            old: Some(old),
+            truncated: false,
+            ..self.new_writer(key, ino, 0, OsString::new(), true)
+        };
+        Arc::new(tokio::sync::Mutex::new(w))
     }
 
     /// A writer of an existing object opened on `ino` and not truncated yet (the kernel

@@ -670,16 +670,7 @@ pub fn bytes_of<'py>(py: Python<'py>, b: &[u8]) -> Bound<'py, PyBytes> {
     // SAFETY: `raw` is a live bytes object we own; its buffer holds `n` bytes (plus a NUL).
     let dst = unsafe { pyo3::ffi::PyBytes_AsString(raw) } as usize;
     let fill = move || {
-        if n >= 4 << 20 {
-            const HUGE: usize = 2 << 20;
-            let (start, end) = (dst.next_multiple_of(HUGE), (dst + n) & !(HUGE - 1));
-            if end > start {
-                // SAFETY: advice on whole huge pages inside the object's own allocation.
-                unsafe {
-                    libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE)
-                };
-            }
-        }
+        kvfs_client::advise_huge_pages(dst, n);
         // SAFETY: `dst` has room for `n` bytes, distinct from `b`; nobody else sees the object
         // before this returns.
         unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), dst as *mut u8, n) };

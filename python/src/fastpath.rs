@@ -40,7 +40,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 
 use kvfs_fs_abi::{self as abi, sys};
-use pyo3::exceptions::{PyBufferError, PyOSError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyOSError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
@@ -301,23 +301,14 @@ impl FastPathBuffer {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        if view.is_null() {
-            return Err(PyBufferError::new_err("null view"));
-        }
         let (ptr, len) = {
             let me = slf.get();
             // SAFETY: head_bytes lies inside the mapping (it was made head_bytes + len long).
             let p = unsafe { me.mem.as_ptr().add(me.head_bytes) };
-            (p.cast::<std::ffi::c_void>(), me.len as ffi::Py_ssize_t)
+            (p.cast::<std::ffi::c_void>(), me.len)
         };
-        // SAFETY: view is non-null storage from the interpreter; ptr..ptr+len stays mapped
-        // while the object lives, and the export holds a reference to it (obj).
-        let rc = unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr, len, 0, flags) };
-        if rc != 0 {
-            return Err(PyErr::take(slf.py())
-                .unwrap_or_else(|| PyBufferError::new_err("cannot export the buffer")));
-        }
-        Ok(())
+        // SAFETY: the mapping stays while the object lives.
+        unsafe { crate::memory::export_buffer(slf.as_any(), view, ptr, len, false, flags) }
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}

@@ -165,24 +165,44 @@ impl BufferHandle {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        if view.is_null() {
-            return Err(PyBufferError::new_err("null view"));
-        }
         let (ptr, len) = {
             let me = slf.get();
-            (me.bytes.as_ptr() as *mut std::ffi::c_void, me.bytes.len() as ffi::Py_ssize_t)
+            (me.bytes.as_ptr() as *mut std::ffi::c_void, me.bytes.len())
         };
-        // SAFETY: view is non-null storage from the interpreter; ptr..ptr+len stays valid while
-        // the handle lives, and the export holds a reference to the handle (obj).
-        let rc = unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr, len, 1, flags) };
-        if rc != 0 {
-            return Err(PyErr::take(slf.py())
-                .unwrap_or_else(|| PyBufferError::new_err("cannot export the buffer")));
-        }
-        Ok(())
+        // SAFETY: the bytes stay valid while the handle lives.
+        unsafe { export_buffer(slf.as_any(), view, ptr, len, true, flags) }
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// Fills a buffer-protocol `view` of `len` bytes at `ptr` owned by `owner` (the export holds a
+/// reference to it), for `__getbuffer__`.
+///
+/// # Safety
+/// `view` is the interpreter's storage for the export, and `ptr..ptr+len` must stay valid while
+/// `owner` lives.
+pub unsafe fn export_buffer(
+    owner: &Bound<'_, PyAny>,
+    view: *mut ffi::Py_buffer,
+    ptr: *mut std::ffi::c_void,
+    len: usize,
+    readonly: bool,
+    flags: c_int,
+) -> PyResult<()> {
+    if view.is_null() {
+        return Err(PyBufferError::new_err("null view"));
+    }
+    let len = ffi::Py_ssize_t::try_from(len).map_err(|_| PyBufferError::new_err("too large"))?;
+    // SAFETY: per the contract above; the interpreter checks `flags` against `readonly`.
+    let rc = unsafe {
+        ffi::PyBuffer_FillInfo(view, owner.as_ptr(), ptr, len, c_int::from(readonly), flags)
+    };
+    if rc != 0 {
+        return Err(PyErr::take(owner.py())
+            .unwrap_or_else(|| PyBufferError::new_err("cannot export the buffer")));
+    }
+    Ok(())
 }
 
 /// Host memory handed out by [`host_alloc`], by address.

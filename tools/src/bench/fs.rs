@@ -159,10 +159,11 @@ async fn measure(opts: &FsBench, mount: &Mount, dir: &Path, largest: u64) -> any
             None => None,
         };
         let mc = blocking(move || memcpy_samples(size, min)).await?;
-        let mut emit = |mode: &str, mut s: Samples, limit: &str, limit_gbps: f64| {
+        // One figure: `mode`'s samples as case `case`, against `limit` measured at `limit_gbps`.
+        let mut against = |case: &str, mode: &str, mut s: Samples, limit: &str, limit_gbps: f64| {
             rep.emit(&Figure {
                 bench: "fs",
-                case: mode.into(),
+                case: case.into(),
                 mode: Some(mode.into()),
                 op: "read".into(),
                 size_bytes: Some(size),
@@ -176,29 +177,13 @@ async fn measure(opts: &FsBench, mount: &Mount, dir: &Path, largest: u64) -> any
             })
         };
         let (cold_gbps, fp_gbps) = (cold.gbps(), fp.gbps());
-        emit("fuse-cold", cold, "memcpy", memcpy);
-        emit("fuse-warm", warm, "memcpy", memcpy);
-        emit("fastpath", fp.clone(), "memcpy", memcpy);
+        against("fuse-cold", "fuse-cold", cold, "memcpy", memcpy);
+        against("fuse-warm", "fuse-warm", warm, "memcpy", memcpy);
+        against("fastpath", "fastpath", fp.clone(), "memcpy", memcpy);
         if let Some(py) = &py {
-            emit("fastpath-python", py.clone(), "memcpy", memcpy);
+            against("fastpath-python", "fastpath-python", py.clone(), "memcpy", memcpy);
         }
-        emit("memcpy", mc, "memcpy", memcpy);
-        let mut against = |case: &str, mode: &str, mut s: Samples, limit: &str, gbps: f64| {
-            rep.emit(&Figure {
-                bench: "fs",
-                case: case.into(),
-                mode: Some(mode.into()),
-                op: "read".into(),
-                size_bytes: Some(size),
-                gbps: Some(s.gbps()),
-                ops_per_s: Some(s.ops_per_s()),
-                p50_us: s.percentile(0.5),
-                p99_us: s.percentile(0.99),
-                limit: Some(limit.into()),
-                limit_gbps: Some(gbps),
-                ..Default::default()
-            })
-        };
+        against("memcpy", "memcpy", mc, "memcpy", memcpy);
         against("fastpath vs cold", "fastpath", fp, "fuse-cold", cold_gbps);
         if let Some(py) = py {
             against("python vs rust", "fastpath-python", py.clone(), "fastpath", fp_gbps);
