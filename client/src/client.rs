@@ -18,7 +18,7 @@
 //! client's engine ([`Client::engine`]).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,6 +29,7 @@ use kvfs_proto::store::{
 };
 use kvfs_transfer::{Engine, EngineConfig, SegmentHandle, TransferOp, TransferRequest};
 
+use crate::locations::{self, Location, Locations};
 use crate::master::MasterLink;
 use crate::staging::{Staged, StagingPool};
 use crate::{Error, ErrorKind, Result};
@@ -113,6 +114,38 @@ pub struct GetInto<'a> {
 /// What the master knows of an object.
 pub type ObjectInfo = ObjectView;
 
+/// Where a get reads one object: the master's view, or a location this client cached under a
+/// live lease (a view with that one replica, read with a guard its node checks).
+struct Source {
+    view: ObjectView,
+    cached: bool,
+}
+
+impl Source {
+    fn cached(l: Location) -> Source {
+        let replica = ReplicaDesc {
+            tier: Tier::Dram,
+            node: None,
+            endpoint: l.endpoint,
+            host: String::new(),
+            segment: 0,
+            addr: l.addr,
+            len: l.size,
+        };
+        let view = ObjectView {
+            size: l.size,
+            checksum: None,
+            version: l.version,
+            replicas: vec![replica],
+            persistence: Persistence::None,
+            pin: Pin::None,
+            lease_end_ms: 0,
+            lease_left_ms: 0,
+        };
+        Source { view, cached: true }
+    }
+}
+
 /// An object's bytes in a staging buffer on loan from the client ([`Client::get_batch_staged`]);
 /// derefs to the bytes, and the buffer goes back to the pool when this is dropped.
 pub struct StagedBytes {
@@ -156,6 +189,10 @@ struct Inner {
     /// Bytes this client has in flight per node endpoint (replica choice).
     inflight: Mutex<HashMap<String, u64>>,
     rotate: AtomicUsize,
+    /// Replica locations held under live leases (gets in one round trip).
+    locations: Locations,
+    cache_hits: AtomicU64,
+    cache_misses: AtomicU64,
 }
 
 /// A connection to a kvfs cluster. Cheap to clone; all clones share one engine and one master
@@ -200,6 +237,9 @@ impl Client {
                 host,
                 inflight: Mutex::new(HashMap::new()),
                 rotate: AtomicUsize::new(0),
+                locations: Locations::default(),
+                cache_hits: AtomicU64::new(0),
+                cache_misses: AtomicU64::new(0),
             }),
         })
     }
@@ -365,6 +405,11 @@ impl Client {
         checksum: bool,
         out: &mut [Option<Result<()>>],
     ) {
+        // An upsert gives the key a new version: a location of the old one would only be
+        // refused by its node.
+        for &(i, _) in ends {
+            self.inner.locations.forget(items[i].key);
+        }
         let req = MasterRequest::PutEnd(
             ends.iter()
                 .map(|&(i, version)| PutEndItem {
@@ -531,15 +576,14 @@ impl Client {
     /// [`Client::get_into`] that also returns the version of the object it read, for callers
     /// that opened an older version and must not mix it up with a newer one.
     pub async fn get_into_version(&self, key: &str, addr: u64, cap: u64) -> Result<(u64, u64)> {
-        let views = self.views("get", std::iter::once(key)).await;
-        let version = views.first().and_then(|v| v.as_ref().ok()).map_or(0, |v| v.version);
-        let r = self.read_views(views, &[(addr, cap)]).await.pop();
+        let r = self.get_items(&[key], |_, _| Ok(((addr, cap), ()))).await.pop();
         let r = r.unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "get", "no result")));
-        r.map(|size| (size, version)).map_err(|e| e.with_key(key))
+        r.map(|(size, version, ())| (size, version))
     }
 
     /// Zero-copy get of many objects: one master round trip, one transfer batch (plus one per
-    /// replica fallback round). Returns each object's size.
+    /// replica fallback round); objects whose location this client cached under a live lease
+    /// are read straight from their node instead (see `locations`). Returns each object's size.
     pub async fn get_into_batch(&self, items: &[GetInto<'_>]) -> Vec<Result<u64>> {
         let chunks = pipeline_chunks(items.iter().map(|i| i.cap));
         if chunks.len() > 1 {
@@ -550,14 +594,9 @@ impl Client {
     }
 
     async fn get_into_chunk(&self, items: &[GetInto<'_>]) -> Vec<Result<u64>> {
-        let views = self.views("get", items.iter().map(|g| g.key)).await;
-        let dsts: Vec<(u64, u64)> = items.iter().map(|g| (g.addr, g.cap)).collect();
-        self.read_views(views, &dsts)
-            .await
-            .into_iter()
-            .zip(items)
-            .map(|(r, g)| r.map_err(|e| e.with_key(g.key)))
-            .collect()
+        let keys: Vec<&str> = items.iter().map(|g| g.key).collect();
+        let dst = |i: usize, _: &ObjectView| Ok(((items[i].addr, items[i].cap), ()));
+        self.get_items(&keys, dst).await.into_iter().map(|r| r.map(|(size, _, ())| size)).collect()
     }
 
     /// Gets an object's bytes (staged through a registered buffer).
@@ -580,46 +619,182 @@ impl Client {
     /// Gets many objects into staging buffers and lends them out: a binding copies each once,
     /// straight into its own object, instead of through an intermediate `Vec`. Each buffer
     /// goes back to the pool (and its bytes count against `staging_bytes_max`) until dropped.
+    /// Objects without a staging buffer are not read (their error is reported instead).
     pub async fn get_batch_staged<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<StagedBytes>> {
-        let views = self.views("get", keys.iter().map(|k| k.as_ref())).await;
-        let mut staged = Vec::with_capacity(views.len());
-        let mut dsts = Vec::with_capacity(views.len());
-        for v in &views {
-            let size = v.as_ref().map(|v| v.size).unwrap_or(0) as usize;
-            match v.as_ref().map(|_| self.inner.staging.take(size)) {
-                Ok(Ok(s)) => {
-                    dsts.push((s.buffer().addr(), size as u64));
-                    staged.push(Ok(s));
+        let keys: Vec<&str> = keys.iter().map(|k| k.as_ref()).collect();
+        let staging = &self.inner.staging;
+        let dst = |_: usize, v: &ObjectView| {
+            let s = staging.take(v.size as usize)?;
+            Ok(((s.buffer().addr(), v.size), s))
+        };
+        self.get_items(&keys, dst)
+            .await
+            .into_iter()
+            .map(|r| r.map(|(len, _, staged)| StagedBytes { staged, len: len as usize }))
+            .collect()
+    }
+
+    /// Every get: where each object is (a location cached under a live lease, else the
+    /// master's `Get`), a destination per object from `dst` (called once per object and
+    /// attempt, in item order), the reads. An object read through a cached location that its
+    /// node no longer vouches for (or that failed) is asked of the master and read again,
+    /// once. Returns each object's size and version, and what `dst` gave with its destination.
+    async fn get_items<T, F>(&self, keys: &[&str], mut dst: F) -> Vec<Result<(u64, u64, T)>>
+    where
+        F: FnMut(usize, &ObjectView) -> Result<((u64, u64), T)>,
+    {
+        let n = keys.len();
+        let mut out: Vec<Option<Result<(u64, u64, T)>>> = (0..n).map(|_| None).collect();
+        let mut todo: Vec<usize> = (0..n).collect();
+        for attempt in 0..2 {
+            let ks: Vec<&str> = todo.iter().map(|&i| keys[i]).collect();
+            let (sources, sent) = self.sources(&ks, attempt == 0).await;
+            let mut plain = Vec::new();
+            let mut cached = Vec::new();
+            for (&i, src) in todo.iter().zip(sources) {
+                let src = match src {
+                    Ok(s) => s,
+                    Err(e) => {
+                        out[i] = Some(Err(e.with_key(keys[i])));
+                        continue;
+                    }
+                };
+                match dst(i, &src.view) {
+                    Ok((d, t)) if src.view.size > d.1 => {
+                        drop(t);
+                        let detail =
+                            format!("object is {} bytes, the buffer {}", src.view.size, d.1);
+                        out[i] =
+                            Some(Err(Error::new(ErrorKind::BufferTooSmall, "get", detail)
+                                .with_key(keys[i])));
+                    }
+                    Ok((d, t)) if src.cached => cached.push((i, src.view, d, t)),
+                    Ok((d, t)) => plain.push((i, src.view, d, t)),
+                    Err(e) => out[i] = Some(Err(e.with_key(keys[i]))),
                 }
-                Ok(Err(e)) => {
-                    dsts.push((0, 0));
-                    staged.push(Err(e));
+            }
+            let guarded = cached.iter().map(|(i, v, d, _)| self.read_cached(keys[*i], v, d.0));
+            let remember: Vec<(usize, ObjectView)> =
+                plain.iter().map(|(i, v, _, _)| (*i, v.clone())).collect();
+            let dsts: Vec<(u64, u64)> = plain.iter().map(|(_, _, d, _)| *d).collect();
+            let views: Vec<Result<ObjectView>> =
+                plain.iter().map(|(_, v, _, _)| Ok(v.clone())).collect();
+            let (guarded, read) = futures_util::future::join(
+                futures_util::future::join_all(guarded),
+                self.read_views(views, &dsts),
+            )
+            .await;
+            let mut retry = Vec::new();
+            for ((i, v, _, t), r) in cached.into_iter().zip(guarded) {
+                match r {
+                    Ok(()) => out[i] = Some(Ok((v.size, v.version, t))),
+                    Err(_) => {
+                        self.inner.locations.forget(keys[i]);
+                        self.inner.cache_misses.fetch_add(1, Ordering::Relaxed);
+                        retry.push(i);
+                    }
                 }
-                Err(_) => {
-                    dsts.push((0, 0));
-                    staged.push(Err(Error::new(ErrorKind::Internal, "get", "no staging buffer")));
+            }
+            for (((i, v, _, t), r), (_, view)) in plain.into_iter().zip(read).zip(remember) {
+                match r {
+                    Ok(size) => {
+                        self.remember(keys[i], &view, sent);
+                        out[i] = Some(Ok((size, v.version, t)));
+                    }
+                    Err(e) => out[i] = Some(Err(e.with_key(keys[i]))),
+                }
+            }
+            if retry.is_empty() {
+                break;
+            }
+            todo = retry;
+        }
+        out.into_iter()
+            .map(|o| o.unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "get", "no result"))))
+            .collect()
+    }
+
+    /// Where to read each key: its cached location (when `cached` and live), else what the
+    /// master's `Get` says; and when that request was sent (the start of its leases).
+    async fn sources(&self, keys: &[&str], cached: bool) -> (Vec<Result<Source>>, Instant) {
+        let now = Instant::now();
+        let mut out: Vec<Option<Result<Source>>> = Vec::with_capacity(keys.len());
+        let mut ask = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            let hit = if cached { self.inner.locations.get(k, now) } else { None };
+            match hit {
+                Some(l) => out.push(Some(Ok(Source::cached(l)))),
+                None => {
+                    out.push(None);
+                    ask.push(i);
                 }
             }
         }
-        // Objects without a staging buffer are not read (their error is reported instead).
-        let views: Vec<Result<ObjectView>> = views
+        if ask.is_empty() {
+            return (out.into_iter().flatten().collect(), now);
+        }
+        let sent = Instant::now();
+        let views = self.views("get", ask.iter().map(|&i| keys[i])).await;
+        for (i, v) in ask.into_iter().zip(views) {
+            out[i] = Some(v.map(|view| Source { view, cached: false }));
+        }
+        let out = out
             .into_iter()
-            .zip(&staged)
-            .map(|(v, s)| match (v, s) {
-                (Ok(v), Ok(_)) => Ok(v),
-                (Ok(_), Err(e)) => Err(e.clone()),
-                (Err(e), _) => Err(e),
-            })
+            .map(|o| o.unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "get", "no view"))))
             .collect();
-        let got = self.read_views(views, &dsts).await;
-        got.into_iter()
-            .zip(staged)
-            .zip(keys)
-            .map(|((r, s), key)| {
-                let len = r.map_err(|e| e.with_key(key.as_ref()))? as usize;
-                Ok(StagedBytes { staged: s?, len })
-            })
-            .collect()
+        (out, sent)
+    }
+
+    /// One guarded read of a cached location straight from its node.
+    async fn read_cached(&self, key: &str, v: &ObjectView, local: u64) -> Result<()> {
+        let r = v
+            .replicas
+            .first()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "get", "no replica"))?;
+        let engine = &self.inner.engine;
+        let seg =
+            engine.open_segment(&r.endpoint).await.map_err(|e| Error::from_transfer("get", &e))?;
+        let guard = crate::node::read_guard::encode(key, v.version);
+        match engine.read_guarded(&seg, local, r.addr, v.size, guard).await {
+            Ok(()) => {
+                self.inner.cache_hits.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => {
+                self.forget_if_dead(&r.endpoint, &e).await;
+                Err(Error::from_transfer("get", &e))
+            }
+        }
+    }
+
+    /// Caches the location of an object just read through the master's answer, when a
+    /// guarded read of it would go straight to its owner (see `locations`).
+    fn remember(&self, key: &str, v: &ObjectView, sent: Instant) {
+        if v.lease_left_ms == 0 || v.size > locations::CACHED_BYTES_MAX {
+            return;
+        }
+        let Some(r) = self.order_replicas(v.replicas.clone()).into_iter().next() else { return };
+        let Some(seg) = self.inner.engine.opened_segment(&r.endpoint) else { return };
+        if !self.inner.engine.guarded_is_direct(&seg, r.addr, v.size) {
+            return;
+        }
+        let loc = Location {
+            version: v.version,
+            size: v.size,
+            endpoint: r.endpoint,
+            addr: r.addr,
+            until: sent,
+        };
+        self.inner.locations.insert(key, loc, sent, v.lease_left_ms);
+    }
+
+    /// Reads through cached locations, and cached locations found stale (asked of the master
+    /// again), since the client started.
+    pub fn location_cache_stats(&self) -> (u64, u64) {
+        (
+            self.inner.cache_hits.load(Ordering::Relaxed),
+            self.inner.cache_misses.load(Ordering::Relaxed),
+        )
     }
 
     async fn views<'k>(
@@ -800,6 +975,7 @@ impl Client {
     }
 
     pub async fn remove_batch<K: AsRef<str>>(&self, keys: &[K], force: bool) -> Vec<Result<()>> {
+        keys.iter().for_each(|k| self.inner.locations.forget(k.as_ref()));
         let req = MasterRequest::Remove {
             keys: keys.iter().map(|k| k.as_ref().to_string()).collect(),
             force,
@@ -829,6 +1005,10 @@ impl Client {
 
     /// Several renames in one call, applied in order; one result per item.
     pub async fn rename_batch(&self, items: Vec<RenameItem>) -> Vec<Result<u64>> {
+        for i in &items {
+            self.inner.locations.forget(&i.from);
+            self.inner.locations.forget(&i.to);
+        }
         let keys: Vec<String> = items.iter().map(|i| i.from.clone()).collect();
         match self.call("rename", &MasterRequest::Rename(items)).await {
             Ok(MasterResponse::Rename(v)) if v.len() == keys.len() => v
@@ -845,6 +1025,7 @@ impl Client {
     /// protects the object (readers holding it keep their bytes until the lease ends).
     /// `Pinned` for a hard-pinned object (only a forced `remove` takes it).
     pub async fn unlink_batch<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<()>> {
+        keys.iter().for_each(|k| self.inner.locations.forget(k.as_ref()));
         let req = MasterRequest::Unlink(keys.iter().map(|k| k.as_ref().to_string()).collect());
         match self.call("unlink", &req).await {
             Ok(MasterResponse::Remove(v)) if v.len() == keys.len() => v
@@ -902,6 +1083,7 @@ impl Client {
     }
 
     async fn remove_counted(&self, req: MasterRequest) -> Result<RemoveCounts> {
+        self.inner.locations.clear();
         match self.call("remove", &req).await? {
             MasterResponse::RemoveCount(r) => r.map_err(|e| Error::from_wire("remove", &e)),
             other => Err(unexpected("remove", &other)),

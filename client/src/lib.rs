@@ -9,6 +9,7 @@
 
 mod client;
 mod error;
+mod locations;
 mod master;
 pub mod node;
 mod staging;

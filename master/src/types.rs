@@ -265,8 +265,12 @@ pub enum NodeEffect {
         persistence: Persistence,
         pin: Pin,
     },
-    /// Forget the object stored in this range; the master already reuses the range.
-    Drop { node: NodeId, key: Arc<str>, segment: u32, offset: u64, len: u64 },
+    /// Forget the object stored in this range; the master already reuses the range (or, for
+    /// a name removed under a read lease, will when the lease ends). `readers_until_ms` is the
+    /// end of the object's read lease (0: never read): readers may still read a location they
+    /// cached until then, through the node, so while it lies ahead the drop is delivered
+    /// before the call that caused it is answered.
+    Drop { node: NodeId, key: Arc<str>, segment: u32, offset: u64, len: u64, readers_until_ms: u64 },
     /// The object the node holds under `from` (at `from_version`) is now `to` at `version`;
     /// one per node, covering all its copies.
     Rename { node: NodeId, from: Arc<str>, to: Arc<str>, from_version: u64, version: u64 },

@@ -16,7 +16,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Version of the store protocol; a master refuses a client or node that speaks another one.
-pub const STORE_PROTOCOL_VERSION: u32 = 3;
+pub const STORE_PROTOCOL_VERSION: u32 = 4;
 
 /// Storage medium of a segment or replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -182,6 +182,10 @@ pub struct ObjectView {
     pub pin: Pin,
     /// End of the read lease, in ms since the Unix epoch (0 when none).
     pub lease_end_ms: u64,
+    /// What was left of the read lease when the master answered, in ms (0 when none): how
+    /// long a reader may rely on the replicas' ranges by its own clock, whatever the skew
+    /// between its clock and the master's.
+    pub lease_left_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

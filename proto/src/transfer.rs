@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 /// Version of the Transfer Engine protocol; peers with a different version are refused.
 /// Version 2 added the rdma fields of [`Hello`] and [`Welcome`].
-pub const TE_PROTOCOL_VERSION: u32 = 4;
+pub const TE_PROTOCOL_VERSION: u32 = 5;
 
 /// Largest handshake frame accepted.
 pub const HANDSHAKE_FRAME_MAX: usize = 1 << 20;
@@ -163,7 +163,15 @@ pub enum DataOp {
     /// Several writes in one request: the range table, then the payload of every range in
     /// table order; the reply carries one status byte per range.
     WriteV = 6,
+    /// A read the acceptor first checks: a guard of `ranges` bytes follows the header, and
+    /// the acceptor's owner says whether `[addr, addr+len)` still holds what the guard names;
+    /// if not the reply is `Stale` with no payload. The engine never interprets the guard (the
+    /// store passes an object's key and version).
+    ReadGuarded = 7,
 }
+
+/// Largest guard a `ReadGuarded` request may carry.
+pub const GUARD_BYTES_MAX: u32 = 4096;
 
 /// Bytes of one entry of a ReadV/WriteV range table: `addr` u64 and `len` u64, little endian.
 pub const RANGE_ENTRY_BYTES: usize = 16;
@@ -201,6 +209,7 @@ impl DataOp {
             4 => DataOp::Ping,
             5 => DataOp::ReadV,
             6 => DataOp::WriteV,
+            7 => DataOp::ReadGuarded,
             _ => return None,
         })
     }
@@ -218,7 +227,8 @@ pub struct DataHeader {
     /// Payload bytes that follow (writes, notifications) or are asked for (reads); for
     /// ReadV/WriteV the sum of the ranges' lengths.
     pub len: u64,
-    /// Entries in the range table that follows a ReadV/WriteV header (0 otherwise).
+    /// Entries in the range table that follows a ReadV/WriteV header, bytes of the guard
+    /// that follows a ReadGuarded header (0 otherwise).
     pub ranges: u32,
 }
 
@@ -263,6 +273,8 @@ pub enum DataStatus {
     /// The acceptor's bounded notification queue is full.
     Busy = 3,
     TooLarge = 4,
+    /// A guarded read whose guard the acceptor's owner no longer vouches for.
+    Stale = 5,
 }
 
 impl DataStatus {
@@ -278,6 +290,7 @@ impl DataStatus {
             2 => DataStatus::InvalidArgument,
             3 => DataStatus::Busy,
             4 => DataStatus::TooLarge,
+            5 => DataStatus::Stale,
             _ => return None,
         })
     }

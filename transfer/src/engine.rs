@@ -80,9 +80,20 @@ pub(crate) struct Shared {
     /// The opened RDMA device, when the feature is built, enabled and a device exists.
     pub rdma: Option<rdma::Nic>,
     notify_tx: mpsc::Sender<Notification>,
+    /// The owner's check of guarded reads (`Engine::set_read_guard`); none: refuse them all.
+    read_guard: std::sync::OnceLock<ReadGuard>,
 }
 
+/// Says whether `[addr, addr+len)` of this engine's memory still holds what `guard` names
+/// (see [`Engine::set_read_guard`]).
+pub type ReadGuard = Box<dyn Fn(u64, u64, &[u8]) -> bool + Send + Sync>;
+
 impl Shared {
+    /// Whether the owner vouches for a guarded read; never without a guard installed.
+    pub fn vouches(&self, addr: u64, len: u64, guard: &[u8]) -> bool {
+        self.read_guard.get().is_some_and(|g| g(addr, len, guard))
+    }
+
     pub fn deliver_notification(&self, from: &str, msg: Vec<u8>) -> Result<()> {
         self.notify_tx.try_send(Notification { from: from.to_string(), msg }).map_err(|_| {
             Error::new(ErrorKind::Busy, "notify", "the receiver's notification queue is full")
@@ -316,7 +327,7 @@ fn packable(shared: &Shared, req: &TransferRequest) -> Option<Hold> {
         return None;
     }
     let local = shared.registry.find(req.local_addr, req.len)?;
-    Some(local.buffer.map(Hold::Buffer).unwrap_or(Hold::None))
+    Some(local.hold())
 }
 
 /// A submitted batch: poll item statuses or wait for all of them.
@@ -421,6 +432,7 @@ impl Engine {
             registry: Registry::default(),
             rdma: nic,
             notify_tx,
+            read_guard: std::sync::OnceLock::new(),
         });
         let mut tasks = vec![tokio::spawn(accept_loop(listener, shared.clone()))];
         if let Some(l) = shm_listener {
@@ -473,7 +485,8 @@ impl Engine {
         // SAFETY: the region holds `buf` (an owned mapping of `len` bytes at `addr`) for as long
         // as it holds the memory region, and drops the memory region first.
         let mr = self.inner.shared.rdma.as_ref().and_then(|nic| unsafe { nic.register(addr, len) });
-        self.inner.shared.registry.insert(Region { addr, len, remote, mr, buffer: Some(buf) })
+        let region = Region { addr, len, remote, mr, buffer: Some(buf), owner: None };
+        self.inner.shared.registry.insert(region)
     }
 
     /// Registers raw memory (not shareable over shm; reachable over tcp/rdma when `remote`).
@@ -486,7 +499,37 @@ impl Engine {
         // no transfer uses it; the memory region lives in the registry entry and in the entry's
         // clones held by running transfers, so it is gone by then.
         let mr = self.inner.shared.rdma.as_ref().and_then(|nic| unsafe { nic.register(addr, len) });
-        self.inner.shared.registry.insert(Region { addr, len, remote, mr, buffer: None })
+        self.inner.shared.registry.insert(Region {
+            addr,
+            len,
+            remote,
+            mr,
+            buffer: None,
+            owner: None,
+        })
+    }
+
+    /// Registers raw memory that `owner` keeps valid, for local use only (the source or
+    /// destination of this engine's own transfers, never reachable by peers): every transfer
+    /// that uses it holds a clone of `owner` until it has finished with the memory, even one
+    /// whose caller gave up on it, so unregistering and dropping the last other reference is
+    /// always safe. What a binding registers for one call (a Python `bytes` object a put
+    /// reads from or a get fills) so that the engine moves its bytes without a staging copy.
+    ///
+    /// # Safety
+    /// `[addr, addr+len)` must be valid, readable and writable memory for as long as `owner`
+    /// lives, and nothing else may write it while transfers use it.
+    pub unsafe fn register_memory_owned(
+        &self,
+        addr: u64,
+        len: u64,
+        owner: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<()> {
+        // SAFETY: this function's contract; the memory region lives in the registry entry and
+        // in the clones held by running transfers, next to the owner.
+        let mr = self.inner.shared.rdma.as_ref().and_then(|nic| unsafe { nic.register(addr, len) });
+        let region = Region { addr, len, remote: false, mr, buffer: None, owner: Some(owner) };
+        self.inner.shared.registry.insert(region)
     }
 
     /// Whether `[addr, addr+len)` lies inside one region registered with this engine.
@@ -520,6 +563,11 @@ impl Engine {
 
     fn peers(&self) -> std::sync::MutexGuard<'_, HashMap<String, SegmentHandle>> {
         self.inner.peers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The live segment `name`, if it is open (never opens one).
+    pub fn opened_segment(&self, name: &str) -> Option<SegmentHandle> {
+        self.opened(name)
     }
 
     /// The live segment `name`, if it is open.
@@ -647,6 +695,86 @@ impl Engine {
         run_item(&self.inner.shared, req, deadline).await
     }
 
+    /// Installs the check of guarded reads of this engine's memory (once per engine): peers'
+    /// [`Engine::read_guarded`] calls (and this engine's own, on its own segment) are served
+    /// only while `guard(addr, len, guard)` says yes. The store's node passes a check that the
+    /// range still holds the object version the guard names; without one every guarded read
+    /// is refused.
+    pub fn set_read_guard(&self, guard: ReadGuard) -> Result<()> {
+        self.inner.shared.read_guard.set(guard).map_err(|_| {
+            Error::new(ErrorKind::InvalidArgument, "set read guard", "already installed")
+        })
+    }
+
+    /// Whether a guarded read of `seg` goes without shared memory or rdma: over tcp, or on
+    /// this engine's own memory. Guarded reads need the owner to check them, so they never
+    /// take a one-sided transport; a caller that could read a peer through shared memory or
+    /// rdma may prefer an unguarded read after asking whoever vouches for the range.
+    pub fn guarded_is_direct(&self, seg: &SegmentHandle, remote_addr: u64, len: u64) -> bool {
+        matches!(
+            seg.transport_for(remote_addr, len),
+            Some(TransportKind::Tcp | TransportKind::Local)
+        )
+    }
+
+    /// Reads `[remote_addr, remote_addr+len)` of `seg` into local memory if the segment's
+    /// owner vouches for `guard` there ([`Engine::set_read_guard`]): one request and one
+    /// reply over tcp, checked and served by the owner; on this engine's own memory, a check
+    /// and a memcpy. `Stale` when the owner refuses, `Unsupported` when the segment is
+    /// reachable only over shared memory or rdma.
+    pub async fn read_guarded(
+        &self,
+        seg: &SegmentHandle,
+        local_addr: u64,
+        remote_addr: u64,
+        len: u64,
+        guard: Arc<[u8]>,
+    ) -> Result<()> {
+        let shared = &self.inner.shared;
+        if len == 0 {
+            return Err(Error::new(ErrorKind::InvalidArgument, "guarded read", "zero length"));
+        }
+        if remote_addr.checked_add(len).is_none() {
+            return Err(Error::new(ErrorKind::OutOfRange, "guarded read", "range wraps around"));
+        }
+        let local = shared.registry.find(local_addr, len).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotRegistered,
+                "guarded read",
+                format!("local range {local_addr:#x}+{len} is not inside one registered region"),
+            )
+        })?;
+        let deadline = Instant::now() + shared.cfg.op_timeout();
+        match &seg.0.kind {
+            PeerKind::Local => {
+                if !shared.vouches(remote_addr, len, &guard) {
+                    return Err(Error::new(
+                        ErrorKind::Stale,
+                        "guarded read",
+                        "this engine's owner no longer holds what the guard names there",
+                    ));
+                }
+                let req = TransferRequest {
+                    op: TransferOp::Read,
+                    segment: seg.clone(),
+                    local_addr,
+                    remote_addr,
+                    len,
+                };
+                local_copy(shared, &req)
+            }
+            PeerKind::Remote { tcp: Some(tcp), .. } => {
+                let hold = local.hold();
+                tcp.read_guarded(remote_addr, local_addr, len, guard, hold, deadline).await
+            }
+            PeerKind::Remote { tcp: None, .. } => Err(Error::new(
+                ErrorKind::Unsupported,
+                "guarded read",
+                "guarded reads need the tcp transport",
+            )),
+        }
+    }
+
     /// Sends a small message to a peer's notification queue.
     pub async fn notify(&self, seg: &SegmentHandle, msg: &[u8]) -> Result<()> {
         let shared = &self.inner.shared;
@@ -771,7 +899,7 @@ async fn run_item(shared: &Shared, req: &TransferRequest, deadline: Instant) -> 
                     )
                 }));
             };
-            let hold = local.buffer.map(Hold::Buffer).unwrap_or(Hold::None);
+            let hold = local.hold();
             let op = match req.op {
                 TransferOp::Read => DataOp::Read,
                 TransferOp::Write => DataOp::Write,
@@ -838,7 +966,10 @@ async fn parallel_copy(
     while at < len {
         let n = chunk.min(len - at);
         let m = mapping.clone();
+        let keep = shared.registry.find(local as u64, len as u64).map(|r| r.hold());
         helpers.push(tokio::task::spawn_blocking(move || {
+            // The local memory's owner stays alive while this part copies.
+            let _keep = keep;
             // SAFETY: [offset+at, offset+at+n) lies inside the mapping, which `m` keeps alive;
             // the local range was checked by the caller; parts do not overlap.
             let remote = unsafe { m.as_ptr().add(offset + at) };

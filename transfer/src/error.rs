@@ -32,6 +32,8 @@ pub enum ErrorKind {
     Io,
     /// The requested transport is not available here (e.g. rdma without a device).
     Unsupported,
+    /// A guarded read the peer refused: the range no longer holds what the guard names.
+    Stale,
 }
 
 impl ErrorKind {
@@ -48,6 +50,7 @@ impl ErrorKind {
             ErrorKind::Busy => "busy",
             ErrorKind::Io => "i/o error",
             ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Stale => "stale",
         }
     }
 }

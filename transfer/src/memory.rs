@@ -328,9 +328,22 @@ pub(crate) struct Region {
     pub mr: Option<Arc<crate::rdma::Mr>>,
     /// The owned buffer behind the region, when the engine can share it (memfd).
     pub buffer: Option<Arc<Buffer>>,
+    /// Whatever keeps raw memory registered with [`crate::Engine::register_memory_owned`]
+    /// alive: every transfer using the region holds a clone until it has finished.
+    pub owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Region {
+    /// What a transfer through this region holds until it has finished with the memory.
+    pub fn hold(&self) -> crate::tcp::Hold {
+        use crate::tcp::Hold;
+        match (&self.buffer, &self.owner) {
+            (Some(b), _) => Hold::Buffer(b.clone()),
+            (None, Some(o)) => Hold::Owner(o.clone()),
+            (None, None) => Hold::None,
+        }
+    }
+
     pub fn contains(&self, addr: u64, len: u64) -> bool {
         addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
     }
@@ -436,7 +449,8 @@ mod tests {
     #[test]
     fn registry_refuses_overlap_and_finds_whole_ranges() {
         let r = Registry::default();
-        let region = |addr, len| Region { addr, len, remote: true, mr: None, buffer: None };
+        let region =
+            |addr, len| Region { addr, len, remote: true, mr: None, buffer: None, owner: None };
         r.insert(region(1000, 100)).unwrap();
         r.insert(region(1100, 100)).unwrap();
         assert!(r.insert(region(1050, 10)).is_err());

@@ -46,8 +46,9 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use kvfs_proto::transfer::{
-    DataHeader, DataOp, DataReply, DataStatus, HANDSHAKE_FRAME_MAX, Hello, RANGE_ENTRY_BYTES,
-    RANGES_PER_REQUEST_MAX, TE_PROTOCOL_VERSION, Welcome, decode_ranges, encode_ranges,
+    DataHeader, DataOp, DataReply, DataStatus, GUARD_BYTES_MAX, HANDSHAKE_FRAME_MAX, Hello,
+    RANGE_ENTRY_BYTES, RANGES_PER_REQUEST_MAX, TE_PROTOCOL_VERSION, Welcome, decode_ranges,
+    encode_ranges,
 };
 use kvfs_proto::{read_msg, write_msg};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -68,6 +69,7 @@ pub(crate) enum Hold {
     None,
     Buffer(Arc<Buffer>),
     Bytes(Arc<Vec<u8>>),
+    Owner(Arc<dyn std::any::Any + Send + Sync>),
 }
 
 /// `len` bytes between `local` (this process) and `remote` (the peer's segment).
@@ -88,6 +90,8 @@ enum Outcome {
 /// One slice or pack, queued on one connection.
 struct Job {
     op: DataOp,
+    /// The guard of a `ReadGuarded` (empty otherwise).
+    guard: Arc<[u8]>,
     ranges: Vec<Range>,
     deadline: Instant,
     holds: Vec<Hold>,
@@ -286,11 +290,20 @@ fn request_head(job: &Job, id: u64) -> Vec<u8> {
         id,
         addr: if packed { 0 } else { first.remote },
         len: total,
-        ranges: if packed { job.ranges.len() as u32 } else { 0 },
+        ranges: if packed {
+            job.ranges.len() as u32
+        } else if job.op == DataOp::ReadGuarded {
+            job.guard.len() as u32
+        } else {
+            0
+        },
     };
     let mut head = hdr.encode().to_vec();
     if packed {
         head.extend(encode_ranges(job.ranges.iter().map(|r| (r.remote, r.len))));
+    }
+    if job.op == DataOp::ReadGuarded {
+        head.extend_from_slice(&job.guard);
     }
     head
 }
@@ -441,7 +454,7 @@ async fn receive_reply(
         return Ok(Err(status_error(reply.status, p.op)));
     }
     match p.op {
-        DataOp::Read => {
+        DataOp::Read | DataOp::ReadGuarded => {
             let r = p.ranges[0];
             if reply.len != r.len {
                 return Err(bad(format!("read reply of {} bytes for {}", reply.len, r.len)));
@@ -509,7 +522,7 @@ async fn watchdog(st: Weak<ConnState>, tick: Duration) {
 
 fn status_error(status: DataStatus, op: DataOp) -> Error {
     let what = match op {
-        DataOp::Read | DataOp::ReadV => "remote read",
+        DataOp::Read | DataOp::ReadV | DataOp::ReadGuarded => "remote read",
         DataOp::Write | DataOp::WriteV => "remote write",
         DataOp::Notify => "notify",
         DataOp::Ping => "ping",
@@ -517,6 +530,7 @@ fn status_error(status: DataStatus, op: DataOp) -> Error {
     let kind = match status {
         DataStatus::OutOfRange => ErrorKind::OutOfRange,
         DataStatus::Busy => ErrorKind::Busy,
+        DataStatus::Stale => ErrorKind::Stale,
         DataStatus::TooLarge | DataStatus::InvalidArgument | DataStatus::Ok => {
             ErrorKind::InvalidArgument
         }
@@ -524,10 +538,18 @@ fn status_error(status: DataStatus, op: DataOp) -> Error {
     let detail = if status == DataStatus::OutOfRange {
         "remote range is not inside one region the peer registered as remotely accessible"
             .to_string()
+    } else if status == DataStatus::Stale {
+        "the peer no longer holds what the guard names there".to_string()
     } else {
         format!("peer answered {status:?}")
     };
     Error::new(kind, what, detail)
+}
+
+/// The guard of requests that carry none.
+fn no_guard() -> Arc<[u8]> {
+    static EMPTY: std::sync::OnceLock<Arc<[u8]>> = std::sync::OnceLock::new();
+    EMPTY.get_or_init(|| Arc::from(&[][..])).clone()
 }
 
 /// The tcp side of one remote segment.
@@ -624,6 +646,28 @@ impl TcpPeer {
         results.into_iter().find(|r| r.is_err()).unwrap_or(Ok(()))
     }
 
+    /// One guarded read on one connection (never striped: the acceptor checks the guard once
+    /// for the whole range); `Stale` when the peer no longer vouches for it.
+    pub async fn read_guarded(
+        &self,
+        remote: u64,
+        local: u64,
+        len: u64,
+        guard: Arc<[u8]>,
+        hold: Hold,
+        deadline: Instant,
+    ) -> Result<()> {
+        if guard.len() > GUARD_BYTES_MAX as usize {
+            let detail = format!("{} guard bytes, the limit is {GUARD_BYTES_MAX}", guard.len());
+            return Err(Error::new(ErrorKind::InvalidArgument, "guarded read", detail));
+        }
+        let _busy = BusyGuard::new(&self.busy);
+        let r = Range { remote, local, len };
+        self.with_retries(DataOp::ReadGuarded, &guard, &[r], std::slice::from_ref(&hold), deadline)
+            .await
+            .map(|_| ())
+    }
+
     /// Slice size for a request of `len` bytes: `slice_bytes`, except that a request alone on an
     /// otherwise idle peer is striped over the connections (one per CPU; slices of at least
     /// `STRIPE_SLICE_MIN`), so one mid-sized transfer still uses them all; when other requests
@@ -652,7 +696,7 @@ impl TcpPeer {
         let _busy = BusyGuard::new(&self.busy);
         let n = ranges.len();
         let packed = if op == DataOp::Read { DataOp::ReadV } else { DataOp::WriteV };
-        match self.with_retries(packed, &ranges, &holds, deadline).await {
+        match self.with_retries(packed, &no_guard(), &ranges, &holds, deadline).await {
             Ok(Outcome::Ranges(st)) if st.len() == n => st
                 .into_iter()
                 .map(|s| if s == DataStatus::Ok { Ok(()) } else { Err(status_error(s, op)) })
@@ -665,12 +709,15 @@ impl TcpPeer {
     }
 
     async fn single(&self, op: DataOp, r: Range, hold: &Hold, deadline: Instant) -> Result<()> {
-        self.with_retries(op, &[r], std::slice::from_ref(hold), deadline).await.map(|_| ())
+        self.with_retries(op, &no_guard(), &[r], std::slice::from_ref(hold), deadline)
+            .await
+            .map(|_| ())
     }
 
     async fn with_retries(
         &self,
         op: DataOp,
+        guard: &Arc<[u8]>,
         ranges: &[Range],
         holds: &[Hold],
         deadline: Instant,
@@ -678,7 +725,7 @@ impl TcpPeer {
         let mut attempt = 0;
         loop {
             let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
-            let res = self.try_job(slot, op, ranges, holds, deadline).await;
+            let res = self.try_job(slot, op, guard, ranges, holds, deadline).await;
             match res {
                 Err(e)
                     if e.retryable()
@@ -698,13 +745,21 @@ impl TcpPeer {
         &self,
         slot: usize,
         op: DataOp,
+        guard: &Arc<[u8]>,
         ranges: &[Range],
         holds: &[Hold],
         deadline: Instant,
     ) -> Result<Outcome> {
         let conn = self.conn(slot, deadline).await?;
         let (done, wait) = oneshot::channel();
-        let job = Job { op, ranges: ranges.to_vec(), deadline, holds: holds.to_vec(), done };
+        let job = Job {
+            op,
+            guard: guard.clone(),
+            ranges: ranges.to_vec(),
+            deadline,
+            holds: holds.to_vec(),
+            done,
+        };
         match tokio::time::timeout_at(deadline, conn.tx.send(job)).await {
             Ok(Ok(())) => {}
             Ok(Err(_)) => return Err(conn.st.death()),
@@ -921,6 +976,19 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
         }
         match hdr.op {
             DataOp::Read => serve_read(&mut out, shared, &hdr).await?,
+            DataOp::ReadGuarded => {
+                if hdr.ranges > GUARD_BYTES_MAX {
+                    return Err(std::io::Error::other(format!("guard of {} bytes", hdr.ranges)));
+                }
+                let mut g = vec![0u8; hdr.ranges as usize];
+                rd.read_exact(&mut g).await?;
+                if shared.vouches(hdr.addr, hdr.len, &g) {
+                    serve_read(&mut out, shared, &hdr).await?
+                } else {
+                    let reply = DataReply { status: DataStatus::Stale, id: hdr.id, len: 0 };
+                    out.push(&reply.encode()).await?;
+                }
+            }
             DataOp::ReadV => serve_read_pack(&mut rd, &mut out, shared, &hdr).await?,
             DataOp::WriteV => serve_write_pack(&mut rd, &mut out, shared, &hdr).await?,
             op => {

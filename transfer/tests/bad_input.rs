@@ -198,3 +198,63 @@ async fn packed_small_items_keep_their_own_status() {
         }
     }
 }
+
+/// Guarded reads: served only while the owner's check vouches for the guard, over tcp and on
+/// the engine's own memory; refused (`Stale`) without a check installed; an oversized guard is
+/// a typed error, and the connection stays usable after every refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarded_reads_are_served_only_while_the_owner_vouches() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let (a, b) = pair(Transports::tcp_only()).await;
+    let la = a.alloc_buffer(1 << 20, &BufferOptions::default()).unwrap();
+    let rb = b.alloc_buffer(1 << 20, &BufferOptions::default()).unwrap();
+    // SAFETY: no transfer touches the buffer while it is filled.
+    unsafe { rb.as_mut_slice()[..8192].fill(0x5a) };
+    let seg = a.open_segment(b.name()).await.unwrap();
+    let guard = |v: &[u8]| -> Arc<[u8]> { Arc::from(v) };
+    let kind = |r: kvfs_transfer::Result<()>| r.unwrap_err().kind();
+
+    // No check installed: refused.
+    let r = a.read_guarded(&seg, la.addr(), rb.addr(), 4096, guard(b"v1")).await;
+    assert_eq!(kind(r), ErrorKind::Stale);
+
+    // The owner vouches for guard "v<current>" on the first 8 KiB only.
+    let current = Arc::new(AtomicU64::new(1));
+    let (cur, base) = (current.clone(), rb.addr());
+    b.set_read_guard(Box::new(move |addr, len, g| {
+        let want = format!("v{}", cur.load(Ordering::SeqCst));
+        g == want.as_bytes() && addr >= base && addr + len <= base + 8192
+    }))
+    .unwrap();
+    assert!(b.set_read_guard(Box::new(|_, _, _| true)).is_err(), "installed once");
+    a.read_guarded(&seg, la.addr(), rb.addr(), 4096, guard(b"v1")).await.unwrap();
+    // SAFETY: the read above has completed.
+    assert!(unsafe { la.as_slice() }[..4096].iter().all(|&x| x == 0x5a));
+    let r = a.read_guarded(&seg, la.addr(), rb.addr() + 4096, 8192, guard(b"v1")).await;
+    assert_eq!(kind(r), ErrorKind::Stale, "outside the vouched range");
+    current.store(2, Ordering::SeqCst);
+    let r = a.read_guarded(&seg, la.addr(), rb.addr(), 4096, guard(b"v1")).await;
+    assert_eq!(kind(r), ErrorKind::Stale, "the owner moved on");
+    a.read_guarded(&seg, la.addr(), rb.addr(), 4096, guard(b"v2")).await.unwrap();
+
+    // Bad input: oversized guard, zero length, unregistered local memory.
+    let huge = vec![b'x'; 5000];
+    let r = a.read_guarded(&seg, la.addr(), rb.addr(), 4096, guard(&huge)).await;
+    assert_eq!(kind(r), ErrorKind::InvalidArgument);
+    let r = a.read_guarded(&seg, la.addr(), rb.addr(), 0, guard(b"v2")).await;
+    assert_eq!(kind(r), ErrorKind::InvalidArgument);
+    let stray = vec![0u8; 4096];
+    let r = a.read_guarded(&seg, stray.as_ptr() as u64, rb.addr(), 4096, guard(b"v2")).await;
+    assert_eq!(kind(r), ErrorKind::NotRegistered);
+    a.read_guarded(&seg, la.addr(), rb.addr(), 4096, guard(b"v2")).await.unwrap();
+
+    // The engine's own memory: the same check, then a memcpy.
+    let own = b.open_segment(b.name()).await.unwrap();
+    let lb = b.alloc_buffer(4096, &BufferOptions::default()).unwrap();
+    b.read_guarded(&own, lb.addr(), rb.addr(), 4096, guard(b"v2")).await.unwrap();
+    let r = b.read_guarded(&own, lb.addr(), rb.addr(), 4096, guard(b"v1")).await;
+    assert_eq!(kind(r), ErrorKind::Stale);
+    assert!(b.guarded_is_direct(&own, rb.addr(), 4096));
+    assert!(a.guarded_is_direct(&seg, rb.addr(), 4096));
+}

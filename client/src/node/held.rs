@@ -119,6 +119,17 @@ impl Index {
         self.objects.remove(key)
     }
 
+    /// Whether `[offset, offset+len)` of the DRAM segment lies inside the DRAM copy of
+    /// `key` at `version` (a guarded read's check, see [`read_guard`]).
+    pub fn vouches(&self, key: &str, version: u64, offset: u64, len: u64) -> bool {
+        self.objects.get(key).is_some_and(|h| {
+            h.version == version
+                && h.dram.is_some_and(|d| {
+                    offset >= d && offset.checked_add(len).is_some_and(|e| e <= d + h.size)
+                })
+        })
+    }
+
     /// Every copy, as the master's registration wants them.
     pub fn held_objects(&self) -> Vec<HeldObject> {
         let mut out = Vec::with_capacity(self.objects.len());
@@ -142,5 +153,24 @@ impl Index {
             }
         }
         out
+    }
+}
+
+/// The guard of a store read (see `kvfs_transfer::Engine::read_guarded`): the object's version
+/// (u64, little endian) then its key. A node vouches for it while its index holds that version
+/// of that key in DRAM around the range read.
+pub mod read_guard {
+    use std::sync::Arc;
+
+    pub fn encode(key: &str, version: u64) -> Arc<[u8]> {
+        let mut g = Vec::with_capacity(8 + key.len());
+        g.extend_from_slice(&version.to_le_bytes());
+        g.extend_from_slice(key.as_bytes());
+        g.into()
+    }
+
+    pub fn decode(g: &[u8]) -> Option<(u64, &str)> {
+        let (v, key) = g.split_first_chunk::<8>()?;
+        Some((u64::from_le_bytes(*v), std::str::from_utf8(key).ok()?))
     }
 }

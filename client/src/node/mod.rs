@@ -54,6 +54,7 @@ use tokio::task::JoinHandle;
 
 use crate::master::MasterLink;
 use crate::{Error, ErrorKind, Result};
+pub(crate) use held::read_guard;
 use held::{DRAM_SEGMENT, Index, NVME_SEGMENT};
 pub use kvfs_proto::store::NodeStats;
 
@@ -263,6 +264,13 @@ impl Node {
             _dir_lock: dir_lock,
         });
         inner.adopt_nvme_objects().await;
+        let guard_owner = Arc::downgrade(&inner);
+        inner
+            .engine
+            .set_read_guard(Box::new(move |addr, len, guard| {
+                guard_owner.upgrade().is_some_and(|n| n.vouches(addr, len, guard))
+            }))
+            .map_err(|e| Error::from_transfer("node", &e))?;
         let handler = {
             let inner = Arc::downgrade(&inner);
             handler_fn(move |_conn: RpcConn, req: NodeRequest| {
@@ -416,6 +424,21 @@ impl Inner {
                 NodeResponse::Done
             }
         }
+    }
+
+    /// A guarded read of our DRAM segment (a client reading a location it cached under a
+    /// lease, without asking the master): served while the index still holds that version of
+    /// that key around the range, and counted as an access for the tier policy like the reads
+    /// the master reports.
+    fn vouches(&self, addr: u64, len: u64, guard: &[u8]) -> bool {
+        let Some((version, key)) = held::read_guard::decode(guard) else { return false };
+        let Some(offset) = addr.checked_sub(self.dram.addr()) else { return false };
+        let ok =
+            self.index.lock().unwrap_or_else(|e| e.into_inner()).vouches(key, version, offset, len);
+        if ok {
+            self.on_served_read(key);
+        }
+        ok
     }
 
     fn registration(&self) -> NodeRegistration {

@@ -644,6 +644,12 @@ impl Inner {
         }
     }
 
+    /// One read this node served itself (a guarded read): the same access signal.
+    pub(super) fn on_served_read(&self, key: &str) {
+        let now = self.now_ms();
+        lock(&self.tiers.policy).on_access(key, now);
+    }
+
     pub(super) fn stats(&self) -> NodeStats {
         let dram_used = lock(&self.index).dram_bytes;
         let nvme_objects = self.tiers.nvme.as_ref().map(|n| n.stats().objects as u64).unwrap_or(0);

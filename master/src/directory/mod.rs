@@ -738,6 +738,7 @@ impl Directory {
                 segment: index,
                 offset: r.offset,
                 len: r.len,
+                readers_until_ms: 0,
             });
             self.free_range(r.seg, r.offset, r.len);
             tick.released_ranges += 1;
@@ -898,7 +899,7 @@ impl Directory {
             let rep = self.objects[id].first_rep;
             let (seg, offset) = self.detach_replica(rep);
             if let Some(fx) = fx.as_deref_mut() {
-                fx.push(self.drop_effect(&self.objects[id].key, seg, offset, size));
+                fx.push(self.drop_effect_of(id, seg, offset));
             }
             self.free_range(seg, offset, size);
         }
@@ -950,6 +951,12 @@ impl Directory {
         let (size, key) = (self.objects[old].size, self.objects[old].key.clone());
         while self.objects[old].first_rep != NIL {
             let (seg, offset) = self.detach_replica(self.objects[old].first_rep);
+            // The name goes now: a node holding it in memory forgets it now (so no reader
+            // reaches the old bytes through it); the range is freed when the lease ends (a
+            // second, harmless drop).
+            if matches!(self.segment(seg).tier, Tier::Dram | Tier::Hbm) {
+                fx.push(self.drop_effect_of(old, seg, offset));
+            }
             self.retired.push(Retired {
                 release_at_ms: lease_end,
                 seg,
@@ -978,7 +985,18 @@ impl Directory {
 
     fn drop_effect(&self, key: &Arc<str>, seg: NonZeroU32, offset: u64, len: u64) -> NodeEffect {
         let s = self.segment(seg);
-        NodeEffect::Drop { node: s.node, key: key.clone(), segment: s.index, offset, len }
+        let (node, segment) = (s.node, s.index);
+        NodeEffect::Drop { node, key: key.clone(), segment, offset, len, readers_until_ms: 0 }
+    }
+
+    /// [`Directory::drop_effect`] for a replica of object `id`, carrying its read lease.
+    fn drop_effect_of(&self, id: u32, seg: NonZeroU32, offset: u64) -> NodeEffect {
+        let o = &self.objects[id];
+        let mut e = self.drop_effect(&o.key, seg, offset, o.size);
+        if let NodeEffect::Drop { readers_until_ms, .. } = &mut e {
+            *readers_until_ms = o.lease_end_ms;
+        }
+        e
     }
 
     fn attach_replica(&mut self, id: u32, seg: NonZeroU32, offset: u64) {

@@ -251,6 +251,7 @@ impl Directory {
                 segment: h.segment,
                 offset: h.offset,
                 len: h.size,
+                readers_until_ms: 0,
             });
             let c =
                 Conflict { key: h.key.clone(), node, segment: h.segment, offset: h.offset, reason };

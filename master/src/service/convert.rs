@@ -121,6 +121,7 @@ pub fn view(dir: &Directory, v: &ObjectView) -> w::ObjectView {
         persistence: persistence(v.persistence),
         pin: pin(v.pin),
         lease_end_ms: v.lease_end_ms,
+        lease_left_ms: v.lease_end_ms.saturating_sub(super::now_ms()),
     }
 }
 

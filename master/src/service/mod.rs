@@ -7,7 +7,9 @@
 //! `Commit` records are awaited before a `PutEnd` is answered (so what a client was told is
 //! complete is what the nodes will re-report after a master restart), `Drop` records are sent
 //! without waiting (a lost drop only leaves a stale entry that the node's next registration
-//! resolves). A timer revokes expired puts, expires silent nodes and runs eviction passes.
+//! resolves), except those of objects under a live read lease: a reader may read a location
+//! it cached through the node (a guarded read the node checks against its index), so those
+//! are delivered before the call that removed the name is answered. A timer revokes expired puts, expires silent nodes and runs eviction passes.
 //!
 //! Recovery. Nodes are the source of truth for the bytes they hold: after a restart the
 //! directory is rebuilt from their registrations. A client may still be writing into a range
@@ -714,6 +716,13 @@ async fn deliver(state: &Arc<State>, fx: Vec<NodeEffect>, wait: bool) {
     if fx.is_empty() {
         return;
     }
+    // A reader may still read a leased object through the node from a location it cached
+    // (a guarded read): the node must have forgotten the name before the caller is told.
+    let now = now_ms();
+    let wait = wait
+        || fx.iter().any(
+            |e| matches!(e, NodeEffect::Drop { readers_until_ms, .. } if *readers_until_ms > now),
+        );
     let mut per_node: HashMap<u64, Records> = HashMap::new();
     for e in fx {
         let slot = per_node.entry(e.node().0).or_default();

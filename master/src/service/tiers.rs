@@ -453,6 +453,7 @@ async fn drop_corrupt_copy(
         segment: at.segment,
         offset: at.offset,
         len: size,
+        readers_until_ms: 0,
     }];
     deliver(state, fx, false).await;
     gone

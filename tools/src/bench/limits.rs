@@ -130,19 +130,26 @@ fn one_transfer(s: &mut TcpStream, len: usize, dir: Direction) -> std::io::Resul
     let mut hdr = [0u8; 9];
     hdr[0] = op;
     hdr[1..9].copy_from_slice(&(len as u64).to_le_bytes());
-    s.write_all(&hdr)?;
-    let mut buf = vec![0x44u8; CHUNK];
+    // The header travels with the first chunk in one write, as a transport sends a request.
+    let mut buf = vec![0x44u8; hdr.len() + len.min(CHUNK)];
+    buf[..hdr.len()].copy_from_slice(&hdr);
     let mut left = len;
     match dir {
         Direction::Send => {
-            while left > 0 {
+            let mut first = hdr.len();
+            loop {
                 let n = left.min(CHUNK);
-                s.write_all(&buf[..n])?;
+                s.write_all(&buf[hdr.len() - first..hdr.len() + n])?;
+                first = 0;
                 left -= n;
+                if left == 0 {
+                    break;
+                }
             }
             s.read_exact(&mut buf[..1])?;
         }
         Direction::Receive => {
+            s.write_all(&hdr)?;
             while left > 0 {
                 let n = left.min(CHUNK);
                 s.read_exact(&mut buf[..n])?;
@@ -151,6 +158,31 @@ fn one_transfer(s: &mut TcpStream, len: usize, dir: Direction) -> std::io::Resul
         }
     }
     Ok(())
+}
+
+/// Round trips of one `len`-byte request/response over one plain blocking connection to the
+/// peer's raw server: a 9-byte request answered with `len` bytes (`Receive`, like a get), or a
+/// request carrying `len` bytes answered with one byte (`Send`, like a put). Returns the p50
+/// in microseconds over `iters` round trips, after a warm-up.
+pub fn raw_rtt_p50_us(
+    addr: SocketAddr,
+    len: usize,
+    dir: Direction,
+    iters: usize,
+) -> std::io::Result<f64> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    for _ in 0..iters.min(200) {
+        one_transfer(&mut s, len, dir)?;
+    }
+    let mut lat = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        let t = Instant::now();
+        one_transfer(&mut s, len, dir)?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    lat.sort_by(|a, b| a.total_cmp(b));
+    Ok(lat[lat.len() / 2])
 }
 
 /// Loopback TCP limits measured against the peer's raw server.

@@ -18,12 +18,23 @@ pub struct Figure {
     pub p99_us: Option<f64>,
     pub limit: Option<String>,
     pub limit_gbps: Option<f64>,
+    /// p50 of a raw request/response round trip of the same size and direction between the
+    /// same two processes (single calls over tcp), measured in the same run.
+    pub rtt_p50_us: Option<f64>,
 }
 
 impl Figure {
     pub fn ratio(&self) -> Option<f64> {
         match (self.gbps, self.limit_gbps) {
             (Some(g), Some(l)) if l > 0.0 => Some(g / l),
+            _ => None,
+        }
+    }
+
+    /// The call's p50 latency over the raw round trip's.
+    pub fn p50_over_rtt(&self) -> Option<f64> {
+        match (self.p50_us, self.rtt_p50_us) {
+            (Some(p), Some(r)) if r > 0.0 => Some(p / r),
             _ => None,
         }
     }
@@ -43,6 +54,8 @@ impl Figure {
             "limit": self.limit,
             "limit_gbps": self.limit_gbps.map(round3),
             "ratio": self.ratio().map(round3),
+            "rtt_p50_us": self.rtt_p50_us.map(round1),
+            "p50_over_rtt": self.p50_over_rtt().map(round3),
         })
     }
 }
@@ -73,7 +86,7 @@ impl Reporter {
         }
         if !self.header_done {
             println!(
-                "{:<10} {:<15} {:<9} {:<16} {:>10} {:>9} {:>11} {:>9} {:>9} {:>9} {:>10} {:>6}",
+                "{:<10} {:<15} {:<9} {:<16} {:>10} {:>9} {:>11} {:>9} {:>9} {:>9} {:>10} {:>6} {:>7} {:>5}",
                 "transport",
                 "mode",
                 "op",
@@ -85,7 +98,9 @@ impl Reporter {
                 "p99 us",
                 "limit",
                 "limit GB/s",
-                "ratio"
+                "ratio",
+                "rtt us",
+                "x rtt"
             );
             self.header_done = true;
         }
@@ -93,7 +108,7 @@ impl Reporter {
             v.map(|v| format!("{v:.prec$}")).unwrap_or_else(|| "-".into())
         };
         println!(
-            "{:<10} {:<15} {:<9} {:<16} {:>10} {:>9} {:>11} {:>9} {:>9} {:>9} {:>10} {:>6}",
+            "{:<10} {:<15} {:<9} {:<16} {:>10} {:>9} {:>11} {:>9} {:>9} {:>9} {:>10} {:>6} {:>7} {:>5}",
             f.transport.as_deref().unwrap_or("-"),
             f.mode.as_deref().unwrap_or("-"),
             f.op,
@@ -106,6 +121,8 @@ impl Reporter {
             f.limit.as_deref().unwrap_or("-"),
             opt(f.limit_gbps, 3),
             opt(f.ratio(), 2),
+            opt(f.rtt_p50_us, 1),
+            opt(f.p50_over_rtt(), 2),
         );
     }
 }

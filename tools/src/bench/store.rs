@@ -26,7 +26,7 @@ use kvfs_master::service::{MasterService, ServiceConfig};
 use kvfs_transfer::{Buffer, BufferOptions, EngineConfig, Transports};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use super::limits::{Direction, Limit, Timed, interleaved, serve_raw_tcp};
+use super::limits::{Direction, Limit, Timed, interleaved, raw_rtt_p50_us, serve_raw_tcp};
 
 /// Rounds of (limit, case) per figure; see `limits::interleaved`.
 const ROUNDS: usize = 3;
@@ -154,11 +154,13 @@ pub async fn run(opts: StoreBench) -> anyhow::Result<()> {
                 "put_from_batch",
                 "get_into_batch",
             ] {
-                let (limit_gbps, mut s) = run_op(&mut ctx, op, size)
+                let (limit_gbps, rtt, mut s) = run_op(&mut ctx, op, size)
                     .await
                     .with_context(|| format!("{mode} {op} {size} B"))?;
                 let limit = ctx.limit_for(op);
-                rep.emit(&figure(&ctx, op, Some(size), &mut s, Some((limit.name(), limit_gbps))));
+                let mut f = figure(&ctx, op, Some(size), &mut s, Some((limit.name(), limit_gbps)));
+                f.rtt_p50_us = rtt;
+                rep.emit(&f);
             }
         }
         for op in ["exists", "exists_batch", "remove_batch"] {
@@ -197,8 +199,24 @@ fn batch_items(op: &str, size: u64) -> u64 {
     if op.ends_with("_batch") { (BATCH_BYTES_MAX / size).clamp(1, BATCH_ITEMS_MAX) } else { 1 }
 }
 
-/// Runs one operation for at least the minimum time; every round is one timed call.
-async fn run_op(ctx: &mut Ctx, op: &str, size: u64) -> anyhow::Result<(f64, Samples)> {
+/// Raw round trips timed per measurement of the round-trip limit.
+const RTT_ITERS: usize = 2000;
+
+/// p50 of a raw request/response round trip of `size` bytes in `op`'s direction between this
+/// process and the peer (see `limits::raw_rtt_p50_us`).
+async fn raw_rtt(ctx: &Ctx, op: &str, size: u64) -> anyhow::Result<f64> {
+    let dir = if op.starts_with("put") { Direction::Send } else { Direction::Receive };
+    let addr = ctx.raw;
+    Ok(tokio::task::spawn_blocking(move || raw_rtt_p50_us(addr, size as usize, dir, RTT_ITERS))
+        .await??)
+}
+
+/// Runs one operation for at least the minimum time; every round is one timed call. Single
+/// calls over tcp also get the raw round trip of their size, measured before and after them
+/// (the lower of the two: the limit is what the machine reaches).
+async fn run_op(ctx: &mut Ctx, op: &str, size: u64) -> anyhow::Result<(f64, Option<f64>, Samples)> {
+    let single = !op.ends_with("_batch") && ctx.mode == "tcp";
+    let rtt_before = if single { Some(raw_rtt(ctx, op, size).await?) } else { None };
     let n = batch_items(op, size);
     let is_put = op.starts_with("put");
     let prefix = format!("bench/{}/{op}/{size}", ctx.mode);
@@ -240,7 +258,11 @@ async fn run_op(ctx: &mut Ctx, op: &str, size: u64) -> anyhow::Result<(f64, Samp
             r?;
         }
     }
-    Ok(out)
+    let rtt = match rtt_before {
+        Some(before) => Some(before.min(raw_rtt(ctx, op, size).await?)),
+        None => None,
+    };
+    Ok((out.0, rtt, out.1))
 }
 
 async fn put_keys(ctx: &Ctx, keys: &[String], size: u64) -> anyhow::Result<()> {

@@ -80,6 +80,7 @@ fn convert(f: &tb::Figure, ring: RingConfig) -> Figure {
         p99_us: finite(f.p99_us).filter(|v| *v > 0.0),
         limit: f.limit.map(str::to_string),
         limit_gbps: f.limit_gbps,
+        rtt_p50_us: None,
     }
 }
 

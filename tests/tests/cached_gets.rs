@@ -1,0 +1,114 @@
+//! Gets in one round trip: a client reads a location it cached under a live lease straight
+//! from the node process (a guarded read), and never reads an object that another client
+//! removed, unlinked, renamed or replaced; a stale location costs one extra master round trip.
+
+use std::time::Duration;
+
+use kvfs_client::{Client, ErrorKind, GetInto, PutOptions, RenameMode};
+use kvfs_tests::{Cluster, ClusterOpts, content};
+use kvfs_transfer::{BufferOptions, EngineConfig, Transports};
+
+/// A client whose engine uses tcp only (a same-host client would read the node's segment over
+/// shared memory, which guarded reads do not use).
+async fn tcp_client(cluster: &Cluster) -> Client {
+    let engine = EngineConfig { transports: Transports::tcp_only(), ..EngineConfig::default() };
+    Client::connect(kvfs_client::ClientConfig { engine, ..cluster.client_config() })
+        .await
+        .expect("client connects")
+}
+
+fn upsert() -> PutOptions {
+    PutOptions { upsert: true, ..PutOptions::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_locations_serve_repeat_gets_and_never_outlive_the_name() {
+    let cluster = Cluster::start(ClusterOpts { nodes: 1, ..ClusterOpts::default() }).await;
+    let reader = tcp_client(&cluster).await;
+    let writer = tcp_client(&cluster).await;
+    let v1 = content(1, 4096);
+    writer.put("k", &v1, &PutOptions::default()).await.unwrap();
+
+    // First get asks the master; the next ones read the cached location.
+    assert_eq!(reader.get("k").await.unwrap(), v1);
+    assert_eq!(reader.location_cache_stats(), (0, 0));
+    for _ in 0..3 {
+        assert_eq!(reader.get("k").await.unwrap(), v1);
+    }
+    assert_eq!(reader.location_cache_stats(), (3, 0));
+
+    // Another client removes it (forced: the reader holds a lease): the reader's location is
+    // refused by the node, and the master says it is gone.
+    writer.remove("k", true).await.unwrap();
+    assert_eq!(reader.get("k").await.unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(reader.location_cache_stats(), (3, 1));
+
+    // Put again under the same key: the reader reads the new bytes, never the old ones.
+    let v2 = content(2, 4096);
+    writer.put("k", &v2, &PutOptions::default()).await.unwrap();
+    assert_eq!(reader.get("k").await.unwrap(), v2);
+    assert_eq!(reader.get("k").await.unwrap(), v2);
+
+    // Unlink under the lease.
+    writer.unlink("k").await.unwrap();
+    assert_eq!(reader.get("k").await.unwrap_err().kind(), ErrorKind::NotFound);
+
+    // Rename away, and rename another object over a cached name.
+    writer.put("a", &v1, &PutOptions::default()).await.unwrap();
+    writer.put("b", &v2, &PutOptions::default()).await.unwrap();
+    assert_eq!(reader.get("a").await.unwrap(), v1);
+    assert_eq!(reader.get("b").await.unwrap(), v2);
+    writer.rename("a", "c", RenameMode::NoReplace).await.unwrap();
+    assert_eq!(reader.get("a").await.unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(reader.get("c").await.unwrap(), v1);
+    writer.rename("c", "b", RenameMode::Replace).await.unwrap();
+    assert_eq!(reader.get("b").await.unwrap(), v1, "the replaced object is never read");
+
+    // A batch mixing cached, uncached and missing keys, zero-copy, and a buffer too small.
+    let v3 = content(3, 100_000);
+    writer.put("d", &v3, &PutOptions::default()).await.unwrap();
+    let buf = reader.engine().alloc_buffer(1 << 20, &BufferOptions::default()).unwrap();
+    let items = [
+        GetInto { key: "b", addr: buf.addr(), cap: 4096 },
+        GetInto { key: "d", addr: buf.addr() + 4096, cap: 200_000 },
+        GetInto { key: "missing", addr: buf.addr() + 300_000, cap: 4096 },
+    ];
+    for _ in 0..2 {
+        let r = reader.get_into_batch(&items).await;
+        assert_eq!(r[0].as_ref().unwrap(), &4096);
+        assert_eq!(r[1].as_ref().unwrap(), &100_000);
+        assert_eq!(r[2].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+        // SAFETY: the reads above have completed; nothing else writes the buffer.
+        let got = unsafe { buf.as_slice() };
+        assert_eq!(&got[..4096], &v1[..]);
+        assert_eq!(&got[4096..104_096], &v3[..]);
+    }
+    let small = reader.get_into("d", buf.addr(), 1000).await.unwrap_err();
+    assert_eq!(small.kind(), ErrorKind::BufferTooSmall);
+
+    // An upsert is refused while a read lease protects the object, as before.
+    let v4 = content(4, 50_000);
+    assert_eq!(writer.put("d", &v4, &upsert()).await.unwrap_err().kind(), ErrorKind::Leased);
+    assert_eq!(reader.get("d").await.unwrap(), v3);
+    let (hits, stale) = reader.location_cache_stats();
+    assert!(hits >= 6, "cached reads were used: {hits}");
+    assert!(stale >= 3, "stale locations were refused: {stale}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_node_fails_a_cached_get_within_the_timeout() {
+    let mut o = ClusterOpts { nodes: 2, ..ClusterOpts::default() };
+    o.master_args.extend(["--lease-ttl-ms".to_string(), "60000".to_string()]);
+    let mut cluster = Cluster::start(o).await;
+    let reader = tcp_client(&cluster).await;
+    let v = content(5, 8192);
+    let two = PutOptions { replicas: 2, ..PutOptions::default() };
+    reader.put("k", &v, &two).await.unwrap();
+    assert_eq!(reader.get("k").await.unwrap(), v);
+    assert_eq!(reader.get("k").await.unwrap(), v);
+    assert_eq!(reader.location_cache_stats().0, 1);
+    // Kill both nodes: a cached get must not hang, and must not return bytes.
+    cluster.kill_nodes();
+    let r = tokio::time::timeout(Duration::from_secs(60), reader.get("k")).await;
+    assert!(r.expect("no hang").is_err());
+}
