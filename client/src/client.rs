@@ -114,6 +114,46 @@ pub struct GetInto<'a> {
 /// What the master knows of an object.
 pub type ObjectInfo = ObjectView;
 
+/// Values and objects at least this large move straight between the engine and memory a
+/// caller lends ([`Client::put_batch_lent`], [`Client::get_batch_lent`]); smaller ones are
+/// staged, where a copy costs less than registering memory for one call.
+pub const LEND_BYTES_MIN: u64 = 256 << 10;
+
+/// Keeps lent memory valid while transfers use it.
+pub type Keeper = Arc<dyn std::any::Any + Send + Sync>;
+
+/// Where a get left an object's bytes: a staging buffer on loan, or the caller's own
+/// allocation ([`Client::get_batch_lent`]) with the object's length. Every transfer into the
+/// allocation has finished; other references to it are only keep-alives about to be dropped.
+pub enum Fetched<T> {
+    Staged(StagedBytes),
+    Lent(Arc<T>, usize),
+}
+
+/// Caller memory registered with the engine for one call; unregistered when dropped (the
+/// transfers that used it hold its keeper until they have finished).
+struct Lent {
+    engine: Engine,
+    addr: u64,
+}
+
+impl Lent {
+    /// Registers `[addr, addr+len)` kept valid by `keeper`; `None` when the engine refuses
+    /// (for example memory overlapping a registered region), and the caller stages instead.
+    fn register(engine: &Engine, addr: u64, len: u64, keeper: Keeper) -> Option<Lent> {
+        // SAFETY: the callers' contract (`put_batch_lent`, `get_batch_lent`): `keeper` keeps
+        // the memory valid, and the engine holds it for every transfer using the region.
+        unsafe { engine.register_memory_owned(addr, len, keeper) }.ok()?;
+        Some(Lent { engine: engine.clone(), addr })
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        let _ = self.engine.unregister(self.addr);
+    }
+}
+
 /// Where a get reads one object: the master's view, or a location this client cached under a
 /// live lease (a view with that one replica, read with a guard its node checks).
 struct Source {
@@ -540,29 +580,61 @@ impl Client {
 
     /// Puts many byte values.
     pub async fn put_batch(&self, items: &[(&str, &[u8])], opts: &PutOptions) -> Vec<Result<()>> {
-        let mut staged = Vec::with_capacity(items.len());
-        for (_, data) in items {
+        self.put_batch_lent(items, opts, |_| None).await
+    }
+
+    /// [`Client::put_batch`] that writes values of at least [`LEND_BYTES_MIN`] straight from
+    /// the caller's memory when `keeper(i)` lends something that keeps value `i`'s memory
+    /// valid (a binding's reference to the object holding it): the memory is registered with
+    /// the engine for the call (every transfer holds the keeper until it has finished with
+    /// the bytes), so no staging copy is made. Other values are staged.
+    pub async fn put_batch_lent(
+        &self,
+        items: &[(&str, &[u8])],
+        opts: &PutOptions,
+        keeper: impl Fn(usize) -> Option<Keeper>,
+    ) -> Vec<Result<()>> {
+        enum Src {
+            Staged(Staged),
+            Lent(#[allow(dead_code)] Lent),
+            Registered,
+        }
+        let engine = &self.inner.engine;
+        let mut srcs = Vec::with_capacity(items.len());
+        for (i, (_, data)) in items.iter().enumerate() {
+            let (addr, len) = (data.as_ptr() as u64, data.len() as u64);
+            if len >= LEND_BYTES_MIN && engine.is_registered(addr, len) {
+                srcs.push(Ok(Src::Registered));
+                continue;
+            }
+            if len >= LEND_BYTES_MIN
+                && let Some(k) = keeper(i)
+                && let Some(l) = Lent::register(engine, addr, len, k)
+            {
+                srcs.push(Ok(Src::Lent(l)));
+                continue;
+            }
             match self.inner.staging.take(data.len()) {
                 Ok(s) => match s.buffer().write_at(0, data) {
-                    Ok(()) => staged.push(Ok(s)),
-                    Err(e) => staged.push(Err(Error::from_transfer("put", &e))),
+                    Ok(()) => srcs.push(Ok(Src::Staged(s))),
+                    Err(e) => srcs.push(Err(Error::from_transfer("put", &e))),
                 },
-                Err(e) => staged.push(Err(e)),
+                Err(e) => srcs.push(Err(e)),
             }
         }
         let froms: Vec<PutFrom> = items
             .iter()
-            .zip(&staged)
+            .zip(&srcs)
             .filter_map(|((key, data), s)| {
-                s.as_ref().ok().map(|s| PutFrom {
-                    key,
-                    addr: s.buffer().addr(),
-                    len: data.len() as u64,
-                })
+                let addr = match s.as_ref().ok()? {
+                    Src::Staged(s) => s.buffer().addr(),
+                    Src::Lent(_) | Src::Registered => data.as_ptr() as u64,
+                };
+                Some(PutFrom { key, addr, len: data.len() as u64 })
             })
             .collect();
         let mut done = self.put_from_batch(&froms, opts).await.into_iter();
-        staged.into_iter().map(|s| s.and_then(|_| done.next().unwrap_or(Ok(())))).collect()
+        srcs.into_iter().map(|s| s.and_then(|_| done.next().unwrap_or(Ok(())))).collect()
     }
 
     // ----- gets ----------------------------------------------------------------------------
@@ -631,6 +703,53 @@ impl Client {
             .await
             .into_iter()
             .map(|r| r.map(|(len, _, staged)| StagedBytes { staged, len: len as usize }))
+            .collect()
+    }
+
+    /// [`Client::get_batch_staged`] that reads objects of at least [`LEND_BYTES_MIN`] straight
+    /// into memory the caller allocates: `alloc(size)` gives the address of `size` writable
+    /// bytes and what keeps them valid (a binding's new, not yet shared object), or `None` to
+    /// stage that object. The memory is registered with the engine for the call, so the
+    /// bytes land in the caller's object with no copy after the transfer.
+    pub async fn get_batch_lent<K, T, A>(&self, keys: &[K], mut alloc: A) -> Vec<Result<Fetched<T>>>
+    where
+        K: AsRef<str>,
+        T: Send + Sync + 'static,
+        A: FnMut(u64) -> Option<(u64, T)>,
+    {
+        enum Dst<T> {
+            Staged(Staged),
+            Lent(Arc<T>, Lent),
+        }
+        let keys: Vec<&str> = keys.iter().map(|k| k.as_ref()).collect();
+        let (staging, engine) = (&self.inner.staging, &self.inner.engine);
+        let dst = |_: usize, v: &ObjectView| {
+            if v.size >= LEND_BYTES_MIN
+                && let Some((addr, t)) = alloc(v.size)
+            {
+                let keep = Arc::new(t);
+                if let Some(l) = Lent::register(engine, addr, v.size, keep.clone()) {
+                    return Ok(((addr, v.size), Dst::Lent(keep, l)));
+                }
+            }
+            let s = staging.take(v.size as usize)?;
+            Ok(((s.buffer().addr(), v.size), Dst::Staged(s)))
+        };
+        self.get_items(&keys, dst)
+            .await
+            .into_iter()
+            .map(|r| {
+                let (len, _, d) = r?;
+                match d {
+                    Dst::Staged(staged) => {
+                        Ok(Fetched::Staged(StagedBytes { staged, len: len as usize }))
+                    }
+                    Dst::Lent(keep, lent) => {
+                        drop(lent);
+                        Ok(Fetched::Lent(keep, len as usize))
+                    }
+                }
+            })
             .collect()
     }
 

@@ -15,7 +15,8 @@ pub mod node;
 mod staging;
 
 pub use client::{
-    Client, ClientConfig, GetInto, ObjectInfo, PutFrom, PutOptions, StagedBytes, pipeline_chunks,
+    Client, ClientConfig, Fetched, GetInto, Keeper, LEND_BYTES_MIN, ObjectInfo, PutFrom,
+    PutOptions, StagedBytes, pipeline_chunks,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use kvfs_proto::store::{
@@ -23,4 +24,4 @@ pub use kvfs_proto::store::{
     RenameItem, RenameMode, ReplicaDesc, Strategy, Tier,
 };
 pub use node::{Node, NodeConfig, NodeStats, TierConfig};
-pub use staging::advise_huge_pages;
+pub use staging::{advise_huge_pages, prefault};

@@ -213,12 +213,20 @@ impl PyClient {
             put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum),
         )?;
         let s = raise(py, live(&self.slot))?;
-        let view = View::new(value, false)?;
-        let data = view.bytes();
+        let views = [Arc::new(View::new(value, false)?)];
+        let items = [(key, views[0].bytes())];
         raise(
             py,
             runtime::call(py, "put", s.call_timeout, async {
-                s.client.put(key, data, &opts).await.map_err(Failure::from)
+                let r = s.client.put_batch_lent(&items, &opts, keepers(&views)).await.pop();
+                r.unwrap_or_else(|| {
+                    Err(kvfs_client::Error::new(
+                        kvfs_client::ErrorKind::Internal,
+                        "put",
+                        "no result",
+                    ))
+                })
+                .map_err(Failure::from)
             }),
         )
     }
@@ -245,17 +253,19 @@ impl PyClient {
             put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum),
         )?;
         let s = raise(py, live(&self.slot))?;
-        let views: Vec<View> =
-            values.try_iter()?.map(|v| View::new(&v?, false)).collect::<PyResult<_>>()?;
+        let views: Vec<Arc<View>> = values
+            .try_iter()?
+            .map(|v| View::new(&v?, false).map(Arc::new))
+            .collect::<PyResult<_>>()?;
         if views.len() != keys.len() {
             return Err(pyo3::exceptions::PyValueError::new_err(
                 "keys and values must have the same length",
             ));
         }
         let items: Vec<(&str, &[u8])> =
-            keys.iter().map(String::as_str).zip(views.iter().map(View::bytes)).collect();
+            keys.iter().map(String::as_str).zip(views.iter().map(|v| v.bytes())).collect();
         let r = runtime::call(py, "put", s.call_timeout, async {
-            Ok(s.client.put_batch(&items, &opts).await)
+            Ok(s.client.put_batch_lent(&items, &opts, keepers(&views)).await)
         });
         let r = match r {
             Ok(v) => v.into_iter().map(|r| r.map_err(Failure::from)).collect(),
@@ -341,23 +351,31 @@ impl PyClient {
         let got = raise(
             py,
             runtime::call(py, "get", s.call_timeout, async {
-                s.client.get_staged(key).await.map_err(Failure::from)
+                let r = get_bytes(&s.client, &[key]).await.pop();
+                r.unwrap_or_else(|| {
+                    Err(kvfs_client::Error::new(
+                        kvfs_client::ErrorKind::Internal,
+                        "get",
+                        "no result",
+                    ))
+                })
+                .map_err(Failure::from)
             }),
         )?;
-        Ok(bytes_of(py, &got))
+        Ok(bytes_of_got(py, got))
     }
 
     /// Many objects' bytes: `bytes`, `None` for a missing key, or the exception instance.
     fn get_batch<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Bound<'py, PyList>> {
         let s = raise(py, live(&self.slot))?;
         let got = runtime::call(py, "get", s.call_timeout, async {
-            Ok(s.client.get_batch_staged(&keys).await)
+            Ok(get_bytes(&s.client, &keys).await)
         });
         let items: Vec<Py<PyAny>> = match got {
             Ok(v) => v
                 .into_iter()
                 .map(|r| match r.map_err(Failure::from) {
-                    Ok(b) => bytes_of(py, &b).into_any().unbind(),
+                    Ok(b) => bytes_of_got(py, b).into_any().unbind(),
                     Err(f) if f.is_not_found() => py.None(),
                     Err(f) => f.to_pyobject(py),
                 })
@@ -657,6 +675,60 @@ pub fn drop_session(s: Option<Arc<Session>>) {
 /// over memory that is all page faults when fresh) and, when large, its interior is advised to
 /// use transparent huge pages before the first touch: a fresh 64 MiB allocation otherwise costs
 /// 16384 page faults, which in a VM take longer than the copy.
+/// A new, uninitialised `bytes` object of `size` bytes for a get to fill in place (huge pages
+/// asked for before the first touch), and its buffer's address; `None` when CPython cannot
+/// allocate it (the get then stages). Called with the GIL released: it attaches for the
+/// allocation only.
+pub fn new_bytes_for(size: u64) -> Option<(u64, Py<PyBytes>)> {
+    let len = pyo3::ffi::Py_ssize_t::try_from(size).ok()?;
+    Python::attach(|py| {
+        // SAFETY: a NULL source asks CPython for an uninitialised bytes object of `len` bytes;
+        // it returns a new reference or NULL with an exception set.
+        let raw = unsafe { pyo3::ffi::PyBytes_FromStringAndSize(std::ptr::null(), len) };
+        if raw.is_null() {
+            let _ = PyErr::take(py);
+            return None;
+        }
+        // SAFETY: `raw` is a live bytes object we own; its buffer holds `len` bytes.
+        let addr = unsafe { pyo3::ffi::PyBytes_AsString(raw) } as u64;
+        // SAFETY: `raw` is a new reference; nobody else sees the object until the get returns
+        // it, so the engine may fill its buffer.
+        let b: Bound<'_, PyBytes> = unsafe { Bound::from_owned_ptr(py, raw).cast_into_unchecked() };
+        Some((addr, b.unbind()))
+    })
+    .inspect(|&(addr, _)| {
+        // Outside the GIL: faulting in tens of MiB takes milliseconds.
+        kvfs_client::advise_huge_pages(addr as usize, size as usize);
+        kvfs_client::prefault(addr as usize, size as usize);
+    })
+}
+
+/// What a get of bytes gives: a staging buffer to copy once, or the filled bytes object.
+pub type GotBytes = kvfs_client::Fetched<Py<PyBytes>>;
+
+/// Gets objects as `bytes`: large ones are read straight into new bytes objects (no copy
+/// after the transfer), small ones through staging.
+pub async fn get_bytes<K: AsRef<str>>(
+    client: &kvfs_client::Client,
+    keys: &[K],
+) -> Vec<kvfs_client::Result<GotBytes>> {
+    client.get_batch_lent(keys, new_bytes_for).await
+}
+
+/// The `bytes` of a get.
+pub fn bytes_of_got<'py>(py: Python<'py>, got: GotBytes) -> Bound<'py, PyBytes> {
+    match got {
+        kvfs_client::Fetched::Staged(b) => bytes_of(py, &b),
+        kvfs_client::Fetched::Lent(b, _) => b.clone_ref(py).into_bound(py),
+    }
+}
+
+/// A keeper for each value of a put: the export that keeps its bytes valid while the engine
+/// writes them straight from the caller's object (see `Client::put_batch_lent`).
+pub fn keepers(views: &[Arc<View>]) -> impl Fn(usize) -> Option<kvfs_client::Keeper> + '_ {
+    move |i| views.get(i).map(|v| v.clone() as kvfs_client::Keeper)
+}
+
 pub fn bytes_of<'py>(py: Python<'py>, b: &[u8]) -> Bound<'py, PyBytes> {
     let n = b.len();
     let Ok(len) = pyo3::ffi::Py_ssize_t::try_from(n) else { return PyBytes::new(py, b) };

@@ -34,7 +34,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use crate::client::{bytes_of, live};
+use crate::client::{bytes_of_got, get_bytes, keepers, live};
 use crate::errors::{Failure, code, log_code};
 use crate::memory::{self, BufferHandle, View};
 use crate::runtime;
@@ -454,8 +454,18 @@ impl MooncakeCore {
         cfg: Option<Cfg>,
         upsert: bool,
     ) -> PyResult<i64> {
-        let view = View::new(value, false)?;
-        Ok(self.put_parts_inner(py, key, &[view.bytes()], cfg, upsert))
+        let views = [Arc::new(View::new(value, false)?)];
+        let opts = match options(cfg, upsert) {
+            Ok(o) => o,
+            Err(f) => return Ok(log_code("put", &f)),
+        };
+        let items = [(key, views[0].bytes())];
+        let views = &views;
+        let c = self.code_call(py, "put", move |s: Arc<Session>| async move {
+            let r = s.client.put_batch_lent(&items, &opts, keepers(views)).await;
+            r.into_iter().find_map(Result::err).map_or(Ok(()), |e| Err(Failure::from(e)))
+        });
+        Ok(upsert_rc(upsert, c))
     }
 
     #[pyo3(signature = (key, parts, cfg=None, upsert=false))]
@@ -482,7 +492,7 @@ impl MooncakeCore {
         cfg: Option<Cfg>,
         upsert: bool,
     ) -> PyResult<i64> {
-        let vs = views(values)?;
+        let vs: Vec<Arc<View>> = views(values)?.into_iter().map(Arc::new).collect();
         if vs.len() != keys.len() {
             return Ok(code::INVALID_PARAMS);
         }
@@ -491,9 +501,10 @@ impl MooncakeCore {
             Err(f) => return Ok(log_code("put", &f)),
         };
         let items: Vec<(&str, &[u8])> =
-            keys.iter().map(String::as_str).zip(vs.iter().map(View::bytes)).collect();
+            keys.iter().map(String::as_str).zip(vs.iter().map(|v| v.bytes())).collect();
+        let vs = &vs;
         let c = self.code_call(py, "put", move |s: Arc<Session>| async move {
-            let r = s.client.put_batch(&items, &opts).await;
+            let r = s.client.put_batch_lent(&items, &opts, keepers(vs)).await;
             r.into_iter().find_map(Result::err).map_or(Ok(()), |e| Err(Failure::from(e)))
         });
         Ok(upsert_rc(upsert, c))
@@ -572,11 +583,19 @@ impl MooncakeCore {
     fn get<'py>(&self, py: Python<'py>, key: &str) -> Bound<'py, PyBytes> {
         let r = self.session().and_then(|s| {
             runtime::call(py, "get", s.call_timeout, async {
-                s.client.get_staged(key).await.map_err(Failure::from)
+                let r = get_bytes(&s.client, &[key]).await.pop();
+                r.unwrap_or_else(|| {
+                    Err(kvfs_client::Error::new(
+                        kvfs_client::ErrorKind::Internal,
+                        "get",
+                        "no result",
+                    ))
+                })
+                .map_err(Failure::from)
             })
         });
         match r {
-            Ok(b) => bytes_of(py, &b),
+            Ok(b) => bytes_of_got(py, b),
             Err(f) => {
                 log_code("get", &f);
                 PyBytes::new(py, b"")
@@ -590,13 +609,13 @@ impl MooncakeCore {
             return PyList::new(py, [PyBytes::new(py, b"")]);
         };
         let r = runtime::call(py, "get", s.call_timeout, async {
-            Ok(s.client.get_batch_staged(&keys).await)
+            Ok(get_bytes(&s.client, &keys).await)
         });
         let items: Vec<Bound<'py, PyBytes>> = match r {
             Ok(v) => v
                 .into_iter()
                 .map(|r| match r {
-                    Ok(b) => bytes_of(py, &b),
+                    Ok(b) => bytes_of_got(py, b),
                     Err(e) => {
                         log_code("get", &Failure::from(e));
                         PyBytes::new(py, b"")

@@ -330,10 +330,19 @@ def test_local_buffer_size_bounds_staging(cluster, key):
     finally:
         zero.close()
     small = MooncakeDistributedStore()
-    assert small.setup("localhost", "P2PHANDSHAKE", 0, "1MB", "tcp", "", cluster.master) == 0
+    assert small.setup("localhost", "P2PHANDSHAKE", 0, "64KB", "tcp", "", cluster.master) == 0
     try:
-        assert small.put(key + "-big", b"x" * (2 << 20)) == INVALID_PARAMS
-        assert small.put(key + "-ok", b"x" * (1 << 20)) == 0
+        assert small.put(key + "-big", b"x" * (128 << 10)) == INVALID_PARAMS
+        assert small.put(key + "-ok", b"x" * (64 << 10)) == 0
+        # Values from 256 KiB move straight from and into the caller's objects: no staging.
+        large = np.random.default_rng(7).integers(0, 255, 2 << 20, dtype=np.uint8).tobytes()
+        assert small.put(key + "-large", large) == 0
+        assert small.get(key + "-large") == large
+        assert small.get_batch([key + "-large", key + "-ok"]) == [large, b"x" * (64 << 10)]
+        huge = large * 12  # 24 MiB: striped over several connections
+        assert small.put(key + "-huge", huge) == 0
+        for _ in range(3):
+            assert small.get(key + "-huge") == huge
     finally:
         small.close()
 

@@ -105,10 +105,15 @@ def test_embedded_segment_and_endpoint(cluster, key):
 
 
 def test_staging_bound(cluster, key):
-    with kvfs.Client(cluster.master, staging_bytes_max=1 << 20) as c:
+    with kvfs.Client(cluster.master, staging_bytes_max=64 << 10) as c:
         with pytest.raises(kvfs.InvalidArgumentError):
-            c.put(key, bytes(2 << 20))
-        c.put(key, bytes(1 << 20))
+            c.put(key, bytes(128 << 10))
+        c.put(key, bytes(64 << 10))
+        # Values from 256 KiB are written from (and read into) the caller's objects: no staging.
+        big = bytes(range(256)) * (8 << 10)
+        c.put(key + "-big", big)
+        assert c.get(key + "-big") == big
+        assert c.get_batch([key + "-big", key]) == [big, bytes(64 << 10)]
 
 
 def test_master_reference_flags_took_effect(cluster):

@@ -431,12 +431,16 @@ async fn reader(mut rd: OwnedReadHalf, st: Arc<ConnState>) {
             let _ = p.done.send(Err(err.clone()));
             return st.kill(err);
         }
-        match receive_reply(&mut rd, &p, &reply).await {
+        let r = receive_reply(&mut rd, &p, &reply).await;
+        // Let go of the job's memory before its caller learns it is done.
+        let Pending { done, _holds, .. } = p;
+        drop(_holds);
+        match r {
             Ok(outcome) => {
-                let _ = p.done.send(outcome);
+                let _ = done.send(outcome);
             }
             Err(err) => {
-                let _ = p.done.send(Err(err.clone()));
+                let _ = done.send(Err(err.clone()));
                 return st.kill(err);
             }
         }
