@@ -409,7 +409,9 @@ async fn read_exact_vectored(
     Ok(())
 }
 
-async fn reader(mut rd: OwnedReadHalf, st: Arc<ConnState>) {
+async fn reader(rd: OwnedReadHalf, st: Arc<ConnState>) {
+    // Small replies (header and payload) come in with one system call.
+    let mut rd = Inbound::new(rd);
     let mut hb = [0u8; DataReply::SIZE];
     loop {
         if let Err(e) = rd.read_exact(&mut hb).await {
@@ -449,7 +451,7 @@ async fn reader(mut rd: OwnedReadHalf, st: Arc<ConnState>) {
 
 /// Reads whatever follows a reply header; the outer `Err` means the stream is out of step.
 async fn receive_reply(
-    rd: &mut OwnedReadHalf,
+    rd: &mut Inbound,
     p: &Pending,
     reply: &DataReply,
 ) -> Result<Result<Outcome>> {
@@ -494,9 +496,7 @@ async fn receive_reply(
                         })
                     })
                     .collect();
-                read_exact_vectored(rd, &mut dsts)
-                    .await
-                    .map_err(|e| Error::io("tcp receive", e))?;
+                rd.read_exact_vectored(&mut dsts).await.map_err(|e| Error::io("tcp receive", e))?;
             }
             Ok(Ok(Outcome::Ranges(statuses)))
         }
@@ -966,7 +966,8 @@ impl Replies {
 }
 
 async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::io::Result<()> {
-    let (mut rd, wr) = stream.into_split();
+    let (rd, wr) = stream.into_split();
+    let mut rd = Inbound::new(rd);
     let mut out = Replies::new(wr);
     let mut hb = [0u8; DataHeader::SIZE];
     loop {
@@ -1007,22 +1008,16 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
     }
 }
 
-/// Reads the next request header; takes it at once when it is already there, and sends the
-/// held-back replies before waiting for it. `false` at a clean end of stream.
+/// Reads the next request header: from what the last read already brought in, or, when that
+/// is used up, after sending the held-back replies (the socket is then as good as drained:
+/// waiting for more without answering would only add latency). `false` at a clean end of
+/// stream.
 async fn next_header(
-    rd: &mut OwnedReadHalf,
+    rd: &mut Inbound,
     out: &mut Replies,
     hb: &mut [u8; DataHeader::SIZE],
 ) -> std::io::Result<bool> {
-    let got = match rd.try_read(hb) {
-        Ok(0) => {
-            out.flush().await?;
-            return Ok(false);
-        }
-        Ok(n) => n,
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
-        Err(e) => return Err(e),
-    };
+    let got = rd.take_buffered(hb);
     if got < hb.len() {
         out.flush().await?;
         match rd.read_exact(&mut hb[got..]).await {
@@ -1036,13 +1031,75 @@ async fn next_header(
     Ok(true)
 }
 
+/// The read side of a served connection, with a small buffer: one system call brings in a
+/// request's header, its guard or range table and whatever requests are queued behind it;
+/// payloads larger than the buffer go straight into their destination.
+struct Inbound {
+    rd: OwnedReadHalf,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+/// Bytes an `Inbound` reads ahead at most.
+const INBOUND_BUFFER_BYTES: usize = 16 << 10;
+
+impl Inbound {
+    fn new(rd: OwnedReadHalf) -> Inbound {
+        Inbound { rd, buf: vec![0u8; INBOUND_BUFFER_BYTES].into_boxed_slice(), start: 0, end: 0 }
+    }
+
+    /// Copies what is buffered into `dst`; returns how much.
+    fn take_buffered(&mut self, dst: &mut [u8]) -> usize {
+        let n = dst.len().min(self.end - self.start);
+        dst[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+        self.start += n;
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        }
+        n
+    }
+
+    async fn read_exact(&mut self, dst: &mut [u8]) -> std::io::Result<()> {
+        let mut got = self.take_buffered(dst);
+        while got < dst.len() {
+            if dst.len() - got >= self.buf.len() {
+                self.rd.read_exact(&mut dst[got..]).await?;
+                return Ok(());
+            }
+            let n = self.rd.read(&mut self.buf).await?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            (self.start, self.end) = (0, n);
+            got += self.take_buffered(&mut dst[got..]);
+        }
+        Ok(())
+    }
+
+    /// Fills every byte of `bufs`: the buffered bytes first, the rest straight from the socket.
+    async fn read_exact_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> std::io::Result<()> {
+        let mut taken = 0;
+        for b in bufs.iter_mut() {
+            let n = self.take_buffered(b);
+            taken += n;
+            if n < b.len() {
+                break;
+            }
+        }
+        let mut rest = bufs;
+        IoSliceMut::advance_slices(&mut rest, taken);
+        read_exact_vectored(&self.rd, rest).await
+    }
+}
+
 /// The region holding a remotely accessible range, if any.
 fn remote_region(shared: &Shared, addr: u64, len: u64) -> Option<Region> {
     shared.registry.find(addr, len).filter(|r| r.remote)
 }
 
 async fn serve_write(
-    rd: &mut OwnedReadHalf,
+    rd: &mut Inbound,
     shared: &Shared,
     hdr: &DataHeader,
 ) -> std::io::Result<DataStatus> {
@@ -1080,7 +1137,7 @@ async fn serve_read(out: &mut Replies, shared: &Shared, hdr: &DataHeader) -> std
 
 /// Reads and checks a pack's range table; `Err` (closing the connection) when it is malformed.
 async fn read_table(
-    rd: &mut OwnedReadHalf,
+    rd: &mut Inbound,
     shared: &Shared,
     hdr: &DataHeader,
 ) -> std::io::Result<Vec<(u64, u64)>> {
@@ -1114,7 +1171,7 @@ fn range_status(shared: &Shared, addr: u64, len: u64) -> (DataStatus, Option<Reg
 }
 
 async fn serve_read_pack(
-    rd: &mut OwnedReadHalf,
+    rd: &mut Inbound,
     out: &mut Replies,
     shared: &Shared,
     hdr: &DataHeader,
@@ -1137,7 +1194,7 @@ async fn serve_read_pack(
 }
 
 async fn serve_write_pack(
-    rd: &mut OwnedReadHalf,
+    rd: &mut Inbound,
     out: &mut Replies,
     shared: &Shared,
     hdr: &DataHeader,
@@ -1168,7 +1225,7 @@ async fn serve_write_pack(
                 })
             })
             .collect();
-        read_exact_vectored(rd, &mut dsts).await?;
+        rd.read_exact_vectored(&mut dsts).await?;
     }
     let mut reply = DataReply { status: DataStatus::Ok, id: hdr.id, len: ranges.len() as u64 }
         .encode()
@@ -1179,7 +1236,7 @@ async fn serve_write_pack(
 }
 
 async fn serve_notify(
-    rd: &mut OwnedReadHalf,
+    rd: &mut Inbound,
     shared: &Shared,
     hdr: &DataHeader,
     from: &str,
@@ -1198,7 +1255,7 @@ async fn serve_notify(
 
 /// Reads and discards `len` bytes, or fails when that is more than `max` (the stream is then
 /// closed by the caller: resynchronising would cost more than reconnecting).
-async fn drain(rd: &mut OwnedReadHalf, len: u64, max: u64) -> std::io::Result<()> {
+async fn drain(rd: &mut Inbound, len: u64, max: u64) -> std::io::Result<()> {
     if len > max {
         return Err(std::io::Error::other(format!(
             "refused payload of {len} bytes is too large to drain"
