@@ -5,9 +5,10 @@
 //! master calls it (commit and drop records). Every request takes the directory lock once,
 //! computes its answer and the node effects, releases the lock, then delivers the effects:
 //! `Commit` records are awaited before a `PutEnd` is answered (so what a client was told is
-//! complete is what the nodes will re-report after a master restart), `Drop` records are sent
-//! without waiting (a lost drop only leaves a stale entry that the node's next registration
-//! resolves), except those of objects under a live read lease: a reader may read a location
+//! complete is what the nodes will re-report after a master restart), `Drop` records are queued
+//! per node and sent in one call every few milliseconds, ahead of any other record or call to
+//! that node so that the node sees them in order (a lost drop only leaves a stale entry that
+//! the node's next registration resolves), except those of objects under a live read lease: a reader may read a location
 //! it cached through the node (a guarded read the node checks against its index), so those
 //! are delivered before the call that removed the name is answered. A timer revokes expired puts, expires silent nodes and runs eviction passes.
 //!
@@ -118,6 +119,11 @@ pub(crate) struct State {
     started_ms: u64,
     recovering_until_ms: AtomicU64,
     tiers: tiers::TierState,
+    /// Drops no reader can be waiting for, per node, sent in batches (see `deliver`).
+    queued_drops: Mutex<HashMap<u64, Vec<DropItem>>>,
+    /// Held by whoever sends a node its records, so they reach it in the order they were
+    /// made: queued drops first, then the records of the call that took them.
+    record_locks: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl State {
@@ -245,10 +251,13 @@ impl MasterService {
             started_ms: now_ms(),
             recovering_until_ms: AtomicU64::new(0),
             tiers: tiers::TierState::new(object_store),
+            queued_drops: Mutex::new(HashMap::new()),
+            record_locks: Mutex::new(HashMap::new()),
         });
         let mut tasks = vec![tokio::spawn(accept_loop(listener, state.clone()))];
         tasks.push(tokio::spawn(tiers::scan(state.clone())));
         tasks.push(tokio::spawn(timer(state.clone())));
+        tasks.push(tokio::spawn(flush_drops(state.clone())));
         if let Some(l) = admin {
             tasks.push(tokio::spawn(http::serve(l, state.clone())));
         }
@@ -709,8 +718,95 @@ fn watch_node(state: &Arc<State>, node: u64, conn: RpcConn) {
 }
 
 /// Sends node effects, grouped into one commit and one drop call per node.
+/// Drops queued for one node at most before they are sent at once.
+const DROPS_QUEUED_MAX: usize = 4096;
+/// How often queued drops are sent.
+const DROPS_FLUSH_MS: u64 = 5;
+
+impl State {
+    fn record_lock(&self, node: u64) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self.record_locks.lock().unwrap_or_else(|e| e.into_inner());
+        locks.entry(node).or_default().clone()
+    }
+
+    fn take_queued_drops(&self, node: u64) -> Vec<DropItem> {
+        let mut q = self.queued_drops.lock().unwrap_or_else(|e| e.into_inner());
+        q.remove(&node).unwrap_or_default()
+    }
+}
+
+/// Sends the queued drops every few milliseconds, one call per node.
+async fn flush_drops(state: Arc<State>) {
+    let mut every = tokio::time::interval(Duration::from_millis(DROPS_FLUSH_MS));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let nodes: Vec<u64> = {
+            let q = state.queued_drops.lock().unwrap_or_else(|e| e.into_inner());
+            q.iter().filter(|(_, d)| !d.is_empty()).map(|(n, _)| *n).collect()
+        };
+        for node in nodes {
+            // An empty delivery to the node: its call sends what is queued, in order.
+            let st = state.clone();
+            tokio::spawn(async move { send_records(&st, node, Records::default()).await });
+        }
+        let known: Vec<u64> =
+            state.nodes.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
+        let mut q = state.queued_drops.lock().unwrap_or_else(|e| e.into_inner());
+        // Drops for nodes that are gone have nobody to go to.
+        q.retain(|n, d| !d.is_empty() && known.contains(n));
+        drop(q);
+        state
+            .record_locks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|n, l| known.contains(n) || Arc::strong_count(l) > 1);
+    }
+}
+
+/// Sends one node its records, after the drops queued for it, under its record lock.
+pub(crate) async fn send_records(st: &State, node: u64, (commits, drops, renames): Records) {
+    let timeout = Duration::from_millis(st.cfg.node_call_timeout_ms);
+    let conn = st.nodes.lock().unwrap_or_else(|e| e.into_inner()).get(&node).cloned();
+    let Some(conn) = conn else {
+        st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(node, "no connection to node for its commit/drop records");
+        return;
+    };
+    let lock = st.record_lock(node);
+    let _order = lock.lock().await;
+    let queued = st.take_queued_drops(node);
+    // Queued drops first (they are older than these records), then commits, drops and
+    // renames.
+    let reqs = [
+        (queued.is_empty(), NodeRequest::Drop(queued)),
+        (commits.is_empty(), NodeRequest::Commit(commits)),
+        (drops.is_empty(), NodeRequest::Drop(drops)),
+        (renames.is_empty(), NodeRequest::Rename(renames)),
+    ];
+    for (empty, req) in reqs {
+        if empty {
+            continue;
+        }
+        match conn.call::<_, NodeResponse>(&req, timeout).await {
+            Ok(NodeResponse::Done) => {}
+            Ok(other @ (NodeResponse::Persisted(_) | NodeResponse::Loaded(_))) => {
+                tracing::warn!(node, answer = ?other, "unexpected answer to records");
+            }
+            Ok(NodeResponse::Refused(e)) => {
+                st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(node, error = %e.message, "node refused records");
+            }
+            Err(e) => {
+                st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(node, error = %e, "node call failed");
+            }
+        }
+    }
+}
+
 /// The records one node is sent: commits, drops, renames (in that order).
-type Records = (Vec<CommitItem>, Vec<DropItem>, Vec<RenameRecord>);
+pub(crate) type Records = (Vec<CommitItem>, Vec<DropItem>, Vec<RenameRecord>);
 
 async fn deliver(state: &Arc<State>, fx: Vec<NodeEffect>, wait: bool) {
     if fx.is_empty() {
@@ -724,6 +820,7 @@ async fn deliver(state: &Arc<State>, fx: Vec<NodeEffect>, wait: bool) {
             |e| matches!(e, NodeEffect::Drop { readers_until_ms, .. } if *readers_until_ms > now),
         );
     let mut per_node: HashMap<u64, Records> = HashMap::new();
+    let queue = !wait;
     for e in fx {
         let slot = per_node.entry(e.node().0).or_default();
         match e {
@@ -760,43 +857,23 @@ async fn deliver(state: &Arc<State>, fx: Vec<NodeEffect>, wait: bool) {
             }
         }
     }
-    let timeout = Duration::from_millis(state.cfg.node_call_timeout_ms);
-    let mut calls = Vec::new();
-    for (node, (commits, drops, renames)) in per_node {
-        let conn = state.nodes.lock().unwrap_or_else(|e| e.into_inner()).get(&node).cloned();
-        let Some(conn) = conn else {
-            state.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(node, "no connection to node for its commit/drop records");
-            continue;
-        };
-        let st = state.clone();
-        calls.push(async move {
-            // Drops first: a rename may replace an object the node holds under the new name.
-            let reqs = [
-                (commits.is_empty(), NodeRequest::Commit(commits)),
-                (drops.is_empty(), NodeRequest::Drop(drops)),
-                (renames.is_empty(), NodeRequest::Rename(renames)),
-            ];
-            for (empty, req) in reqs {
-                if empty {
-                    continue;
-                }
-                match conn.call::<_, NodeResponse>(&req, timeout).await {
-                    Ok(NodeResponse::Done) => {}
-                    Ok(other @ (NodeResponse::Persisted(_) | NodeResponse::Loaded(_))) => {
-                        tracing::warn!(node, answer = ?other, "unexpected answer to records");
-                    }
-                    Ok(NodeResponse::Refused(e)) => {
-                        st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(node, error = %e.message, "node refused records");
-                    }
-                    Err(e) => {
-                        st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(node, error = %e, "node call failed");
-                    }
-                }
+    if queue {
+        // Drops alone that no reader waits for go out in the next batch to their node: a
+        // removal costs the node nothing until then, and the caller no extra work.
+        let mut q = state.queued_drops.lock().unwrap_or_else(|e| e.into_inner());
+        per_node.retain(|node, (commits, drops, renames)| {
+            if !commits.is_empty() || !renames.is_empty() {
+                return true;
             }
+            let slot = q.entry(*node).or_default();
+            slot.append(drops);
+            slot.len() >= DROPS_QUEUED_MAX
         });
+    }
+    let mut calls = Vec::new();
+    for (node, records) in per_node {
+        let st = state.clone();
+        calls.push(async move { send_records(&st, node, records).await });
     }
     if !wait {
         for c in calls {

@@ -117,6 +117,9 @@ async fn call_node(
     req: &NodeRequest,
     timeout_ms: u64,
 ) -> Result<NodeResponse, WireError> {
+    // The node applies the drops queued for it first: a load may land in a range it still
+    // names under an object the master dropped.
+    super::send_records(state, node.0, super::Records::default()).await;
     let conn = lock(&state.nodes).get(&node.0).cloned();
     let Some(conn) = conn else {
         return Err(wire_err(ErrorCode::Unavailable, format!("no connection to node {}", node.0)));
