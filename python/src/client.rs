@@ -218,15 +218,7 @@ impl PyClient {
         raise(
             py,
             runtime::call(py, "put", s.call_timeout, async {
-                let r = s.client.put_batch_lent(&items, &opts, keepers(&views)).await.pop();
-                r.unwrap_or_else(|| {
-                    Err(kvfs_client::Error::new(
-                        kvfs_client::ErrorKind::Internal,
-                        "put",
-                        "no result",
-                    ))
-                })
-                .map_err(Failure::from)
+                only("put", s.client.put_batch_lent(&items, &opts, keepers(&views)).await)
             }),
         )
     }
@@ -351,15 +343,7 @@ impl PyClient {
         let got = raise(
             py,
             runtime::call(py, "get", s.call_timeout, async {
-                let r = get_bytes(&s.client, &[key]).await.pop();
-                r.unwrap_or_else(|| {
-                    Err(kvfs_client::Error::new(
-                        kvfs_client::ErrorKind::Internal,
-                        "get",
-                        "no result",
-                    ))
-                })
-                .map_err(Failure::from)
+                only("get", get_bytes(&s.client, &[key]).await)
             }),
         )?;
         Ok(bytes_of_got(py, got))
@@ -713,6 +697,14 @@ pub async fn get_bytes<K: AsRef<str>>(
     keys: &[K],
 ) -> Vec<kvfs_client::Result<GotBytes>> {
     client.get_batch_lent(keys, new_bytes_for).await
+}
+
+/// The one result of a one-item batch call.
+pub fn only<T>(op: &'static str, mut v: Vec<kvfs_client::Result<T>>) -> Result<T, Failure> {
+    let r = v.pop().unwrap_or_else(|| {
+        Err(kvfs_client::Error::new(kvfs_client::ErrorKind::Internal, op, "no result"))
+    });
+    r.map_err(Failure::from)
 }
 
 /// The `bytes` of a get.

@@ -34,7 +34,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use crate::client::{bytes_of_got, get_bytes, keepers, live};
+use crate::client::{bytes_of_got, get_bytes, keepers, live, only};
 use crate::errors::{Failure, code, log_code};
 use crate::memory::{self, BufferHandle, View};
 use crate::runtime;
@@ -583,15 +583,7 @@ impl MooncakeCore {
     fn get<'py>(&self, py: Python<'py>, key: &str) -> Bound<'py, PyBytes> {
         let r = self.session().and_then(|s| {
             runtime::call(py, "get", s.call_timeout, async {
-                let r = get_bytes(&s.client, &[key]).await.pop();
-                r.unwrap_or_else(|| {
-                    Err(kvfs_client::Error::new(
-                        kvfs_client::ErrorKind::Internal,
-                        "get",
-                        "no result",
-                    ))
-                })
-                .map_err(Failure::from)
+                only("get", get_bytes(&s.client, &[key]).await)
             })
         });
         match r {
