@@ -768,6 +768,7 @@ impl Client {
         for attempt in 0..2 {
             let ks: Vec<&str> = todo.iter().map(|&i| keys[i]).collect();
             let (sources, sent) = self.sources(&ks, attempt == 0).await;
+            let mut retry = Vec::new();
             let mut plain = Vec::new();
             let mut cached = Vec::new();
             for (&i, src) in todo.iter().zip(sources) {
@@ -779,6 +780,12 @@ impl Client {
                     }
                 };
                 match dst(i, &src.view) {
+                    Ok((d, t)) if src.cached && src.view.size > d.1 => {
+                        // The cached size may be a replaced version's: ask the master.
+                        drop(t);
+                        self.inner.locations.forget(keys[i]);
+                        retry.push(i);
+                    }
                     Ok((d, t)) if src.view.size > d.1 => {
                         drop(t);
                         let detail =
@@ -803,7 +810,6 @@ impl Client {
                 self.read_views(views, &dsts),
             )
             .await;
-            let mut retry = Vec::new();
             for ((i, v, _, t), r) in cached.into_iter().zip(guarded) {
                 match r {
                     Ok(()) => out[i] = Some(Ok((v.size, v.version, t))),

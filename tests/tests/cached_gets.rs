@@ -85,6 +85,18 @@ async fn cached_locations_serve_repeat_gets_and_never_outlive_the_name() {
     }
     let small = reader.get_into("d", buf.addr(), 1000).await.unwrap_err();
     assert_eq!(small.kind(), ErrorKind::BufferTooSmall);
+    // A replaced object that now fits a buffer its cached size did not: the master decides.
+    assert_eq!(reader.get("d").await.unwrap(), v3);
+    assert_eq!(reader.get("d").await.unwrap(), v3);
+    writer.remove("d", true).await.unwrap();
+    let v5 = content(5, 50_000);
+    writer.put("d", &v5, &PutOptions::default()).await.unwrap();
+    assert_eq!(reader.get_into("d", buf.addr(), 60_000).await.unwrap(), 50_000);
+    // SAFETY: the read above has completed.
+    assert_eq!(unsafe { &buf.as_slice()[..50_000] }, &v5[..]);
+    writer.remove("d", true).await.unwrap();
+    writer.put("d", &v3, &PutOptions::default()).await.unwrap();
+    assert_eq!(reader.get("d").await.unwrap(), v3);
 
     // An upsert is refused while a read lease protects the object, as before.
     let v4 = content(4, 50_000);
