@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 
-use super::{Directory, NIL, list_of};
+use super::{Directory, NIL, key_reader, list_of};
 use crate::types::{NodeId, Tier};
 
 impl Directory {
@@ -24,13 +24,16 @@ impl Directory {
                 self.order.len()
             ));
         }
-        for key in &self.order {
-            let id = self.lookup(key).ok_or_else(|| format!("ordered key {key:?} not indexed"))?;
-            if *self.objects[id].key != **key {
-                return Err(format!("index maps {key:?} to another object"));
+        for id in self.order.iter() {
+            if self.objects.get(id).is_none() {
+                return Err(format!("ordered id {id} is no object"));
+            }
+            let key = String::from_utf8_lossy(self.key(id));
+            if self.lookup(&key) != Some(id) {
+                return Err(format!("ordered key {key:?} is not indexed as object {id}"));
             }
         }
-        Ok(())
+        self.order.check(key_reader(&self.objects, &self.keys))
     }
 
     /// Per object: >= 1 replica, back-pointers, one replica per (node, tier), tier counters.
@@ -40,23 +43,23 @@ impl Directory {
         let (mut replicas, mut bytes) = ([0u64; 4], [0u64; 4]);
         let mut reps_seen = 0;
         for (id, o) in self.objects.iter() {
+            let key = String::from_utf8_lossy(self.key(id));
             if self.is_orphan(id) {
-                return Err(format!("object {:?} has no replica", o.key));
+                return Err(format!("object {key:?} has no replica"));
             }
             let mut placed: Vec<(NodeId, Tier)> = Vec::new();
             let mut rep = o.first_rep;
             while rep != NIL {
-                let r =
-                    self.reps.get(rep).ok_or_else(|| format!("{:?}: dangling replica", o.key))?;
+                let r = self.reps.get(rep).ok_or_else(|| format!("{key:?}: dangling replica"))?;
                 if r.obj != id {
-                    return Err(format!("{:?}: replica points at object {}", o.key, r.obj));
+                    return Err(format!("{key:?}: replica points at object {}", r.obj));
                 }
                 let s = self.segments.get(r.seg.get() as usize).and_then(Option::as_ref);
-                let s = s.ok_or_else(|| format!("{:?}: replica on a removed segment", o.key))?;
+                let s = s.ok_or_else(|| format!("{key:?}: replica on a removed segment"))?;
                 if placed.contains(&(s.node, s.tier)) {
                     return Err(format!(
-                        "{:?}: two replicas on node {} in {:?}",
-                        o.key, s.node.0, s.tier
+                        "{key:?}: two replicas on node {} in {:?}",
+                        s.node.0, s.tier
                     ));
                 }
                 placed.push((s.node, s.tier));
@@ -66,7 +69,7 @@ impl Directory {
                 reps_seen += 1;
                 rep = r.obj_next;
             }
-            if o.flags.persisted {
+            if o.flags().persisted {
                 replicas[Tier::ObjectStore.index()] += 1;
                 bytes[Tier::ObjectStore.index()] += o.size;
             }
@@ -108,7 +111,7 @@ impl Directory {
                 let (mut at, mut len) = (lru.head, 0);
                 while at != NIL {
                     let r = &self.reps[at];
-                    if r.seg != seg || list_of(self.objects[r.obj].flags.pin) != list {
+                    if r.seg != seg || list_of(self.objects[r.obj].flags().pin) != list {
                         return Err(format!("segment {seg}: replica {at} on the wrong list"));
                     }
                     len += 1;

@@ -157,15 +157,16 @@ impl Directory {
     fn evict_replica(&mut self, rep: u32, fx: &mut Vec<NodeEffect>, out: &mut Eviction) {
         let id = self.reps[rep].obj;
         let size = self.objects[id].size;
+        let key = self.key_arc(id);
         let (seg, offset) = self.detach_replica(rep);
-        fx.push(self.drop_effect(&self.objects[id].key, seg, offset, size));
+        fx.push(self.drop_effect(&key, seg, offset, size));
         self.free_range(seg, offset, size);
         out.replicas += 1;
         out.bytes += size;
         self.counters.evicted_replicas += 1;
         self.counters.evicted_bytes += size;
         if self.is_orphan(id) {
-            out.removed_keys.push(self.objects[id].key.clone());
+            out.removed_keys.push(key);
             self.counters.evicted_objects += 1;
             self.forget_object(id);
         }

@@ -1,8 +1,8 @@
 //! Ordered, paged listings over the sorted key set: flat (`ls`, admin) and one directory level
 //! (FUSE `readdir`, where `/` in keys makes directories).
 //!
-//! Mechanism: `order` is a `BTreeSet<Arc<str>>`; a page is one range seek plus at most `limit`
-//! steps. `list_dir` seeks past a whole sub-directory in one step: every key under `p/d/`
+//! Mechanism: `order` holds object ids in key order (see `order.rs`); a page is one range seek
+//! plus at most `limit` steps, each reading the object's slot and its key in the arena. `list_dir` seeks past a whole sub-directory in one step: every key under `p/d/`
 //! sorts below `p/d0` (`'0'` is the byte after `'/'`), so a directory with a million entries
 //! below it costs one seek, not a million steps. Pending puts are not in `order`: listings
 //! only show complete objects.
@@ -16,7 +16,7 @@
 
 use std::ops::Bound;
 
-use super::Directory;
+use super::{Directory, key_reader, key_str};
 use crate::error::{Error, ErrorKind, Result};
 use crate::types::{DirEntry, DirPage, ListEntry, ListPage};
 
@@ -25,21 +25,22 @@ impl Directory {
     pub fn list(&self, prefix: &str, start_after: Option<&str>, limit: usize) -> Result<ListPage> {
         let limit = self.page_limit(limit, "list")?;
         let lower = match start_after {
-            Some(after) if after >= prefix => Bound::Excluded(after),
-            _ => Bound::Included(prefix),
+            Some(after) if after >= prefix => Bound::Excluded(after.as_bytes()),
+            _ => Bound::Included(prefix.as_bytes()),
         };
         let mut entries = Vec::with_capacity(limit.min(1024));
         let mut more = false;
-        for key in self.order.range::<str, _>((lower, Bound::Unbounded)) {
-            if !key.starts_with(prefix) {
+        for id in self.order.range(lower, key_reader(&self.objects, &self.keys)) {
+            let o = &self.objects[id];
+            let key = self.keys.get(o.key_pos());
+            if !key.starts_with(prefix.as_bytes()) {
                 break;
             }
             if entries.len() == limit {
                 more = true;
                 break;
             }
-            let o = &self.objects[self.lookup(key).expect("ordered keys are indexed")];
-            entries.push(ListEntry { key: key.clone(), size: o.size, version: o.version });
+            entries.push(ListEntry { key: key_str(key).into(), size: o.size, version: o.version });
         }
         let next_start_after = more.then(|| entries.last().map(|e| e.key.to_string())).flatten();
         Ok(ListPage { entries, next_start_after })
@@ -66,8 +67,10 @@ impl Directory {
         let mut more = false;
         loop {
             let mut next_seek = None;
-            let range = (seek.as_ref().map(String::as_str), Bound::Unbounded);
-            for key in self.order.range::<str, _>(range) {
+            let from = seek.as_ref().map(String::as_bytes);
+            for id in self.order.range(from, key_reader(&self.objects, &self.keys)) {
+                let o = &self.objects[id];
+                let key = key_str(self.keys.get(o.key_pos()));
                 let Some(rest) = key.strip_prefix(dir.as_str()) else { break };
                 if entries.len() == limit {
                     more = true;
@@ -79,7 +82,6 @@ impl Directory {
                     next_seek = Some(past_child(&dir, name));
                     break;
                 }
-                let o = &self.objects[self.lookup(key).expect("ordered keys are indexed")];
                 entries.push(DirEntry::Object {
                     name: rest.to_string(),
                     size: o.size,

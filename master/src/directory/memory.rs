@@ -1,16 +1,15 @@
 //! `stats()` and the estimate of the directory's own memory.
 //!
 //! The estimate counts what is allocated per object, from the real sizes of the structures:
-//! - the object slot (`Slab<Obj>`, 80 bytes) and one replica slot (`Slab<Rep>`, 32 bytes) per
+//! - the object slot (`Slab<Obj>`, 72 bytes) and one replica slot (`Slab<Rep>`, 32 bytes) per
 //!   node replica, counted exactly from the slab pages (pages of 4096 slots, no doubling);
-//! - the key: one `Arc<str>` allocation (16 bytes of counts + the key bytes) shared by the hash
-//!   index and the ordered set, counted as the glibc chunk it occupies
-//!   (`max(32, round_up(n + 8, 16))`);
+//! - the key: its bytes and a 1-byte length in the key arena, counted exactly from the arena's
+//!   chunks (64 KiB each, at least half live);
 //! - the hash index: `buckets * 5` bytes (a `u32` id and a control byte per bucket), from the
 //!   table's real capacity (load factor 7/8 right before growth, 7/16 right after);
-//! - the ordered set: std's B-tree holds 11 keys of 16 bytes per 192-byte leaf; with random
-//!   (hash) keys leaves are ~69 % full (ln 2), plus internal nodes: ~30 bytes per key. This one
-//!   is an approximation (std does not expose its node count);
+//! - the ordered set: leaves of 64 `u32` ids counted exactly, ~70 % full under random inserts
+//!   (~6 bytes per key), plus each leaf's entry in std's `BTreeMap` (an approximation: std
+//!   does not expose its node count) and its short bound;
 //! - allocator free blocks (~50 bytes each, two B-tree entries), pending puts and retired
 //!   ranges.
 //!
@@ -21,13 +20,10 @@ use super::Directory;
 use crate::types::{Stats, Tier, TierStats};
 
 /// Heap bytes of an `Arc<str>` of `len` bytes under glibc malloc (64-bit).
-pub(super) fn arc_str_heap_bytes(len: usize) -> u64 {
+fn arc_str_heap_bytes(len: usize) -> u64 {
     let request = 16 + len as u64;
     ((request + 8 + 15) & !15).max(32)
 }
-
-/// Bytes per key of std's `BTreeSet<Arc<str>>` with randomly ordered keys (see notes).
-const ORDER_BYTES_PER_KEY: u64 = 30;
 /// Bytes per free block of an allocator (one entry in each of its two B-trees).
 const ALLOC_BYTES_PER_FREE_BLOCK: u64 = 50;
 
@@ -64,7 +60,7 @@ impl Directory {
     pub fn metadata_bytes(&self) -> u64 {
         let slabs = (self.objects.heap_bytes() + self.reps.heap_bytes()) as u64;
         let index = hash_buckets(self.index.capacity()) * 5 + 16;
-        let order = self.order.len() as u64 * ORDER_BYTES_PER_KEY;
+        let order = self.order.heap_bytes();
         let pending: u64 = self
             .pending
             .iter()
@@ -83,7 +79,7 @@ impl Directory {
                     + s.alloc.free_blocks() as u64 * ALLOC_BYTES_PER_FREE_BLOCK
             })
             .sum();
-        slabs + self.key_heap_bytes + index + order + pending + retired + segments
+        slabs + self.keys.heap_bytes() + index + order + pending + retired + segments
     }
 }
 

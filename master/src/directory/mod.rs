@@ -2,10 +2,14 @@
 //! them (leases), what may be evicted, and which puts are in flight.
 //!
 //! Mechanism (memory layout, chosen for ~10^7 objects, see `memory.rs` for the figures):
-//! - objects live in a paged [`Slab`] of compact `Obj` records (80 bytes) addressed by `u32`;
-//! - `index`, a `hashbrown::HashTable<u32>`, maps a key to its object id (the key bytes are
-//!   stored once, in an `Arc<str>` shared with `order`);
-//! - `order`, a `BTreeSet<Arc<str>>`, keeps keys sorted for paged `list` / `list_dir`;
+//! - objects live in a paged [`Slab`] of compact `Obj` records (72 bytes) addressed by `u32`;
+//! - key bytes are stored once, in `keys` (`keys.rs`: packed chunks, no allocation per key);
+//!   an object holds its key's position, in one word with its flags;
+//! - `index`, a `hashbrown::HashTable<u32>`, maps a key to its object id, comparing keys
+//!   through the arena (a lookup reads the object's slot, then its key);
+//! - `order` (`order.rs`) keeps object ids sorted by key for paged `list` / `list_dir`: no
+//!   second copy of the keys;
+//! - effects and answers carry keys as `Arc<str>`, made from the arena when needed;
 //! - replicas live in their own slab (32 bytes each), chained from their object and threaded on
 //!   one of three intrusive LRU lists of their segment: unpinned, soft-pinned, hard-pinned;
 //! - pending puts live apart, in `pending`, keyed by key: they are invisible by construction,
@@ -37,9 +41,11 @@
 
 mod check;
 mod evict;
+mod keys;
 mod list;
 mod memory;
 mod nodes;
+mod order;
 mod placement;
 mod rename;
 #[cfg(test)]
@@ -48,8 +54,8 @@ mod tiers;
 
 pub use tiers::{LoadPlan, PendingView, PersistedObject, ReportOutcome};
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::num::NonZeroU32;
+use std::collections::BTreeMap;
+use std::num::{NonZeroU32, NonZeroU64};
 use std::sync::Arc;
 
 use foldhash::fast::FixedState;
@@ -79,17 +85,17 @@ fn list_of(pin: Pin) -> usize {
     }
 }
 
-/// A complete object. 80 bytes.
+/// A complete object. 72 bytes.
 #[derive(Debug)]
 struct Obj {
-    key: Arc<str>,
+    /// Where its key is in `Directory::keys`, and its flags.
+    head: Head,
     size: u64,
     version: u64,
     lease_end_ms: u64,
     checksum: [u8; 32],
     /// First of the object's node replicas (chained through `Rep::obj_next`), or `NIL`.
     first_rep: u32,
-    flags: Flags,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,10 +106,102 @@ struct Flags {
     persistence: Persistence,
 }
 
-impl Obj {
-    fn checksum(&self) -> Option<[u8; 32]> {
-        self.flags.has_checksum.then_some(self.checksum)
+impl Flags {
+    fn bits(self) -> u8 {
+        let pin = match self.pin {
+            Pin::None => 0,
+            Pin::Soft => 1,
+            Pin::Hard => 2,
+        };
+        let persistence = match self.persistence {
+            Persistence::None => 0,
+            Persistence::Lazy => 1,
+            Persistence::Eager => 2,
+        };
+        u8::from(self.has_checksum) | u8::from(self.persisted) << 1 | pin << 2 | persistence << 4
     }
+
+    fn from_bits(bits: u8) -> Flags {
+        let pin = match bits >> 2 & 3 {
+            0 => Pin::None,
+            1 => Pin::Soft,
+            _ => Pin::Hard,
+        };
+        let persistence = match bits >> 4 & 3 {
+            0 => Persistence::None,
+            1 => Persistence::Lazy,
+            _ => Persistence::Eager,
+        };
+        Flags { has_checksum: bits & 1 != 0, persisted: bits & 2 != 0, pin, persistence }
+    }
+}
+
+/// An object's key position in the key arena (bits 0..48) and its flags (bits 48..56) in one
+/// word, never zero (bit 63 is set), so that a `Slab` slot needs no tag of its own.
+#[derive(Debug, Clone, Copy)]
+struct Head(NonZeroU64);
+
+impl Head {
+    const POS_MASK: u64 = (1 << 48) - 1;
+
+    fn new(key_pos: u64, flags: Flags) -> Head {
+        assert!(key_pos <= Self::POS_MASK, "key arena past 2^48 bytes");
+        let word = 1 << 63 | u64::from(flags.bits()) << 48 | key_pos;
+        Head(NonZeroU64::new(word).expect("bit 63 is set"))
+    }
+
+    fn key_pos(self) -> u64 {
+        self.0.get() & Self::POS_MASK
+    }
+
+    fn flags(self) -> Flags {
+        Flags::from_bits((self.0.get() >> 48) as u8)
+    }
+}
+
+impl Obj {
+    /// A record with its key not stored yet (`insert_object` does).
+    fn new(size: u64, version: u64, checksum: Option<[u8; 32]>, flags: Flags) -> Obj {
+        let flags = Flags { has_checksum: checksum.is_some(), ..flags };
+        Obj {
+            head: Head::new(0, flags),
+            size,
+            version,
+            lease_end_ms: 0,
+            checksum: checksum.unwrap_or_default(),
+            first_rep: NIL,
+        }
+    }
+
+    fn flags(&self) -> Flags {
+        self.head.flags()
+    }
+
+    fn set_flags(&mut self, flags: Flags) {
+        self.head = Head::new(self.head.key_pos(), flags);
+    }
+
+    fn key_pos(&self) -> u64 {
+        self.head.key_pos()
+    }
+
+    fn set_key_pos(&mut self, pos: u64) {
+        self.head = Head::new(pos, self.head.flags());
+    }
+
+    fn checksum(&self) -> Option<[u8; 32]> {
+        self.flags().has_checksum.then_some(self.checksum)
+    }
+}
+
+/// The key of object `id`, read through the arena (for [`order::KeyOrder`]'s `key_of`).
+fn key_reader<'a>(objects: &'a Slab<Obj>, keys: &'a keys::KeyArena) -> impl Fn(u32) -> &'a [u8] {
+    move |id| keys.get(objects[id].key_pos())
+}
+
+/// A key the directory stored: it was a `str` when stored.
+fn key_str(key: &[u8]) -> &str {
+    std::str::from_utf8(key).expect("stored keys are str")
 }
 
 /// A node replica of a complete object. 32 bytes.
@@ -186,8 +284,12 @@ pub struct Directory {
     hasher: FixedState,
     objects: Slab<Obj>,
     reps: Slab<Rep>,
+    /// Key bytes of the complete objects, once each.
+    keys: keys::KeyArena,
+    /// Maps the hash of a key to its object id; keys are compared through `keys`.
     index: HashTable<u32>,
-    order: BTreeSet<Arc<str>>,
+    /// Object ids in key order, for listings.
+    order: order::KeyOrder,
     pending: hashbrown::HashMap<Arc<str>, Pending, FixedState>,
     retired: Vec<Retired>,
     /// DRAM ranges being filled by loads (see `tiers`), keyed by object key.
@@ -205,8 +307,6 @@ pub struct Directory {
     /// Replicas and logical bytes of complete objects per tier.
     tier_replicas: [u64; 4],
     tier_bytes: [u64; 4],
-    /// Heap bytes of the key allocations, for the memory estimate.
-    key_heap_bytes: u64,
     last_version: u64,
     counters: Counters,
 }
@@ -221,8 +321,9 @@ impl Directory {
             hasher,
             objects: Slab::default(),
             reps: Slab::default(),
+            keys: keys::KeyArena::default(),
             index: HashTable::new(),
-            order: BTreeSet::new(),
+            order: order::KeyOrder::default(),
             pending: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
             retired: Vec::new(),
             loading: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
@@ -234,7 +335,6 @@ impl Directory {
             tier_segs: Default::default(),
             tier_replicas: [0; 4],
             tier_bytes: [0; 4],
-            key_heap_bytes: 0,
             last_version: 0,
             counters: Counters::default(),
             cfg,
@@ -363,19 +463,10 @@ impl Directory {
             pin: p.pin,
             persistence: p.persistence,
         };
-        let obj = Obj {
-            key: key_arc,
-            size: p.size,
-            version: p.version,
-            lease_end_ms: 0,
-            checksum: end.checksum.unwrap_or_default(),
-            first_rep: NIL,
-            flags,
-        };
-        let id = self.insert_object(obj);
+        let id = self.insert_object(key, Obj::new(p.size, p.version, end.checksum, flags));
         for &(seg, offset) in &p.ranges {
             self.attach_replica(id, seg, offset);
-            fx.push(self.commit_effect(id, seg, offset));
+            fx.push(self.commit_effect(&key_arc, id, seg, offset));
         }
         Ok(())
     }
@@ -487,13 +578,13 @@ impl Directory {
     }
 
     /// Look up up to `LOOKUP_GROUP` keys (invalid ones give `NIL`) in phases: hash all, probe
-    /// all, load all object slots, compare all keys. Each phase's loads are independent across
+    /// all, load all object slots, load all stored keys, compare all keys. Each phase's loads are independent across
     /// keys, so the CPU overlaps their cache misses instead of paying three dependent misses
     /// per key in a row: this is what makes a 10 000-key batch fast on a 10^7-key directory.
     fn find_group<K: AsRef<str>>(&self, keys: &[K], ids: &mut [u32; LOOKUP_GROUP]) {
         let mut hashes = [0u64; LOOKUP_GROUP];
         for (h, key) in hashes.iter_mut().zip(keys) {
-            *h = self.hash(key.as_ref());
+            *h = self.hash(key.as_ref().as_bytes());
         }
         for (i, key) in keys.iter().enumerate() {
             ids[i] = if self.key_ok(key.as_ref()) {
@@ -502,15 +593,21 @@ impl Directory {
                 NIL
             };
         }
-        let mut stored: [&str; LOOKUP_GROUP] = [""; LOOKUP_GROUP];
-        for (s, &id) in stored.iter_mut().zip(ids.iter()).take(keys.len()) {
+        let mut pos = [0u64; LOOKUP_GROUP];
+        for (p, &id) in pos.iter_mut().zip(ids.iter()).take(keys.len()) {
             if id != NIL {
-                *s = &self.objects[id].key;
+                *p = self.objects[id].key_pos();
+            }
+        }
+        let mut stored: [&[u8]; LOOKUP_GROUP] = [b""; LOOKUP_GROUP];
+        for ((s, &id), &p) in stored.iter_mut().zip(ids.iter()).zip(&pos).take(keys.len()) {
+            if id != NIL {
+                *s = self.keys.get(p);
             }
         }
         for (i, key) in keys.iter().enumerate() {
             let key = key.as_ref();
-            if ids[i] != NIL && stored[i] != key {
+            if ids[i] != NIL && stored[i] != key.as_bytes() {
                 // a 7-bit tag collision: rare, take the full path
                 ids[i] = self.lookup(key).unwrap_or(NIL);
             }
@@ -562,7 +659,7 @@ impl Directory {
             Error::new(ErrorKind::InvalidArgument, "remove_regex").with_detail(e.to_string())
         })?;
         let ids: Vec<u32> =
-            self.order.iter().filter(|k| re.is_match(k)).filter_map(|k| self.lookup(k)).collect();
+            self.order.iter().filter(|&id| re.is_match(key_str(self.key(id)))).collect();
         Ok(self.remove_ids(&ids, force, now_ms, fx))
     }
 
@@ -636,9 +733,10 @@ impl Directory {
             return Ok(false);
         }
         let size = self.objects[id].size;
+        let key = self.key_arc(id);
         for rep in on_node {
             let (seg, offset) = self.detach_replica(rep);
-            fx.push(self.drop_effect(&self.objects[id].key, seg, offset, size));
+            fx.push(self.drop_effect(&key, seg, offset, size));
             self.free_range(seg, offset, size);
         }
         if self.is_orphan(id) {
@@ -649,7 +747,7 @@ impl Directory {
 
     fn removable(&self, id: u32, now_ms: u64) -> Result<(), ErrorKind> {
         let o = &self.objects[id];
-        if o.flags.pin == Pin::Hard {
+        if o.flags().pin == Pin::Hard {
             return Err(ErrorKind::Pinned);
         }
         if o.lease_end_ms > now_ms {
@@ -783,13 +881,23 @@ impl Directory {
         Ok(())
     }
 
-    fn hash(&self, key: &str) -> u64 {
+    fn hash(&self, key: &[u8]) -> u64 {
         self.hasher.hash_one(key)
     }
 
     fn lookup(&self, key: &str) -> Option<u32> {
-        let objects = &self.objects;
-        self.index.find(self.hash(key), |&id| *objects[id].key == *key).copied()
+        let key_of = key_reader(&self.objects, &self.keys);
+        self.index.find(self.hash(key.as_bytes()), |&id| key_of(id) == key.as_bytes()).copied()
+    }
+
+    /// The stored key of a complete object.
+    fn key(&self, id: u32) -> &[u8] {
+        self.keys.get(self.objects[id].key_pos())
+    }
+
+    /// The key of a complete object, as effects and answers carry it.
+    fn key_arc(&self, id: u32) -> Arc<str> {
+        Arc::from(key_str(self.key(id)))
     }
 
     /// The complete object of a valid key, or `InvalidKey` / `NotFound`.
@@ -805,7 +913,7 @@ impl Directory {
 
     /// Move every replica of the object to the most-recently-used end of its segment list.
     fn touch(&mut self, id: u32) {
-        let list = list_of(self.objects[id].flags.pin);
+        let list = list_of(self.objects[id].flags().pin);
         let mut rep = self.objects[id].first_rep;
         while rep != NIL {
             let seg = self.reps[rep].seg;
@@ -826,7 +934,7 @@ impl Directory {
             replicas.push(self.replica_view(r.seg, r.offset, o.size));
             rep = r.obj_next;
         }
-        if o.flags.persisted {
+        if o.flags().persisted {
             replicas.push(Replica { location: Location::ObjectStore, len: o.size });
         }
         ObjectView {
@@ -834,8 +942,8 @@ impl Directory {
             checksum: o.checksum(),
             version: o.version,
             replicas,
-            persistence: o.flags.persistence,
-            pin: o.flags.pin,
+            persistence: o.flags().persistence,
+            pin: o.flags().pin,
             lease_end_ms: o.lease_end_ms,
         }
     }
@@ -852,19 +960,19 @@ impl Directory {
         Replica { location: Location::Node(loc), len }
     }
 
-    fn commit_effect(&self, id: u32, seg: NonZeroU32, offset: u64) -> NodeEffect {
+    fn commit_effect(&self, key: &Arc<str>, id: u32, seg: NonZeroU32, offset: u64) -> NodeEffect {
         let o = &self.objects[id];
         let s = self.segment(seg);
         NodeEffect::Commit {
             node: s.node,
-            key: o.key.clone(),
+            key: key.clone(),
             segment: s.index,
             offset,
             size: o.size,
             checksum: o.checksum(),
             version: o.version,
-            persistence: o.flags.persistence,
-            pin: o.flags.pin,
+            persistence: o.flags().persistence,
+            pin: o.flags().pin,
         }
     }
 
@@ -876,30 +984,60 @@ impl Directory {
         self.last_version
     }
 
-    fn insert_object(&mut self, obj: Obj) -> u32 {
-        let key = obj.key.clone();
-        let hash = self.hash(&key);
-        self.key_heap_bytes += memory::arc_str_heap_bytes(key.len());
-        if obj.flags.persisted {
+    fn insert_object(&mut self, key: &str, mut obj: Obj) -> u32 {
+        if obj.flags().persisted {
             self.count_persisted(obj.size, true);
         }
+        obj.set_key_pos(self.keys.push(key.as_bytes()));
         let id = self.objects.insert(obj);
-        let objects = &self.objects;
-        let hasher = &self.hasher;
-        self.index.insert_unique(hash, id, |&i| hasher.hash_one(&*objects[i].key));
-        self.order.insert(key);
+        self.index_key(id);
+        self.settle_keys();
         id
+    }
+
+    /// Enter a stored object's key in the index and the ordered set.
+    fn index_key(&mut self, id: u32) {
+        let key_of = key_reader(&self.objects, &self.keys);
+        let key = key_of(id);
+        let hasher = &self.hasher;
+        self.index.insert_unique(hasher.hash_one(key), id, |&i| hasher.hash_one(key_of(i)));
+        self.order.insert(id, key, key_of);
+    }
+
+    /// Take an object's key out of the index and the ordered set, and out of the arena.
+    fn unindex_key(&mut self, id: u32) {
+        let key_of = key_reader(&self.objects, &self.keys);
+        let key = key_of(id);
+        let hash = self.hasher.hash_one(key);
+        self.index.find_entry(hash, |&i| i == id).expect("indexed object").remove();
+        self.order.remove(id, key, key_of);
+        self.keys.remove(self.objects[id].key_pos());
+    }
+
+    /// Compact the key arena's chunks that removals left more than half dead: their live keys
+    /// move (owners found through the index, by position), dead ones are dropped.
+    fn settle_keys(&mut self) {
+        while let Some(chunk) = self.keys.next_compaction() {
+            let (index, objects, hasher) = (&self.index, &self.objects, &self.hasher);
+            let moved = self.keys.compact(chunk, |pos, key| {
+                index.find(hasher.hash_one(key), |&id| objects[id].key_pos() == pos).copied()
+            });
+            for (id, pos) in moved {
+                self.objects[id].set_key_pos(pos);
+            }
+        }
     }
 
     /// Remove an object and all its node replicas, freeing their ranges; with `fx`, a `Drop`
     /// effect per replica.
     fn remove_object(&mut self, id: u32, mut fx: Option<&mut Vec<NodeEffect>>) {
         let size = self.objects[id].size;
+        let key = (fx.is_some() && self.objects[id].first_rep != NIL).then(|| self.key_arc(id));
         while self.objects[id].first_rep != NIL {
             let rep = self.objects[id].first_rep;
             let (seg, offset) = self.detach_replica(rep);
-            if let Some(fx) = fx.as_deref_mut() {
-                fx.push(self.drop_effect_of(id, seg, offset));
+            if let (Some(fx), Some(key)) = (fx.as_deref_mut(), &key) {
+                fx.push(self.drop_effect_of(id, key, seg, offset));
             }
             self.free_range(seg, offset, size);
         }
@@ -909,21 +1047,20 @@ impl Directory {
     /// Drop an object's metadata; its replicas must already be detached.
     fn forget_object(&mut self, id: u32) {
         debug_assert_eq!(self.objects[id].first_rep, NIL);
-        let hash = self.hash(&self.objects[id].key);
+        let unpersisted = self.objects[id].flags().persisted.then(|| self.key_arc(id));
+        self.unindex_key(id);
         let obj = self.objects.remove(id);
-        self.index.find_entry(hash, |&i| i == id).expect("indexed object").remove();
-        self.order.remove(&obj.key);
-        self.key_heap_bytes -= memory::arc_str_heap_bytes(obj.key.len());
-        if obj.flags.persisted {
+        self.settle_keys();
+        if let Some(key) = unpersisted {
             self.count_persisted(obj.size, false);
-            self.note_unpersisted(obj.key, obj.version);
+            self.note_unpersisted(key, obj.version);
         }
     }
 
     fn set_persisted(&mut self, id: u32, persisted: bool) {
         let o = &mut self.objects[id];
-        if o.flags.persisted != persisted {
-            o.flags.persisted = persisted;
+        if o.flags().persisted != persisted {
+            o.set_flags(Flags { persisted, ..o.flags() });
             let size = o.size;
             self.count_persisted(size, persisted);
         }
@@ -948,14 +1085,14 @@ impl Directory {
             self.remove_object(old, Some(fx));
             return;
         }
-        let (size, key) = (self.objects[old].size, self.objects[old].key.clone());
+        let (size, key) = (self.objects[old].size, self.key_arc(old));
         while self.objects[old].first_rep != NIL {
             let (seg, offset) = self.detach_replica(self.objects[old].first_rep);
             // The name goes now: a node holding it in memory forgets it now (so no reader
             // reaches the old bytes through it); the range is freed when the lease ends (a
             // second, harmless drop).
             if matches!(self.segment(seg).tier, Tier::Dram | Tier::Hbm) {
-                fx.push(self.drop_effect_of(old, seg, offset));
+                fx.push(self.drop_effect_of(old, &key, seg, offset));
             }
             self.retired.push(Retired {
                 release_at_ms: lease_end,
@@ -970,7 +1107,7 @@ impl Directory {
 
     fn is_orphan(&self, id: u32) -> bool {
         let o = &self.objects[id];
-        o.first_rep == NIL && !o.flags.persisted
+        o.first_rep == NIL && !o.flags().persisted
     }
 
     // ----- internals: replicas and segments --------------------------------------------------
@@ -990,9 +1127,9 @@ impl Directory {
     }
 
     /// [`Directory::drop_effect`] for a replica of object `id`, carrying its read lease.
-    fn drop_effect_of(&self, id: u32, seg: NonZeroU32, offset: u64) -> NodeEffect {
+    fn drop_effect_of(&self, id: u32, key: &Arc<str>, seg: NonZeroU32, offset: u64) -> NodeEffect {
         let o = &self.objects[id];
-        let mut e = self.drop_effect(&o.key, seg, offset, o.size);
+        let mut e = self.drop_effect(key, seg, offset, o.size);
         if let NodeEffect::Drop { readers_until_ms, .. } = &mut e {
             *readers_until_ms = o.lease_end_ms;
         }
@@ -1001,7 +1138,7 @@ impl Directory {
 
     fn attach_replica(&mut self, id: u32, seg: NonZeroU32, offset: u64) {
         let o = &self.objects[id];
-        let (first, size, list) = (o.first_rep, o.size, list_of(o.flags.pin));
+        let (first, size, list) = (o.first_rep, o.size, list_of(o.flags().pin));
         let rep =
             self.reps.insert(Rep { obj: id, seg, offset, prev: NIL, next: NIL, obj_next: first });
         self.objects[id].first_rep = rep;
@@ -1019,7 +1156,7 @@ impl Directory {
             (r.obj, r.seg, r.offset, r.obj_next)
         };
         let o = &self.objects[id];
-        let (size, list) = (o.size, list_of(o.flags.pin));
+        let (size, list) = (o.size, list_of(o.flags().pin));
         if o.first_rep == rep {
             self.objects[id].first_rep = obj_next;
         } else {

@@ -228,7 +228,7 @@ impl Directory {
         let mut lost = Vec::new();
         for id in ids {
             if self.objects.get(id).is_some() && self.is_orphan(id) {
-                lost.push(self.objects[id].key.clone());
+                lost.push(self.key_arc(id));
                 self.forget_object(id);
             }
         }
@@ -348,14 +348,6 @@ impl Directory {
             pin: h.pin,
             persistence: h.persistence,
         };
-        self.insert_object(Obj {
-            key: Arc::from(h.key.as_str()),
-            size: h.size,
-            version: h.version,
-            lease_end_ms: 0,
-            checksum: h.checksum.unwrap_or_default(),
-            first_rep: NIL,
-            flags,
-        })
+        self.insert_object(&h.key, Obj::new(h.size, h.version, h.checksum, flags))
     }
 }

@@ -99,7 +99,7 @@ impl Directory {
             return Ok(Renamed {
                 from_version: o.version,
                 version: o.version,
-                persisted: o.flags.persisted,
+                persisted: o.flags().persisted,
             });
         }
         if self.loading.contains_key(from) {
@@ -121,11 +121,11 @@ impl Directory {
         if self.pending.contains_key(to) {
             self.revoke_pending(to);
         }
-        let from_key = self.objects[id].key.clone();
+        let from_key = self.key_arc(id);
         let from_version = self.objects[id].version;
         let version = self.next_version(now_ms);
         let to_key: Arc<str> = Arc::from(to);
-        self.rekey(id, to_key.clone());
+        self.rekey(id, to);
         self.objects[id].version = version;
         self.renamed_away.insert(from_key.clone(), from_version);
         let mut nodes: Vec<NodeId> = Vec::new();
@@ -146,7 +146,7 @@ impl Directory {
                 version,
             });
         }
-        Ok(Renamed { from_version, version, persisted: self.objects[id].flags.persisted })
+        Ok(Renamed { from_version, version, persisted: self.objects[id].flags().persisted })
     }
 
     /// Remove the complete object `key` as POSIX unlink does: the name goes now even under a
@@ -155,7 +155,7 @@ impl Directory {
     pub fn unlink(&mut self, key: &str, now_ms: u64, fx: &mut Vec<NodeEffect>) -> Result<()> {
         const OP: &str = "unlink";
         let id = self.find(key, OP)?;
-        if self.objects[id].flags.pin == Pin::Hard {
+        if self.objects[id].flags().pin == Pin::Hard {
             return Err(Error::new(ErrorKind::Pinned, OP).with_key(key));
         }
         if self.loading.contains_key(key) {
@@ -207,20 +207,12 @@ impl Directory {
         self.renamed_away.contains(key, version)
     }
 
-    /// Swap an object's key in the index and the ordered set; its replicas stay.
-    fn rekey(&mut self, id: u32, key: Arc<str>) {
-        let old_hash = self.hash(&self.objects[id].key);
-        self.index.find_entry(old_hash, |&i| i == id).expect("indexed object").remove();
-        let old = std::mem::replace(&mut self.objects[id].key, key.clone());
-        self.order.remove(&old);
-        self.key_heap_bytes -= super::memory::arc_str_heap_bytes(old.len());
-        self.key_heap_bytes += super::memory::arc_str_heap_bytes(key.len());
-        let hash = self.hash(&key);
-        let objects = &self.objects;
-        let hasher = &self.hasher;
-        self.index.insert_unique(hash, id, |&i| {
-            std::hash::BuildHasher::hash_one(hasher, &*objects[i].key)
-        });
-        self.order.insert(key);
+    /// Swap an object's key in the arena, the index and the ordered set; its replicas stay.
+    fn rekey(&mut self, id: u32, key: &str) {
+        self.unindex_key(id);
+        let pos = self.keys.push(key.as_bytes());
+        self.objects[id].set_key_pos(pos);
+        self.index_key(id);
+        self.settle_keys();
     }
 }

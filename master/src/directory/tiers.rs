@@ -140,7 +140,7 @@ impl Directory {
         let size = view.size;
         let nvme =
             view.replicas.iter().find(|r| r.tier() == Tier::Nvme && !object_store_only).copied();
-        if object_store_only && !self.objects[id].flags.persisted {
+        if object_store_only && !self.objects[id].flags().persisted {
             return Err(Error::new(ErrorKind::InvalidArgument, OP)
                 .with_key(key)
                 .with_detail("not in the object store"));
@@ -150,7 +150,7 @@ impl Directory {
             let node = r.node().expect("an NVMe replica is on a node");
             placed = self.alloc_dram_on(node, size, now_ms, fx).map(|p| (p, r.location));
         }
-        if placed.is_none() && self.objects[id].flags.persisted {
+        if placed.is_none() && self.objects[id].flags().persisted {
             let mut req = PutStart::new(key, size);
             req.strategy = Strategy::FreeRatioFirst;
             let mut evicted = Vec::new();
@@ -170,11 +170,12 @@ impl Directory {
         let id = self.lookup(key).expect("the loaded object is still there");
         let o = &self.objects[id];
         let (version, checksum, persistence, pin) =
-            (o.version, o.checksum(), o.flags.persistence, o.flags.pin);
-        self.loading.insert(o.key.clone(), Loading { seg, offset, size, version });
+            (o.version, o.checksum(), o.flags().persistence, o.flags().pin);
+        let key = self.key_arc(id);
+        self.loading.insert(key.clone(), Loading { seg, offset, size, version });
         let s = self.segment(seg);
         Ok(Some(LoadPlan {
-            key: o.key.clone(),
+            key,
             node: s.node,
             segment: s.index,
             offset,
@@ -325,7 +326,7 @@ impl Directory {
 
     fn has_replica(&self, id: u32, loc: &Location) -> bool {
         match loc {
-            Location::ObjectStore => self.objects[id].flags.persisted,
+            Location::ObjectStore => self.objects[id].flags().persisted,
             Location::Node(n) => {
                 let mut rep = self.objects[id].first_rep;
                 while rep != NIL {
@@ -345,8 +346,8 @@ impl Directory {
     /// crossed into NVMe or the object store).
     fn record_checksum(&mut self, id: u32, sum: [u8; 32]) {
         let o = &mut self.objects[id];
-        if !o.flags.has_checksum {
-            o.flags.has_checksum = true;
+        if !o.flags().has_checksum {
+            o.set_flags(Flags { has_checksum: true, ..o.flags() });
             o.checksum = sum;
         }
     }
@@ -377,7 +378,7 @@ impl Directory {
         if let Some(id) = self.lookup(&p.key) {
             let v = self.objects[id].version;
             if v == p.version {
-                let changed = !self.objects[id].flags.persisted;
+                let changed = !self.objects[id].flags().persisted;
                 self.set_persisted(id, true);
                 return Ok(changed);
             }
@@ -388,15 +389,7 @@ impl Directory {
         }
         let flags =
             Flags { has_checksum: true, persisted: true, pin: p.pin, persistence: p.persistence };
-        self.insert_object(Obj {
-            key: Arc::from(p.key.as_str()),
-            size: p.size,
-            version: p.version,
-            lease_end_ms: 0,
-            checksum: p.checksum,
-            first_rep: NIL,
-            flags,
-        });
+        self.insert_object(&p.key, Obj::new(p.size, p.version, Some(p.checksum), flags));
         self.last_version = self.last_version.max(p.version);
         Ok(true)
     }
