@@ -2,8 +2,11 @@
 //! (`Stats::metadata_bytes`): a counting global allocator (bytes requested from malloc) and the
 //! process's resident set growth.
 //!
-//! The default test uses 50 000 objects; the ignored one 1 000 000 and prints the figures:
-//! `cargo test --release -p kvfs-master --test memory -- --ignored --nocapture`.
+//! The default test uses 50 000 objects; the ignored ones 1 000 000 and 10 000 000 and print
+//! the figures: `cargo test --release -p kvfs-master --test memory -- --ignored --nocapture`.
+//! RSS growth is only honest in a fresh process (memory a previous test freed may be reused
+//! without growing RSS), so run one ignored test per command, e.g. `... -- --ignored
+//! --nocapture --exact ten_million_objects_fit_in_2_gib`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
@@ -46,11 +49,14 @@ fn rss_bytes() -> u64 {
     pages * 4096
 }
 
+/// Per-object figures, in bytes.
 struct Figures {
     estimate: f64,
     counted: f64,
     rss: f64,
 }
+
+const GIB: f64 = (1u64 << 30) as f64;
 
 /// Fill a 4-node directory with `n` single-replica objects whose keys are 64..100 bytes.
 fn measure(n: u64) -> Figures {
@@ -112,4 +118,19 @@ fn one_million_objects_fit_in_300_bytes_each() {
         f.estimate, f.counted, f.rss
     );
     assert!(f.estimate < 300.0 && f.counted < 300.0 && f.rss < 300.0);
+}
+
+#[test]
+#[ignore = "10 M objects (several GB of RAM): run with --release --ignored --nocapture"]
+fn ten_million_objects_fit_in_2_gib() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let n = 10_000_000;
+    let f = measure(n);
+    let (counted, rss) = (f.counted * n as f64 / GIB, f.rss * n as f64 / GIB);
+    eprintln!(
+        "10M objects: RSS growth {rss:.3} GiB ({:.0} B per object), allocated {counted:.3} GiB \
+         ({:.0} B per object), estimate {:.0} B per object",
+        f.rss, f.counted, f.estimate
+    );
+    assert!(rss < 2.0 && counted < 2.0, "RSS {rss:.3} GiB, allocated {counted:.3} GiB");
 }
