@@ -82,8 +82,8 @@ impl Config {
         if self.key_len_max == 0 || self.replicas_max == 0 || self.objects_max == 0 {
             return bad("key_len_max, replicas_max and objects_max must be > 0");
         }
-        if self.objects_max >= u64::from(u32::MAX) {
-            return bad("objects_max must be < 2^32 (object ids are u32)");
+        if self.objects_max >= 1 << 31 {
+            return bad("objects_max must be < 2^31 (object ids are 31 bits)");
         }
         if self.evict_round_objects_max == 0
             || self.evict_round_scan_max == 0

@@ -1,11 +1,12 @@
 //! Paged slab: stable `u32` ids for the directory's objects and replicas, and intrusive
-//! doubly-linked lists threaded through slab entries (the per-segment LRU lists).
+//! doubly-linked lists threaded through entries (the per-segment LRU lists; their links live in
+//! whatever store implements [`Links`], one slab or several).
 //!
-//! Mechanism: entries live in pages of `PAGE` slots, so growth never copies or doubles the
-//! whole table (a `Vec` of 10 M 80-byte slots would briefly need 2.4 GB to grow); freed ids go
-//! to a LIFO free list and are reused. Ids are `u32`: 4 billion entries is far past
-//! `objects_max`. Memory is `pages * PAGE * size_of::<Slot<T>>()`, reported exactly by
-//! [`Slab::heap_bytes`].
+//! Mechanism: entries live in pages of `PAGE` slots, so growth never copies or doubles the whole
+//! table (a `Vec` of 10 M 80-byte slots would briefly need 2.4 GB to grow); freed ids go to a LIFO
+//! free list and are reused. Ids are `u32` (the directory keeps them under 2^31: its replica
+//! references use the top bit), far past `objects_max`. Memory is `pages * PAGE *
+//! size_of::<Slot<T>>()`, reported exactly by [`Slab::heap_bytes`].
 //!
 //! Invariants: an id handed out by `insert` stays valid until `remove`; `NIL` is never an id.
 //! Not handled: generation counters (a stale id after removal is a caller bug; the directory
@@ -126,10 +127,10 @@ impl<T> std::ops::IndexMut<u32> for Slab<T> {
     }
 }
 
-/// Links of an entry that can sit on one intrusive list.
-pub trait Linked {
-    fn links(&self) -> (u32, u32);
-    fn set_links(&mut self, prev: u32, next: u32);
+/// The entries a [`List`] threads through, by id: `(prev, next)` of each.
+pub trait Links {
+    fn links(&self, id: u32) -> (u32, u32);
+    fn set_links(&mut self, id: u32, prev: u32, next: u32);
 }
 
 /// Head, tail and length of an intrusive list over a [`Slab`]; oldest at the head.
@@ -147,33 +148,33 @@ impl Default for List {
 }
 
 impl List {
-    pub fn push_back<T: Linked>(&mut self, slab: &mut Slab<T>, id: u32) {
-        slab[id].set_links(self.tail, NIL);
+    pub fn push_back(&mut self, store: &mut impl Links, id: u32) {
+        store.set_links(id, self.tail, NIL);
         if self.tail == NIL {
             self.head = id;
         } else {
-            let (prev, _) = slab[self.tail].links();
-            slab[self.tail].set_links(prev, id);
+            let (prev, _) = store.links(self.tail);
+            store.set_links(self.tail, prev, id);
         }
         self.tail = id;
         self.len += 1;
     }
 
-    pub fn unlink<T: Linked>(&mut self, slab: &mut Slab<T>, id: u32) {
-        let (prev, next) = slab[id].links();
+    pub fn unlink(&mut self, store: &mut impl Links, id: u32) {
+        let (prev, next) = store.links(id);
         if prev == NIL {
             self.head = next;
         } else {
-            let (pp, _) = slab[prev].links();
-            slab[prev].set_links(pp, next);
+            let (pp, _) = store.links(prev);
+            store.set_links(prev, pp, next);
         }
         if next == NIL {
             self.tail = prev;
         } else {
-            let (_, nn) = slab[next].links();
-            slab[next].set_links(prev, nn);
+            let (_, nn) = store.links(next);
+            store.set_links(next, prev, nn);
         }
-        slab[id].set_links(NIL, NIL);
+        store.set_links(id, NIL, NIL);
         self.len -= 1;
     }
 }
@@ -184,13 +185,13 @@ mod tests {
 
     #[derive(Debug)]
     struct E(u32, u32, u32);
-    impl Linked for E {
-        fn links(&self) -> (u32, u32) {
-            (self.1, self.2)
+    impl Links for Slab<E> {
+        fn links(&self, id: u32) -> (u32, u32) {
+            (self[id].1, self[id].2)
         }
-        fn set_links(&mut self, prev: u32, next: u32) {
-            self.1 = prev;
-            self.2 = next;
+        fn set_links(&mut self, id: u32, prev: u32, next: u32) {
+            self[id].1 = prev;
+            self[id].2 = next;
         }
     }
 
@@ -199,7 +200,7 @@ mod tests {
         let mut at = list.head;
         while at != NIL {
             out.push(slab[at].0);
-            at = slab[at].links().1;
+            at = slab.links(at).1;
         }
         out
     }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 
-use super::{Directory, NIL, key_reader, list_of};
+use super::{Directory, NIL, key_reader, list_of, lru_links};
 use crate::types::{NodeId, Tier};
 
 impl Directory {
@@ -48,13 +48,23 @@ impl Directory {
                 return Err(format!("object {key:?} has no replica"));
             }
             let mut placed: Vec<(NodeId, Tier)> = Vec::new();
-            let mut rep = o.first_rep;
-            while rep != NIL {
-                let r = self.reps.get(rep).ok_or_else(|| format!("{key:?}: dangling replica"))?;
+            let mut chain: Vec<(NonZeroU32, u64)> = Vec::new();
+            let mut at = o.more;
+            while at != NIL {
+                let r = self.reps.get(at).ok_or_else(|| format!("{key:?}: dangling replica"))?;
                 if r.obj != id {
                     return Err(format!("{key:?}: replica points at object {}", r.obj));
                 }
-                let s = self.segments.get(r.seg.get() as usize).and_then(Option::as_ref);
+                if chain.len() >= self.reps.len() {
+                    return Err(format!("{key:?}: replica chain loops"));
+                }
+                chain.push((r.seg, r.offset()));
+                at = r.obj_next;
+            }
+            reps_seen += chain.len();
+            chain.extend(o.rep_seg.map(|seg| (seg, o.rep_offset)));
+            for (seg, offset) in chain {
+                let s = self.segments.get(seg.get() as usize).and_then(Option::as_ref);
                 let s = s.ok_or_else(|| format!("{key:?}: replica on a removed segment"))?;
                 if placed.contains(&(s.node, s.tier)) {
                     return Err(format!(
@@ -65,9 +75,7 @@ impl Directory {
                 placed.push((s.node, s.tier));
                 replicas[s.tier.index()] += 1;
                 bytes[s.tier.index()] += o.size;
-                extents.entry(r.seg).or_default().push((r.offset, o.size));
-                reps_seen += 1;
-                rep = r.obj_next;
+                extents.entry(seg).or_default().push((offset, o.size));
             }
             if o.flags().persisted {
                 replicas[Tier::ObjectStore.index()] += 1;
@@ -110,12 +118,12 @@ impl Directory {
             for (list, lru) in s.lru.iter().enumerate() {
                 let (mut at, mut len) = (lru.head, 0);
                 while at != NIL {
-                    let r = &self.reps[at];
-                    if r.seg != seg || list_of(self.objects[r.obj].flags().pin) != list {
+                    let (obj, rep_seg, _) = self.replica(at);
+                    if rep_seg != seg || list_of(self.objects[obj].flags().pin) != list {
                         return Err(format!("segment {seg}: replica {at} on the wrong list"));
                     }
                     len += 1;
-                    at = r.next;
+                    at = lru_links(&self.objects, &self.reps, at).1;
                 }
                 if len != lru.len {
                     return Err(format!(

@@ -129,12 +129,9 @@ impl Directory {
                 unseen -= 1;
                 let rep = self.segment(seg).lru[list].head;
                 debug_assert_ne!(rep, NIL);
-                let id = self.reps[rep].obj;
+                let (id, _, _) = self.replica(rep);
                 if self.objects[id].lease_end_ms > now_ms {
-                    let lru =
-                        &mut self.segments[seg.get() as usize].as_mut().expect("live").lru[list];
-                    lru.unlink(&mut self.reps, rep);
-                    lru.push_back(&mut self.reps, rep);
+                    self.lru_to_back(seg, list, rep);
                     continue;
                 }
                 budget.evict_left -= 1;
@@ -155,7 +152,7 @@ impl Directory {
     }
 
     fn evict_replica(&mut self, rep: u32, fx: &mut Vec<NodeEffect>, out: &mut Eviction) {
-        let id = self.reps[rep].obj;
+        let (id, _, _) = self.replica(rep);
         let size = self.objects[id].size;
         let key = self.key_arc(id);
         let (seg, offset) = self.detach_replica(rep);

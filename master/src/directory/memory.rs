@@ -1,8 +1,9 @@
 //! `stats()` and the estimate of the directory's own memory.
 //!
 //! The estimate counts what is allocated per object, from the real sizes of the structures:
-//! - the object slot (`Slab<Obj>`, 72 bytes) and one replica slot (`Slab<Rep>`, 32 bytes) per
-//!   node replica, counted exactly from the slab pages (pages of 4096 slots, no doubling);
+//! - the object slot (`Slab<Obj>`, 88 bytes with its first node replica inline) and a replica
+//!   slot (`Slab<Rep>`, 28 bytes) per further node replica, counted exactly from the slab pages
+//!   (pages of 4096 slots, no doubling);
 //! - the key: its bytes and a 1-byte length in the key arena, counted exactly from the arena's
 //!   chunks (64 KiB each, at least half live);
 //! - the hash index: `buckets * 5` bytes (a `u32` id and a control byte per bucket), from the

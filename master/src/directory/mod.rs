@@ -2,7 +2,8 @@
 //! them (leases), what may be evicted, and which puts are in flight.
 //!
 //! Mechanism (memory layout, chosen for ~10^7 objects, see `memory.rs` for the figures):
-//! - objects live in a paged [`Slab`] of compact `Obj` records (72 bytes) addressed by `u32`;
+//! - objects live in a paged [`Slab`] of compact `Obj` records (88 bytes, their first node
+//!   replica inline) addressed by `u32`;
 //! - key bytes are stored once, in `keys` (`keys.rs`: packed chunks, no allocation per key);
 //!   an object holds its key's position, in one word with its flags;
 //! - `index`, a `hashbrown::HashTable<u32>`, maps a key to its object id, comparing keys
@@ -10,8 +11,9 @@
 //! - `order` (`order.rs`) keeps object ids sorted by key for paged `list` / `list_dir`: no
 //!   second copy of the keys;
 //! - effects and answers carry keys as `Arc<str>`, made from the arena when needed;
-//! - replicas live in their own slab (32 bytes each), chained from their object and threaded on
-//!   one of three intrusive LRU lists of their segment: unpinned, soft-pinned, hard-pinned;
+//! - further replicas live in their own slab (28 bytes each), chained from their object; every
+//!   node replica, inline or not, is threaded on one of three intrusive LRU lists of its
+//!   segment: unpinned, soft-pinned, hard-pinned (a `u32` names either kind, see [`MORE`]);
 //! - pending puts live apart, in `pending`, keyed by key: they are invisible by construction,
 //!   since every read path only looks at `index`.
 //!
@@ -66,8 +68,9 @@ use crate::alloc::Allocator;
 use crate::config::Config;
 use crate::error::{Error, ErrorKind, Result};
 use crate::rng::Rng;
-use crate::slab::{Linked, List, NIL, Slab};
+use crate::slab::{Links, List, NIL, Slab};
 use crate::types::*;
+use keys::KeyAt;
 
 /// Which of a segment's LRU lists a replica is on; follows the object's (immutable) pin.
 const LIST_PLAIN: usize = 0;
@@ -85,18 +88,37 @@ fn list_of(pin: Pin) -> usize {
     }
 }
 
-/// A complete object. 72 bytes.
+/// A complete object, with its first node replica inline (most objects have one). 88 bytes.
+///
+/// Its node replicas, newest first: the chain from `more` (`Rep`s linked by `Rep::obj_next`),
+/// then the inline one. The inline slot is only filled when the object has no replica, so it
+/// is always the oldest, and the order is the order of attachment, reversed.
+///
+/// Fields in this order (`repr(C)`): a lookup reads `head` and `exists` then `lease_end_ms`,
+/// so they share 16 bytes (one cache line for 7 slots in 8; the slots are 88 bytes apart);
+/// the checksum, read only by views, comes last.
 #[derive(Debug)]
+#[repr(C)]
 struct Obj {
     /// Where its key is in `Directory::keys`, and its flags.
     head: Head,
+    lease_end_ms: u64,
     size: u64,
     version: u64,
-    lease_end_ms: u64,
+    /// The inline replica: its offset, segment (`None`: no inline replica) and LRU links.
+    rep_offset: u64,
+    rep_seg: Option<NonZeroU32>,
+    rep_prev: u32,
+    rep_next: u32,
+    /// First of the object's other node replicas, or `NIL`.
+    more: u32,
     checksum: [u8; 32],
-    /// First of the object's node replicas (chained through `Rep::obj_next`), or `NIL`.
-    first_rep: u32,
 }
+
+/// A node replica, as the LRU lists and the directory name it: an object id (`< MORE`) is
+/// that object's inline replica, `MORE | i` is `reps[i]`. Object ids are below 2^31
+/// (`Config::objects_max`) and so are `Rep` ids (asserted).
+const MORE: u32 = 1 << 31;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Flags {
@@ -136,26 +158,25 @@ impl Flags {
     }
 }
 
-/// An object's key position in the key arena (bits 0..48) and its flags (bits 48..56) in one
-/// word, never zero (bit 63 is set), so that a `Slab` slot needs no tag of its own.
+/// Where an object's key is in the key arena (a [`KeyAt`], bits 0..57) and its flags (bits
+/// 57..63) in one word, never zero (bit 63 is set), so that a `Slab` slot needs no tag of its
+/// own.
 #[derive(Debug, Clone, Copy)]
 struct Head(NonZeroU64);
 
 impl Head {
-    const POS_MASK: u64 = (1 << 48) - 1;
-
-    fn new(key_pos: u64, flags: Flags) -> Head {
-        assert!(key_pos <= Self::POS_MASK, "key arena past 2^48 bytes");
-        let word = 1 << 63 | u64::from(flags.bits()) << 48 | key_pos;
+    fn new(key: KeyAt, flags: Flags) -> Head {
+        debug_assert!(flags.bits() < 1 << 6);
+        let word = 1 << 63 | u64::from(flags.bits()) << KeyAt::BITS | key.bits();
         Head(NonZeroU64::new(word).expect("bit 63 is set"))
     }
 
-    fn key_pos(self) -> u64 {
-        self.0.get() & Self::POS_MASK
+    fn key(self) -> KeyAt {
+        KeyAt::from_bits(self.0.get())
     }
 
     fn flags(self) -> Flags {
-        Flags::from_bits((self.0.get() >> 48) as u8)
+        Flags::from_bits((self.0.get() >> KeyAt::BITS) as u8 & 0x3f)
     }
 }
 
@@ -164,13 +185,21 @@ impl Obj {
     fn new(size: u64, version: u64, checksum: Option<[u8; 32]>, flags: Flags) -> Obj {
         let flags = Flags { has_checksum: checksum.is_some(), ..flags };
         Obj {
-            head: Head::new(0, flags),
+            head: Head::new(KeyAt::from_bits(0), flags),
             size,
             version,
             lease_end_ms: 0,
             checksum: checksum.unwrap_or_default(),
-            first_rep: NIL,
+            rep_seg: None,
+            rep_offset: 0,
+            rep_prev: NIL,
+            rep_next: NIL,
+            more: NIL,
         }
+    }
+
+    fn has_replicas(&self) -> bool {
+        self.rep_seg.is_some() || self.more != NIL
     }
 
     fn flags(&self) -> Flags {
@@ -178,15 +207,15 @@ impl Obj {
     }
 
     fn set_flags(&mut self, flags: Flags) {
-        self.head = Head::new(self.head.key_pos(), flags);
+        self.head = Head::new(self.head.key(), flags);
     }
 
-    fn key_pos(&self) -> u64 {
-        self.head.key_pos()
+    fn key_at(&self) -> KeyAt {
+        self.head.key()
     }
 
-    fn set_key_pos(&mut self, pos: u64) {
-        self.head = Head::new(pos, self.head.flags());
+    fn set_key_at(&mut self, at: KeyAt) {
+        self.head = Head::new(at, self.head.flags());
     }
 
     fn checksum(&self) -> Option<[u8; 32]> {
@@ -196,7 +225,20 @@ impl Obj {
 
 /// The key of object `id`, read through the arena (for [`order::KeyOrder`]'s `key_of`).
 fn key_reader<'a>(objects: &'a Slab<Obj>, keys: &'a keys::KeyArena) -> impl Fn(u32) -> &'a [u8] {
-    move |id| keys.get(objects[id].key_pos())
+    move |id| keys.get(objects[id].key_at())
+}
+
+/// The index's hash of a key: its bytes and a terminator, as `str` hashes (one foldhash round
+/// fewer than a byte slice, which starts with its length).
+fn key_hash(hasher: &FixedState, key: &[u8]) -> u64 {
+    struct Bytes<'a>(&'a [u8]);
+    impl std::hash::Hash for Bytes<'_> {
+        fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+            state.write(self.0);
+            state.write_u8(0xff);
+        }
+    }
+    hasher.hash_one(Bytes(key))
 }
 
 /// A key the directory stored: it was a `str` when stored.
@@ -204,24 +246,55 @@ fn key_str(key: &[u8]) -> &str {
     std::str::from_utf8(key).expect("stored keys are str")
 }
 
-/// A node replica of a complete object. 32 bytes.
+/// A node replica of a complete object beyond its inline one. 28 bytes (the offset in two
+/// halves, so that the record needs no 8-byte alignment).
 #[derive(Debug)]
 struct Rep {
     obj: u32,
     seg: NonZeroU32,
-    offset: u64,
+    offset: [u32; 2],
     prev: u32,
     next: u32,
+    /// The object's next (older) replica in `reps`, or `NIL`.
     obj_next: u32,
 }
 
-impl Linked for Rep {
-    fn links(&self) -> (u32, u32) {
-        (self.prev, self.next)
+impl Rep {
+    fn offset(&self) -> u64 {
+        u64::from(self.offset[1]) << 32 | u64::from(self.offset[0])
     }
-    fn set_links(&mut self, prev: u32, next: u32) {
-        self.prev = prev;
-        self.next = next;
+}
+
+/// The LRU links of every node replica, inline or not (see [`MORE`]).
+struct RepLinks<'a> {
+    objects: &'a mut Slab<Obj>,
+    reps: &'a mut Slab<Rep>,
+}
+
+/// A replica's `(prev, next)` on its LRU list.
+fn lru_links(objects: &Slab<Obj>, reps: &Slab<Rep>, r: u32) -> (u32, u32) {
+    if r & MORE == 0 {
+        let o = &objects[r];
+        (o.rep_prev, o.rep_next)
+    } else {
+        let p = &reps[r & !MORE];
+        (p.prev, p.next)
+    }
+}
+
+impl Links for RepLinks<'_> {
+    fn links(&self, r: u32) -> (u32, u32) {
+        lru_links(self.objects, self.reps, r)
+    }
+
+    fn set_links(&mut self, r: u32, prev: u32, next: u32) {
+        if r & MORE == 0 {
+            let o = &mut self.objects[r];
+            (o.rep_prev, o.rep_next) = (prev, next);
+        } else {
+            let p = &mut self.reps[r & !MORE];
+            (p.prev, p.next) = (prev, next);
+        }
     }
 }
 
@@ -577,39 +650,50 @@ impl Directory {
         out
     }
 
-    /// Look up up to `LOOKUP_GROUP` keys (invalid ones give `NIL`) in phases: hash all, probe
-    /// all, load all object slots, load all stored keys, compare all keys. Each phase's loads are independent across
-    /// keys, so the CPU overlaps their cache misses instead of paying three dependent misses
-    /// per key in a row: this is what makes a 10 000-key batch fast on a 10^7-key directory.
+    /// Look up up to `LOOKUP_GROUP` keys (invalid ones give `NIL`) in phases: hash all, probe all,
+    /// load all object slots, load all stored keys, compare all keys. Each phase's loads are
+    /// independent across keys, so the CPU overlaps their cache misses instead of paying three
+    /// dependent misses per key in a row: this is what makes a 10 000-key batch fast on a 10^7-key
+    /// directory.
     fn find_group<K: AsRef<str>>(&self, keys: &[K], ids: &mut [u32; LOOKUP_GROUP]) {
         let mut hashes = [0u64; LOOKUP_GROUP];
         for (h, key) in hashes.iter_mut().zip(keys) {
             *h = self.hash(key.as_ref().as_bytes());
         }
+        // the keys found, by their place in `keys`: the next phases skip misses
+        let mut found = [0u8; LOOKUP_GROUP];
+        let mut n = 0;
         for (i, key) in keys.iter().enumerate() {
             ids[i] = if self.key_ok(key.as_ref()) {
                 self.index.iter_hash(hashes[i]).next().copied().unwrap_or(NIL)
             } else {
                 NIL
             };
+            found[n] = i as u8;
+            n += usize::from(ids[i] != NIL);
         }
-        let mut pos = [0u64; LOOKUP_GROUP];
-        for (p, &id) in pos.iter_mut().zip(ids.iter()).take(keys.len()) {
-            if id != NIL {
-                *p = self.objects[id].key_pos();
+        let found = &found[..n];
+        let mut at = [KeyAt::default(); LOOKUP_GROUP];
+        for (a, &i) in at.iter_mut().zip(found) {
+            let o = &self.objects[ids[usize::from(i)]];
+            *a = o.key_at();
+            // the callers lease what they find: load that cache line now too
+            std::hint::black_box(o.lease_end_ms);
+        }
+        // keys of the right length only (the length comes with the position): load their
+        // cache lines, all keys in one loop so that the misses overlap
+        let mut touched = 0;
+        for (&a, &i) in at.iter().zip(found) {
+            if a.len_is(keys[usize::from(i)].as_ref().len()) {
+                touched ^= self.keys.touch(a);
             }
         }
-        let mut stored: [&[u8]; LOOKUP_GROUP] = [b""; LOOKUP_GROUP];
-        for ((s, &id), &p) in stored.iter_mut().zip(ids.iter()).zip(&pos).take(keys.len()) {
-            if id != NIL {
-                *s = self.keys.get(p);
-            }
-        }
-        for (i, key) in keys.iter().enumerate() {
-            let key = key.as_ref();
-            if ids[i] != NIL && stored[i] != key.as_bytes() {
+        std::hint::black_box(touched);
+        for (&a, &i) in at.iter().zip(found) {
+            let key = keys[usize::from(i)].as_ref();
+            if self.keys.get(a) != key.as_bytes() {
                 // a 7-bit tag collision: rare, take the full path
-                ids[i] = self.lookup(key).unwrap_or(NIL);
+                ids[usize::from(i)] = self.lookup(key).unwrap_or(NIL);
             }
         }
     }
@@ -721,14 +805,11 @@ impl Directory {
             self.remove_object(id, Some(fx));
             return Ok(true);
         };
-        let mut on_node = Vec::new();
-        let mut rep = self.objects[id].first_rep;
-        while rep != NIL {
-            if self.segment(self.reps[rep].seg).node == node {
-                on_node.push(rep);
-            }
-            rep = self.reps[rep].obj_next;
-        }
+        let on_node: Vec<u32> = self
+            .replicas(id)
+            .filter(|&(_, seg, _)| self.segment(seg).node == node)
+            .map(|(rep, _, _)| rep)
+            .collect();
         if on_node.is_empty() {
             return Ok(false);
         }
@@ -882,7 +963,7 @@ impl Directory {
     }
 
     fn hash(&self, key: &[u8]) -> u64 {
-        self.hasher.hash_one(key)
+        key_hash(&self.hasher, key)
     }
 
     fn lookup(&self, key: &str) -> Option<u32> {
@@ -892,7 +973,7 @@ impl Directory {
 
     /// The stored key of a complete object.
     fn key(&self, id: u32) -> &[u8] {
-        self.keys.get(self.objects[id].key_pos())
+        self.keys.get(self.objects[id].key_at())
     }
 
     /// The key of a complete object, as effects and answers carry it.
@@ -914,25 +995,27 @@ impl Directory {
     /// Move every replica of the object to the most-recently-used end of its segment list.
     fn touch(&mut self, id: u32) {
         let list = list_of(self.objects[id].flags().pin);
-        let mut rep = self.objects[id].first_rep;
-        while rep != NIL {
-            let seg = self.reps[rep].seg;
-            let lru =
-                &mut self.segments[seg.get() as usize].as_mut().expect("live segment").lru[list];
-            lru.unlink(&mut self.reps, rep);
-            lru.push_back(&mut self.reps, rep);
-            rep = self.reps[rep].obj_next;
+        let mut at = self.first_replica(id);
+        while let Some(rep) = at {
+            let (_, seg, _) = self.replica(rep);
+            self.lru_to_back(seg, list, rep);
+            at = self.next_replica(rep);
         }
+    }
+
+    /// Move a replica to the most-recently-used end of one of its segment's lists.
+    fn lru_to_back(&mut self, seg: NonZeroU32, list: usize, rep: u32) {
+        let lru = &mut self.segments[seg.get() as usize].as_mut().expect("live segment").lru[list];
+        let links = &mut RepLinks { objects: &mut self.objects, reps: &mut self.reps };
+        lru.unlink(links, rep);
+        lru.push_back(links, rep);
     }
 
     fn view(&self, id: u32) -> ObjectView {
         let o = &self.objects[id];
         let mut replicas = Vec::with_capacity(2);
-        let mut rep = o.first_rep;
-        while rep != NIL {
-            let r = &self.reps[rep];
-            replicas.push(self.replica_view(r.seg, r.offset, o.size));
-            rep = r.obj_next;
+        for (_, seg, offset) in self.replicas(id) {
+            replicas.push(self.replica_view(seg, offset, o.size));
         }
         if o.flags().persisted {
             replicas.push(Replica { location: Location::ObjectStore, len: o.size });
@@ -988,8 +1071,9 @@ impl Directory {
         if obj.flags().persisted {
             self.count_persisted(obj.size, true);
         }
-        obj.set_key_pos(self.keys.push(key.as_bytes()));
+        obj.set_key_at(self.keys.push(key.as_bytes()));
         let id = self.objects.insert(obj);
+        assert!(id < MORE, "object ids are 31 bits");
         self.index_key(id);
         self.settle_keys();
         id
@@ -1000,7 +1084,8 @@ impl Directory {
         let key_of = key_reader(&self.objects, &self.keys);
         let key = key_of(id);
         let hasher = &self.hasher;
-        self.index.insert_unique(hasher.hash_one(key), id, |&i| hasher.hash_one(key_of(i)));
+        let hash = key_hash(hasher, key);
+        self.index.insert_unique(hash, id, |&i| key_hash(hasher, key_of(i)));
         self.order.insert(id, key, key_of);
     }
 
@@ -1008,10 +1093,10 @@ impl Directory {
     fn unindex_key(&mut self, id: u32) {
         let key_of = key_reader(&self.objects, &self.keys);
         let key = key_of(id);
-        let hash = self.hasher.hash_one(key);
+        let hash = key_hash(&self.hasher, key);
         self.index.find_entry(hash, |&i| i == id).expect("indexed object").remove();
         self.order.remove(id, key, key_of);
-        self.keys.remove(self.objects[id].key_pos());
+        self.keys.remove(self.objects[id].key_at());
     }
 
     /// Compact the key arena's chunks that removals left more than half dead: their live keys
@@ -1019,11 +1104,11 @@ impl Directory {
     fn settle_keys(&mut self) {
         while let Some(chunk) = self.keys.next_compaction() {
             let (index, objects, hasher) = (&self.index, &self.objects, &self.hasher);
-            let moved = self.keys.compact(chunk, |pos, key| {
-                index.find(hasher.hash_one(key), |&id| objects[id].key_pos() == pos).copied()
+            let moved = self.keys.compact(chunk, |at, key| {
+                index.find(key_hash(hasher, key), |&id| objects[id].key_at() == at).copied()
             });
-            for (id, pos) in moved {
-                self.objects[id].set_key_pos(pos);
+            for (id, at) in moved {
+                self.objects[id].set_key_at(at);
             }
         }
     }
@@ -1032,9 +1117,8 @@ impl Directory {
     /// effect per replica.
     fn remove_object(&mut self, id: u32, mut fx: Option<&mut Vec<NodeEffect>>) {
         let size = self.objects[id].size;
-        let key = (fx.is_some() && self.objects[id].first_rep != NIL).then(|| self.key_arc(id));
-        while self.objects[id].first_rep != NIL {
-            let rep = self.objects[id].first_rep;
+        let key = (fx.is_some() && self.objects[id].has_replicas()).then(|| self.key_arc(id));
+        while let Some(rep) = self.first_replica(id) {
             let (seg, offset) = self.detach_replica(rep);
             if let (Some(fx), Some(key)) = (fx.as_deref_mut(), &key) {
                 fx.push(self.drop_effect_of(id, key, seg, offset));
@@ -1046,7 +1130,7 @@ impl Directory {
 
     /// Drop an object's metadata; its replicas must already be detached.
     fn forget_object(&mut self, id: u32) {
-        debug_assert_eq!(self.objects[id].first_rep, NIL);
+        debug_assert!(!self.objects[id].has_replicas());
         let unpersisted = self.objects[id].flags().persisted.then(|| self.key_arc(id));
         self.unindex_key(id);
         let obj = self.objects.remove(id);
@@ -1086,8 +1170,8 @@ impl Directory {
             return;
         }
         let (size, key) = (self.objects[old].size, self.key_arc(old));
-        while self.objects[old].first_rep != NIL {
-            let (seg, offset) = self.detach_replica(self.objects[old].first_rep);
+        while let Some(rep) = self.first_replica(old) {
+            let (seg, offset) = self.detach_replica(rep);
             // The name goes now: a node holding it in memory forgets it now (so no reader
             // reaches the old bytes through it); the range is freed when the lease ends (a
             // second, harmless drop).
@@ -1107,7 +1191,7 @@ impl Directory {
 
     fn is_orphan(&self, id: u32) -> bool {
         let o = &self.objects[id];
-        o.first_rep == NIL && !o.flags().persisted
+        !o.has_replicas() && !o.flags().persisted
     }
 
     // ----- internals: replicas and segments --------------------------------------------------
@@ -1136,14 +1220,62 @@ impl Directory {
         e
     }
 
-    fn attach_replica(&mut self, id: u32, seg: NonZeroU32, offset: u64) {
+    /// The object's newest node replica (see [`Obj`] for the order).
+    fn first_replica(&self, id: u32) -> Option<u32> {
         let o = &self.objects[id];
-        let (first, size, list) = (o.first_rep, o.size, list_of(o.flags().pin));
-        let rep =
-            self.reps.insert(Rep { obj: id, seg, offset, prev: NIL, next: NIL, obj_next: first });
-        self.objects[id].first_rep = rep;
+        if o.more != NIL { Some(MORE | o.more) } else { o.rep_seg.map(|_| id) }
+    }
+
+    /// The replica after `rep` in its object's order.
+    fn next_replica(&self, rep: u32) -> Option<u32> {
+        if rep & MORE == 0 {
+            return None;
+        }
+        let r = &self.reps[rep & !MORE];
+        if r.obj_next != NIL {
+            Some(MORE | r.obj_next)
+        } else {
+            self.objects[r.obj].rep_seg.map(|_| r.obj)
+        }
+    }
+
+    /// The object's node replicas as `(replica, segment, offset)`, newest first.
+    fn replicas(&self, id: u32) -> impl Iterator<Item = (u32, NonZeroU32, u64)> + '_ {
+        std::iter::successors(self.first_replica(id), |&r| self.next_replica(r)).map(|r| {
+            let (_, seg, offset) = self.replica(r);
+            (r, seg, offset)
+        })
+    }
+
+    /// A replica's object, segment and offset.
+    fn replica(&self, rep: u32) -> (u32, NonZeroU32, u64) {
+        if rep & MORE == 0 {
+            let o = &self.objects[rep];
+            (rep, o.rep_seg.expect("an inline replica"), o.rep_offset)
+        } else {
+            let r = &self.reps[rep & !MORE];
+            (r.obj, r.seg, r.offset())
+        }
+    }
+
+    fn attach_replica(&mut self, id: u32, seg: NonZeroU32, offset: u64) {
+        let o = &mut self.objects[id];
+        let (size, list) = (o.size, list_of(o.flags().pin));
+        let rep = if o.has_replicas() {
+            let more = o.more;
+            let (lo, hi) = (offset as u32, (offset >> 32) as u32);
+            let rep = Rep { obj: id, seg, offset: [lo, hi], prev: NIL, next: NIL, obj_next: more };
+            let i = self.reps.insert(rep);
+            assert!(i < MORE - 1, "replica ids are 31 bits");
+            self.objects[id].more = i;
+            MORE | i
+        } else {
+            (o.rep_seg, o.rep_offset) = (Some(seg), offset);
+            id
+        };
         let s = self.segments[seg.get() as usize].as_mut().expect("live segment");
-        s.lru[list].push_back(&mut self.reps, rep);
+        let links = &mut RepLinks { objects: &mut self.objects, reps: &mut self.reps };
+        s.lru[list].push_back(links, rep);
         let tier = s.tier.index();
         self.tier_replicas[tier] += 1;
         self.tier_bytes[tier] += size;
@@ -1151,27 +1283,31 @@ impl Directory {
 
     /// Unlink a replica from its object and its segment list; the range stays allocated.
     fn detach_replica(&mut self, rep: u32) -> (NonZeroU32, u64) {
-        let (id, seg, offset, obj_next) = {
-            let r = &self.reps[rep];
-            (r.obj, r.seg, r.offset, r.obj_next)
-        };
+        let (id, seg, offset) = self.replica(rep);
         let o = &self.objects[id];
         let (size, list) = (o.size, list_of(o.flags().pin));
-        if o.first_rep == rep {
-            self.objects[id].first_rep = obj_next;
+        let s = self.segments[seg.get() as usize].as_mut().expect("live segment");
+        let links = &mut RepLinks { objects: &mut self.objects, reps: &mut self.reps };
+        s.lru[list].unlink(links, rep);
+        let tier = s.tier.index();
+        self.tier_replicas[tier] -= 1;
+        self.tier_bytes[tier] -= size;
+        if rep & MORE == 0 {
+            self.objects[id].rep_seg = None;
+            return (seg, offset);
+        }
+        let i = rep & !MORE;
+        let obj_next = self.reps[i].obj_next;
+        if self.objects[id].more == i {
+            self.objects[id].more = obj_next;
         } else {
-            let mut at = o.first_rep;
-            while self.reps[at].obj_next != rep {
+            let mut at = self.objects[id].more;
+            while self.reps[at].obj_next != i {
                 at = self.reps[at].obj_next;
             }
             self.reps[at].obj_next = obj_next;
         }
-        let s = self.segments[seg.get() as usize].as_mut().expect("live segment");
-        s.lru[list].unlink(&mut self.reps, rep);
-        let tier = s.tier.index();
-        self.tier_replicas[tier] -= 1;
-        self.tier_bytes[tier] -= size;
-        self.reps.remove(rep);
+        self.reps.remove(i);
         (seg, offset)
     }
 
@@ -1194,27 +1330,14 @@ impl Directory {
 
     /// The object's replica on `node` in `tier`, if any.
     fn replica_on(&self, id: u32, node: NodeId, tier: Tier) -> Option<u32> {
-        let mut rep = self.objects[id].first_rep;
-        while rep != NIL {
-            let s = self.segment(self.reps[rep].seg);
-            if s.node == node && s.tier == tier {
-                return Some(rep);
-            }
-            rep = self.reps[rep].obj_next;
-        }
-        None
+        self.replicas(id).find_map(|(rep, seg, _)| {
+            let s = self.segment(seg);
+            (s.node == node && s.tier == tier).then_some(rep)
+        })
     }
 
     fn replica_at(&self, id: u32, seg: NonZeroU32, offset: u64) -> Option<u32> {
-        let mut rep = self.objects[id].first_rep;
-        while rep != NIL {
-            let r = &self.reps[rep];
-            if r.seg == seg && r.offset == offset {
-                return Some(rep);
-            }
-            rep = r.obj_next;
-        }
-        None
+        self.replicas(id).find_map(|(rep, s, o)| (s == seg && o == offset).then_some(rep))
     }
 
     /// The segment id a node location names, checking the node, the segment and the tier.

@@ -204,7 +204,7 @@ impl Directory {
             for list in 0..3 {
                 while self.segment(seg).lru[list].head != NIL {
                     let rep = self.segment(seg).lru[list].head;
-                    touched.push(self.reps[rep].obj);
+                    touched.push(self.replica(rep).0);
                     self.detach_replica(rep);
                 }
             }

@@ -129,13 +129,11 @@ impl Directory {
         self.objects[id].version = version;
         self.renamed_away.insert(from_key.clone(), from_version);
         let mut nodes: Vec<NodeId> = Vec::new();
-        let mut rep = self.objects[id].first_rep;
-        while rep != super::NIL {
-            let node = self.segment(self.reps[rep].seg).node;
+        for (_, seg, _) in self.replicas(id) {
+            let node = self.segment(seg).node;
             if !nodes.contains(&node) {
                 nodes.push(node);
             }
-            rep = self.reps[rep].obj_next;
         }
         for node in nodes {
             fx.push(NodeEffect::Rename {
@@ -210,8 +208,8 @@ impl Directory {
     /// Swap an object's key in the arena, the index and the ordered set; its replicas stay.
     fn rekey(&mut self, id: u32, key: &str) {
         self.unindex_key(id);
-        let pos = self.keys.push(key.as_bytes());
-        self.objects[id].set_key_pos(pos);
+        let at = self.keys.push(key.as_bytes());
+        self.objects[id].set_key_at(at);
         self.index_key(id);
         self.settle_keys();
     }

@@ -92,8 +92,45 @@ fn directory_can_move_between_threads() {
 
 #[test]
 fn record_sizes_stay_compact() {
-    assert_eq!(Slab::<Obj>::slot_size(), 72);
-    assert_eq!(Slab::<Rep>::slot_size(), 32);
+    assert_eq!(Slab::<Obj>::slot_size(), 88);
+    assert_eq!(Slab::<Rep>::slot_size(), 28);
+}
+
+#[test]
+fn replicas_are_listed_newest_first_whether_inline_or_not() {
+    let mut d = cluster(4, 64 * MIB);
+    let mut fx = Vec::new();
+    let mut req = PutStart::new("k", MIB);
+    req.replicas = 3;
+    let g = d.put_start(&req, 0, &mut fx).unwrap();
+    d.put_end(&PutEnd::new("k", None), 0, &mut fx).unwrap();
+    let placed: Vec<Location> = g.replicas.iter().map(|r| r.location).collect();
+    let listed = |d: &Directory| -> Vec<Location> {
+        d.stat("k").unwrap().replicas.iter().map(|r| r.location).collect()
+    };
+    assert_eq!(listed(&d), placed.iter().rev().copied().collect::<Vec<_>>());
+    // the oldest (inline) one goes; a new one on the fourth node comes first, the rest keep
+    // their order
+    assert!(!d.remove_replica("k", &placed[0]).unwrap());
+    let used: Vec<NodeId> =
+        placed.iter().filter_map(|l| Replica { location: *l, len: 0 }.node()).collect();
+    let free = (1..=4).map(NodeId).find(|n| !used.contains(n)).unwrap();
+    let loc =
+        NodeLocation { node: free, segment: 0, tier: Tier::Dram, addr: 0x1000_0000, offset: 0 };
+    let loc = Location::Node(loc);
+    d.add_replica("k", &loc).unwrap();
+    assert_eq!(listed(&d), vec![loc, placed[2], placed[1]]);
+    d.verify().unwrap();
+    // down to none but the newest, then one more: the order still follows attachment
+    assert!(!d.remove_replica("k", &placed[1]).unwrap());
+    assert!(!d.remove_replica("k", &placed[2]).unwrap());
+    d.add_replica("k", &placed[0]).unwrap();
+    assert_eq!(listed(&d), vec![placed[0], loc]);
+    d.get("k", 1).unwrap();
+    d.verify().unwrap();
+    assert!(!d.remove_replica("k", &loc).unwrap());
+    assert!(d.remove_replica("k", &placed[0]).unwrap(), "the last replica: the object is gone");
+    d.verify().unwrap();
 }
 
 #[test]

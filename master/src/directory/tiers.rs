@@ -33,7 +33,7 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use super::evict::{Budget, Goal};
-use super::{Directory, Flags, NIL, Obj};
+use super::{Directory, Flags, Obj};
 use crate::error::{Error, ErrorKind, Result};
 use crate::types::*;
 
@@ -327,18 +327,10 @@ impl Directory {
     fn has_replica(&self, id: u32, loc: &Location) -> bool {
         match loc {
             Location::ObjectStore => self.objects[id].flags().persisted,
-            Location::Node(n) => {
-                let mut rep = self.objects[id].first_rep;
-                while rep != NIL {
-                    let r = &self.reps[rep];
-                    let s = self.segment(r.seg);
-                    if s.node == n.node && s.index == n.segment && r.offset == n.offset {
-                        return true;
-                    }
-                    rep = r.obj_next;
-                }
-                false
-            }
+            Location::Node(n) => self.replicas(id).any(|(_, seg, offset)| {
+                let s = self.segment(seg);
+                s.node == n.node && s.index == n.segment && offset == n.offset
+            }),
         }
     }
 
