@@ -65,6 +65,11 @@ pub struct EngineConfig {
     pub shm_copy_threads_max: usize,
     /// TCP socket buffer size to request (0 keeps the kernel's auto-tuning).
     pub socket_buffer_bytes: usize,
+    /// How long a request on a peer's direct connection (a lone small request, sent and
+    /// received by its caller's own task) polls the socket for its reply before it parks until
+    /// the reply comes: a loopback or same-rack reply arrives within tens of microseconds, and
+    /// parking then waking costs about as much again. 0 parks at once. At most 1000.
+    pub tcp_direct_spin_us: u64,
     /// RDMA device to open (`mlx5_0`, `rxe0`); `None` takes the first with an active port. A
     /// named device that does not exist while others do fails `Engine::start` (a machine with
     /// none runs without rdma). Ignored without the `rdma` feature.
@@ -95,6 +100,7 @@ impl Default for EngineConfig {
             shm_parallel_bytes_min: 2 << 20,
             shm_copy_threads_max: 4,
             socket_buffer_bytes: 0,
+            tcp_direct_spin_us: 50,
             rdma_device: None,
             rdma_gid_index: None,
             rdma_queue_depth_max: 1024,
@@ -129,6 +135,9 @@ impl EngineConfig {
             || self.rdma_queue_depth_max == 0
         {
             return bad("queue bounds must be positive");
+        }
+        if self.tcp_direct_spin_us > 1000 {
+            return bad("tcp_direct_spin_us must be at most 1000");
         }
         if !(self.transports.tcp || self.transports.shm || self.transports.rdma) {
             return bad("at least one transport must be enabled");

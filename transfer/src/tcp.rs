@@ -16,6 +16,12 @@
 //! - the watchdog resets the connection when the oldest pending job passes its deadline, which
 //!   turns a silent peer into `Timeout` errors and unblocks both other tasks.
 //!
+//! A lone request of up to 1 MiB (a single small read or write, a guarded read) instead takes
+//! the peer's *direct* connection when no other request is on it: the calling task writes the
+//! request and reads the reply itself, polling the socket for up to `tcp_direct_spin_us` before
+//! it parks, so a round trip wakes no other task on this side (see [`Direct`]). A request that
+//! finds it in use takes the pooled connections; one cancelled or failed on it closes it.
+//!
 //! The acceptor serves each connection sequentially, reads request headers without a wait when
 //! they are already there, and sends replies with their payload in one vectored write, holding
 //! small replies back while more requests are queued behind them.
@@ -282,28 +288,33 @@ fn sends_payload(op: DataOp) -> bool {
 
 /// The bytes of a job's header and, for packs, its range table.
 fn request_head(job: &Job, id: u64) -> Vec<u8> {
-    let packed = matches!(job.op, DataOp::ReadV | DataOp::WriteV);
-    let total: u64 = job.ranges.iter().map(|r| r.len).sum();
-    let first = job.ranges.first().copied().unwrap_or(Range { remote: 0, local: 0, len: 0 });
+    encode_head(job.op, id, &job.ranges, &job.guard)
+}
+
+/// A request's header, then its range table (packs) or its guard (`ReadGuarded`).
+fn encode_head(op: DataOp, id: u64, ranges: &[Range], guard: &[u8]) -> Vec<u8> {
+    let packed = matches!(op, DataOp::ReadV | DataOp::WriteV);
+    let total: u64 = ranges.iter().map(|r| r.len).sum();
+    let first = ranges.first().copied().unwrap_or(Range { remote: 0, local: 0, len: 0 });
     let hdr = DataHeader {
-        op: job.op,
+        op,
         id,
         addr: if packed { 0 } else { first.remote },
         len: total,
         ranges: if packed {
-            job.ranges.len() as u32
-        } else if job.op == DataOp::ReadGuarded {
-            job.guard.len() as u32
+            ranges.len() as u32
+        } else if op == DataOp::ReadGuarded {
+            guard.len() as u32
         } else {
             0
         },
     };
     let mut head = hdr.encode().to_vec();
     if packed {
-        head.extend(encode_ranges(job.ranges.iter().map(|r| (r.remote, r.len))));
+        head.extend(encode_ranges(ranges.iter().map(|r| (r.remote, r.len))));
     }
-    if job.op == DataOp::ReadGuarded {
-        head.extend_from_slice(&job.guard);
+    if op == DataOp::ReadGuarded {
+        head.extend_from_slice(guard);
     }
     head
 }
@@ -433,7 +444,7 @@ async fn reader(rd: OwnedReadHalf, st: Arc<ConnState>) {
             let _ = p.done.send(Err(err.clone()));
             return st.kill(err);
         }
-        let r = receive_reply(&mut rd, &p, &reply).await;
+        let r = receive_reply(&mut rd, p.op, &p.ranges, &reply).await;
         // Let go of the job's memory before its caller learns it is done.
         let Pending { done, _holds, .. } = p;
         drop(_holds);
@@ -452,16 +463,17 @@ async fn reader(rd: OwnedReadHalf, st: Arc<ConnState>) {
 /// Reads whatever follows a reply header; the outer `Err` means the stream is out of step.
 async fn receive_reply(
     rd: &mut Inbound,
-    p: &Pending,
+    op: DataOp,
+    ranges: &[Range],
     reply: &DataReply,
 ) -> Result<Result<Outcome>> {
     let bad = |msg: String| Error::new(ErrorKind::Io, "tcp receive", msg);
     if reply.status != DataStatus::Ok {
-        return Ok(Err(status_error(reply.status, p.op)));
+        return Ok(Err(status_error(reply.status, op)));
     }
-    match p.op {
+    match op {
         DataOp::Read | DataOp::ReadGuarded => {
-            let r = p.ranges[0];
+            let r = ranges[0];
             if reply.len != r.len {
                 return Err(bad(format!("read reply of {} bytes for {}", reply.len, r.len)));
             }
@@ -471,7 +483,7 @@ async fn receive_reply(
             Ok(Ok(Outcome::Done))
         }
         DataOp::ReadV | DataOp::WriteV => {
-            let mut codes = vec![0u8; p.ranges.len()];
+            let mut codes = vec![0u8; ranges.len()];
             rd.read_exact(&mut codes).await.map_err(|e| Error::io("tcp receive", e))?;
             let statuses: Vec<DataStatus> = codes
                 .iter()
@@ -480,8 +492,8 @@ async fn receive_reply(
                         .ok_or_else(|| bad(format!("unknown range status {c}")))
                 })
                 .collect::<Result<_>>()?;
-            if p.op == DataOp::ReadV {
-                let ok = p.ranges.iter().zip(&statuses).filter(|(_, s)| **s == DataStatus::Ok);
+            if op == DataOp::ReadV {
+                let ok = ranges.iter().zip(&statuses).filter(|(_, s)| **s == DataStatus::Ok);
                 let expect: u64 = ok.clone().map(|(r, _)| r.len).sum();
                 if reply.len != expect {
                     return Err(bad(format!("pack reply of {} bytes for {expect}", reply.len)));
@@ -566,6 +578,86 @@ pub(crate) struct TcpPeer {
     slice_bytes: u64,
     /// Requests in flight to this peer (decides whether a mid-sized request is striped).
     busy: AtomicUsize,
+    /// The direct connection (see [`Direct`]).
+    direct: Mutex<DirectSlot>,
+}
+
+/// Largest request the direct connection carries: above it a request is striped (or is big
+/// enough that two wakeups are noise next to its bytes).
+const DIRECT_BYTES_MAX: u64 = 1 << 20;
+
+/// A peer's direct connection: a lone small request's own task writes the request and reads
+/// the reply on it, with no writer or reader task in between (so no other task is woken on
+/// either end of the round trip), and polls the socket for up to `tcp_direct_spin_us` before
+/// it parks. One request at a time: a request that finds it in use takes the pooled
+/// connections, so concurrent requests still pipeline there.
+struct Direct {
+    rd: Inbound,
+    wr: OwnedWriteHalf,
+    next_id: u64,
+}
+
+enum DirectSlot {
+    /// Not connected: not yet, or since a request on it failed or was cancelled.
+    Closed,
+    Idle(Direct),
+    InUse,
+}
+
+/// The direct slot while a request uses it. Dropped, it puts back `back` (set only when the
+/// request finished cleanly) or marks the slot closed: a cancelled or failed request may have
+/// left the stream in the middle of a message.
+struct DirectLease<'a> {
+    slot: &'a Mutex<DirectSlot>,
+    back: Option<Direct>,
+}
+
+impl Drop for DirectLease<'_> {
+    fn drop(&mut self) {
+        let next = match self.back.take() {
+            Some(d) => DirectSlot::Idle(d),
+            None => DirectSlot::Closed,
+        };
+        *self.slot.lock().unwrap_or_else(|e| e.into_inner()) = next;
+    }
+}
+
+impl Direct {
+    /// Writes one request and reads its reply into `r.local`. The outer `Err`: the stream is
+    /// broken or out of step; the inner result is the peer's answer.
+    async fn round_trip(
+        &mut self,
+        op: DataOp,
+        guard: &[u8],
+        r: Range,
+        spin: Duration,
+    ) -> Result<Result<()>> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let head = encode_head(op, id, &[r], guard);
+        let mut slices = vec![IoSlice::new(&head)];
+        if sends_payload(op) && r.len > 0 {
+            // SAFETY: the caller's memory is registered and held (by the caller) until this
+            // returns; the write finishes before it does.
+            slices.push(IoSlice::new(unsafe {
+                std::slice::from_raw_parts(r.local as *const u8, r.len as usize)
+            }));
+        }
+        write_all_vectored(&mut self.wr, &mut slices)
+            .await
+            .map_err(|e| Error::io("tcp send", e))?;
+        drop(slices);
+        self.rd.spin_for_bytes(spin);
+        let mut hb = [0u8; DataReply::SIZE];
+        self.rd.read_exact(&mut hb).await.map_err(|e| Error::io("tcp receive", e))?;
+        let reply = DataReply::decode(&hb)
+            .map_err(|e| Error::new(ErrorKind::Io, "tcp receive", e.to_string()))?;
+        if reply.id != id {
+            let detail = format!("reply {} for request {id}", reply.id);
+            return Err(Error::new(ErrorKind::Io, "tcp receive", detail));
+        }
+        Ok(receive_reply(&mut self.rd, op, &[r], &reply).await?.map(|_| ()))
+    }
 }
 
 /// Smallest slice a request is cut into when it is striped over idle connections.
@@ -597,6 +689,7 @@ impl TcpPeer {
             instance: info.instance,
             slice_bytes,
             busy: AtomicUsize::new(0),
+            direct: Mutex::new(DirectSlot::Closed),
         };
         Ok((peer, info))
     }
@@ -608,6 +701,13 @@ impl TcpPeer {
         {
             return Ok(c.clone());
         }
+        let conn = start_conn(self.reconnect(deadline).await?, &self.shared)?;
+        *guard = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// A fresh connection to the same engine instance, before `deadline`.
+    async fn reconnect(&self, deadline: Instant) -> Result<TcpStream> {
         let (stream, welcome) = tokio::time::timeout_at(deadline, connect(self.addr, &self.shared))
             .await
             .map_err(|_| Error::new(ErrorKind::Timeout, "tcp connect", "deadline passed"))??;
@@ -618,9 +718,57 @@ impl TcpPeer {
                 format!("{} restarted: it is a new segment instance", self.addr),
             ));
         }
-        let conn = start_conn(stream, &self.shared)?;
-        *guard = Some(conn.clone());
-        Ok(conn)
+        Ok(stream)
+    }
+
+    /// A lone request of at most [`DIRECT_BYTES_MAX`] on the direct connection (see
+    /// [`Direct`]). `None`: the connection is in use, or it could not be made or broke before
+    /// the peer answered; the caller then takes the pooled connections (which retry).
+    async fn direct(
+        &self,
+        op: DataOp,
+        guard: &[u8],
+        r: Range,
+        deadline: Instant,
+    ) -> Option<Result<()>> {
+        let idle = {
+            let mut slot = self.direct.lock().unwrap_or_else(|e| e.into_inner());
+            match std::mem::replace(&mut *slot, DirectSlot::InUse) {
+                DirectSlot::InUse => return None,
+                DirectSlot::Idle(d) => Some(d),
+                DirectSlot::Closed => None,
+            }
+        };
+        let mut lease = DirectLease { slot: &self.direct, back: None };
+        let mut d = match idle {
+            Some(d) => d,
+            None => match self.reconnect(deadline).await {
+                Ok(stream) => {
+                    let (rd, wr) = stream.into_split();
+                    Direct { rd: Inbound::new(rd), wr, next_id: 1 }
+                }
+                Err(e) if matches!(e.kind(), ErrorKind::PeerGone | ErrorKind::Timeout) => {
+                    return Some(Err(e));
+                }
+                Err(_) => return None,
+            },
+        };
+        let spin = Duration::from_micros(self.shared.cfg.tcp_direct_spin_us);
+        match tokio::time::timeout_at(deadline, d.round_trip(op, guard, r, spin)).await {
+            Ok(Ok(answer)) => {
+                lease.back = Some(d);
+                Some(answer)
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(peer = %self.addr, error = %e, "direct connection broke");
+                None
+            }
+            Err(_) => Some(Err(Error::new(
+                ErrorKind::Timeout,
+                "tcp transfer",
+                format!("no reply from {} before the deadline", self.addr),
+            ))),
+        }
     }
 
     /// Runs one request (Read or Write), striped over the connections, retrying broken slices.
@@ -636,7 +784,13 @@ impl TcpPeer {
         let _busy = BusyGuard::new(&self.busy);
         let slice = self.slice_for(len);
         if len <= slice {
-            return self.single(op, Range { remote, local, len }, &hold, deadline).await;
+            let r = Range { remote, local, len };
+            if len <= DIRECT_BYTES_MAX
+                && let Some(done) = self.direct(op, &[], r, deadline).await
+            {
+                return done;
+            }
+            return self.single(op, r, &hold, deadline).await;
         }
         let mut slices = Vec::with_capacity(len.div_ceil(slice) as usize);
         let mut off = 0;
@@ -667,6 +821,11 @@ impl TcpPeer {
         }
         let _busy = BusyGuard::new(&self.busy);
         let r = Range { remote, local, len };
+        if len <= DIRECT_BYTES_MAX
+            && let Some(done) = self.direct(DataOp::ReadGuarded, &guard, r, deadline).await
+        {
+            return done;
+        }
         self.with_retries(DataOp::ReadGuarded, &guard, &[r], std::slice::from_ref(&hold), deadline)
             .await
             .map(|_| ())
@@ -1047,6 +1206,34 @@ const INBOUND_BUFFER_BYTES: usize = 16 << 10;
 impl Inbound {
     fn new(rd: OwnedReadHalf) -> Inbound {
         Inbound { rd, buf: vec![0u8; INBOUND_BUFFER_BYTES].into_boxed_slice(), start: 0, end: 0 }
+    }
+
+    /// Polls the socket without parking, for up to `spin`, until some bytes are buffered, the
+    /// stream ends or fails (the next read then reports it), or `spin` has passed.
+    fn spin_for_bytes(&mut self, spin: Duration) {
+        if self.end > self.start || spin.is_zero() {
+            return;
+        }
+        let fd = self.rd.as_ref().as_raw_fd();
+        let started = std::time::Instant::now();
+        loop {
+            // SAFETY: a non-blocking receive into this Inbound's own buffer, bounded by its
+            // length. Reading beside tokio's readiness tracking is harmless: a stale
+            // "readable" only costs the next read one empty system call.
+            let n = unsafe {
+                libc::recv(fd, self.buf.as_mut_ptr().cast(), self.buf.len(), libc::MSG_DONTWAIT)
+            };
+            if n > 0 {
+                (self.start, self.end) = (0, n as usize);
+                return;
+            }
+            let again =
+                n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock;
+            if !again || started.elapsed() >= spin {
+                return;
+            }
+            std::hint::spin_loop();
+        }
     }
 
     /// Copies what is buffered into `dst`; returns how much.

@@ -258,3 +258,79 @@ async fn guarded_reads_are_served_only_while_the_owner_vouches() {
     assert!(b.guarded_is_direct(&own, rb.addr(), 4096));
     assert!(a.guarded_is_direct(&seg, rb.addr(), 4096));
 }
+
+/// Lone small requests go over the peer's direct connection, sent and received by the caller's
+/// own task: one cancelled at any point (here by a timeout too short for the round trip) must
+/// leave the next request exact, and concurrent ones (which find it in use and take the pooled
+/// connections) must each get their own bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_and_concurrent_lone_requests_stay_exact() {
+    use std::time::Duration;
+    let (a, b) = pair(Transports::tcp_only()).await;
+    let la = a.alloc_buffer(4 << 20, &BufferOptions::default()).unwrap();
+    let rb = b.alloc_buffer(4 << 20, &BufferOptions::default()).unwrap();
+    let seg = a.open_segment(b.name()).await.unwrap();
+    let pattern = |i: usize| (i * 31 % 251) as u8;
+    // SAFETY: no transfer touches the buffer while it is filled.
+    unsafe { rb.as_mut_slice().iter_mut().enumerate().for_each(|(i, x)| *x = pattern(i)) };
+    let req = |op, at: u64, len: u64| TransferRequest {
+        op,
+        segment: seg.clone(),
+        local_addr: la.addr() + at,
+        remote_addr: rb.addr() + at,
+        len,
+    };
+    let exact = |at: usize, len: usize| {
+        // SAFETY: the transfers into this range have completed.
+        let got = unsafe { &la.as_slice()[at..at + len] };
+        got.iter().enumerate().all(|(i, &x)| x == pattern(at + i))
+    };
+    for round in 0..200u64 {
+        let at = (round % 64) * 8192;
+        let len = 512 + (round % 7) * 1000;
+        // Cancelled somewhere between sending and receiving (or before sending).
+        let cut = Duration::from_micros(round % 40);
+        let _ = tokio::time::timeout(cut, a.transfer_one(&req(TransferOp::Read, at, len))).await;
+        let at = at + 4096;
+        // SAFETY: no transfer touches this range now.
+        unsafe { la.as_mut_slice()[at as usize..(at + len) as usize].fill(0) };
+        a.transfer_one(&req(TransferOp::Read, at, len)).await.unwrap();
+        assert!(exact(at as usize, len as usize), "round {round}: read after a cancelled one");
+    }
+    // Concurrent lone reads of distinct ranges, each checked.
+    let mut tasks = Vec::new();
+    for t in 0..8u64 {
+        let (a, seg, la, rb) = (a.clone(), seg.clone(), la.clone(), rb.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in 0..100u64 {
+                let at = (1 << 20) + t * 262_144 + (i % 32) * 8192;
+                let r = TransferRequest {
+                    op: TransferOp::Read,
+                    segment: seg.clone(),
+                    local_addr: la.addr() + at,
+                    remote_addr: rb.addr() + at,
+                    len: 4096,
+                };
+                a.transfer_one(&r).await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    for t in 0..8usize {
+        for i in 0..32usize {
+            assert!(exact((1 << 20) + t * 262_144 + i * 8192, 4096), "task {t}, read {i}");
+        }
+    }
+    // A refused request keeps the direct connection usable.
+    let mut past = req(TransferOp::Read, 0, 100);
+    past.remote_addr = rb.addr() + (4 << 20) - 10;
+    assert_eq!(a.transfer_one(&past).await.unwrap_err().kind(), ErrorKind::OutOfRange);
+    // A write, then the read that sees it.
+    // SAFETY: no transfer touches this range now.
+    unsafe { la.as_mut_slice()[..4096].fill(0xa5) };
+    a.transfer_one(&req(TransferOp::Write, 0, 4096)).await.unwrap();
+    // SAFETY: the write has completed.
+    assert!(unsafe { rb.as_slice() }[..4096].iter().all(|&x| x == 0xa5));
+}
