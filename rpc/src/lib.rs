@@ -17,6 +17,11 @@
 //! that waits (e.g. for nodes to acknowledge) moves to its own task so it never blocks the
 //! connection.
 //!
+//! [`DirectConn`] is the latency path for a pure client (a side the peer never calls): one call
+//! at a time, with no reader task; the caller writes its request, polls the socket for the
+//! reply for a bounded time and reads it itself, so a round trip wakes no other thread on the
+//! calling side (with [`RpcConn`] the reply wakes the reader task, which wakes the caller).
+//!
 //! Not handled: reconnection (callers own a connection's lifecycle and make a new one), and
 //! authentication (the control plane runs on a private network).
 
@@ -387,6 +392,134 @@ async fn respond(conn: &RpcConn, id: u64, result: Result<Vec<u8>, String>) {
     conn.send(&frame).await;
 }
 
+/// Bytes a [`DirectConn`] reads ahead at most (a small reply comes in with one system call).
+const DIRECT_BUFFER_BYTES: usize = 16 << 10;
+
+/// A connection whose caller reads its own replies (see the module notes): one call at a time
+/// (`&mut self`). A call that fails, times out or is dropped midway leaves the stream in the
+/// middle of a frame: the owner must then drop the connection and make a new one.
+pub struct DirectConn {
+    rd: OwnedReadHalf,
+    wr: OwnedWriteHalf,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    next_id: u64,
+    peer: String,
+    opts: RpcOptions,
+}
+
+impl DirectConn {
+    pub async fn connect(addr: &str, opts: RpcOptions) -> Result<DirectConn, RpcError> {
+        let err = |detail: String| RpcError::Connect { peer: addr.to_string(), detail };
+        let stream = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| err(format!("no connection within {:?}", opts.connect_timeout)))?
+            .map_err(|e| err(e.to_string()))?;
+        tune(&stream);
+        let peer = stream.peer_addr().map(|a: SocketAddr| a.to_string()).unwrap_or_default();
+        let (rd, wr) = stream.into_split();
+        Ok(DirectConn {
+            rd,
+            wr,
+            buf: vec![0u8; DIRECT_BUFFER_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            next_id: 1,
+            peer,
+            opts,
+        })
+    }
+
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Sends `req` and reads its answer, polling the socket for up to `spin` before parking.
+    /// No timeout of its own: the caller bounds it (and then drops the connection).
+    pub async fn call<Req: Serialize, Resp: DeserializeOwned>(
+        &mut self,
+        req: &Req,
+        spin: Duration,
+    ) -> Result<Resp, RpcError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let frame = encode(KIND_REQUEST, id, req)?;
+        if frame.len() - 4 > self.opts.frame_bytes_max {
+            let max = self.opts.frame_bytes_max;
+            return Err(RpcError::TooLarge { len: frame.len() - 4, max });
+        }
+        let closed = |_| RpcError::Closed(self.peer.clone());
+        self.wr.write_all(&frame).await.map_err(closed)?;
+        self.spin_for_bytes(spin);
+        let mut hdr = [0u8; HEADER];
+        self.read_exact(&mut hdr).await.map_err(|_| RpcError::Closed(self.peer.clone()))?;
+        let len = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]) as usize;
+        if !(9..=self.opts.frame_bytes_max + 9).contains(&len) {
+            return Err(RpcError::Decode(format!("frame length {len} out of bounds")));
+        }
+        let got = u64::from_le_bytes(hdr[5..13].try_into().expect("8 bytes"));
+        let mut body = vec![0u8; len - 9];
+        self.read_exact(&mut body).await.map_err(|_| RpcError::Closed(self.peer.clone()))?;
+        match hdr[4] {
+            _ if got != id => Err(RpcError::Decode(format!("answer {got} to call {id}"))),
+            KIND_RESPONSE => {
+                kvfs_proto::decode_body(&body).map_err(|e| RpcError::Decode(e.to_string()))
+            }
+            KIND_ERROR => Err(RpcError::Remote(String::from_utf8_lossy(&body).into_owned())),
+            other => Err(RpcError::Decode(format!("frame kind {other} on a direct connection"))),
+        }
+    }
+
+    /// Polls the socket without parking, for up to `spin`, until some bytes are buffered, the
+    /// stream ends or fails (the next read reports it), or `spin` has passed.
+    fn spin_for_bytes(&mut self, spin: Duration) {
+        if self.end > self.start || spin.is_zero() {
+            return;
+        }
+        let fd = self.rd.as_ref().as_raw_fd();
+        let started = std::time::Instant::now();
+        loop {
+            // SAFETY: a non-blocking receive into this connection's own buffer, bounded by its
+            // length. Reading beside tokio's readiness tracking is harmless: a stale
+            // "readable" only costs the next read one empty system call.
+            let n = unsafe {
+                libc::recv(fd, self.buf.as_mut_ptr().cast(), self.buf.len(), libc::MSG_DONTWAIT)
+            };
+            if n > 0 {
+                (self.start, self.end) = (0, n as usize);
+                return;
+            }
+            let again =
+                n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock;
+            if !again || started.elapsed() >= spin {
+                return;
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    async fn read_exact(&mut self, dst: &mut [u8]) -> std::io::Result<()> {
+        let mut got = 0;
+        while got < dst.len() {
+            if self.start == self.end {
+                if dst.len() - got >= self.buf.len() {
+                    return self.rd.read_exact(&mut dst[got..]).await.map(|_| ());
+                }
+                let n = self.rd.read(&mut self.buf).await?;
+                if n == 0 {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                (self.start, self.end) = (0, n);
+            }
+            let n = (dst.len() - got).min(self.end - self.start);
+            dst[got..got + n].copy_from_slice(&self.buf[self.start..self.start + n]);
+            (self.start, got) = (self.start + n, got + n);
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -462,5 +595,52 @@ mod tests {
             client.call::<_, usize>(&vec![0u8; 100], Duration::from_secs(5)).await.unwrap(),
             100
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn direct_calls_read_their_own_answers() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let accept = tokio::spawn(async move { l.accept().await.unwrap().0 });
+        let opts = RpcOptions { frame_bytes_max: 1 << 20, ..RpcOptions::default() };
+        let mut client = DirectConn::connect(&addr, opts.clone()).await.unwrap();
+        let h = handler_fn(|_c, v: Vec<u8>| async move {
+            if v.first() == Some(&1) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            v.len()
+        });
+        let server = RpcConn::start(accept.await.unwrap(), h, opts);
+        let spin = Duration::from_micros(50);
+        // Answers inline and from a task, small and larger than the read buffer.
+        for len in [1usize, 100, 40_000, 300_000] {
+            for first in [0u8, 1] {
+                let mut v = vec![7u8; len];
+                v[0] = first;
+                assert_eq!(client.call::<_, usize>(&v, spin).await.unwrap(), len);
+            }
+        }
+        // Bad input: an undecodable request is a remote error and the connection stays usable;
+        // an oversized one is refused before it is sent.
+        let r = client.call::<_, usize>(&[0xffu8; 11], spin).await;
+        assert!(matches!(r, Err(RpcError::Remote(_))), "{r:?}");
+        let r = client.call::<_, usize>(&vec![0u8; 2 << 20], spin).await;
+        assert!(matches!(r, Err(RpcError::TooLarge { .. })), "{r:?}");
+        assert_eq!(client.call::<_, usize>(&vec![0u8; 5], Duration::ZERO).await.unwrap(), 5);
+        drop(server);
+        // A peer that goes away without answering: Closed, not a hang.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let gone = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut b = [0u8; 4];
+            let _ = s.read_exact(&mut b).await;
+        });
+        let mut client = DirectConn::connect(&addr, RpcOptions::default()).await.unwrap();
+        let five = vec![0u8; 5];
+        let call = client.call::<_, usize>(&five, spin);
+        let r = tokio::time::timeout(Duration::from_secs(5), call).await.unwrap();
+        gone.await.unwrap();
+        assert!(matches!(r, Err(RpcError::Closed(_))), "{r:?}");
     }
 }
