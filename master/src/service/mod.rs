@@ -776,32 +776,40 @@ pub(crate) async fn send_records(st: &State, node: u64, (commits, drops, renames
     let lock = st.record_lock(node);
     let _order = lock.lock().await;
     let queued = st.take_queued_drops(node);
-    // Queued drops first (they are older than these records), then commits, drops and
-    // renames.
-    let reqs = [
-        (queued.is_empty(), NodeRequest::Drop(queued)),
-        (commits.is_empty(), NodeRequest::Commit(commits)),
-        (drops.is_empty(), NodeRequest::Drop(drops)),
-        (renames.is_empty(), NodeRequest::Rename(renames)),
-    ];
-    for (empty, req) in reqs {
-        if empty {
-            continue;
-        }
-        match conn.call::<_, NodeResponse>(&req, timeout).await {
-            Ok(NodeResponse::Done) => {}
-            Ok(other @ (NodeResponse::Persisted(_) | NodeResponse::Loaded(_))) => {
-                tracing::warn!(node, answer = ?other, "unexpected answer to records");
-            }
-            Ok(NodeResponse::Refused(e)) => {
-                st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(node, error = %e.message, "node refused records");
-            }
-            Err(e) => {
-                st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(node, error = %e, "node call failed");
+    // Queued drops first (they are older than these records), then commits and drops: sent
+    // back to back on the one connection, in this order, and applied by the node in the order
+    // they arrive (its commit and drop handlers finish without waiting, so it answers each
+    // before it reads the next), so their round trips overlap. Renames wait on the node's
+    // disk, may finish out of order, and so go after the others have been answered.
+    let call = |req: NodeRequest| {
+        let conn = &conn;
+        async move {
+            match conn.call::<_, NodeResponse>(&req, timeout).await {
+                Ok(NodeResponse::Done) => {}
+                Ok(other @ (NodeResponse::Persisted(_) | NodeResponse::Loaded(_))) => {
+                    tracing::warn!(node, answer = ?other, "unexpected answer to records");
+                }
+                Ok(NodeResponse::Refused(e)) => {
+                    st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(node, error = %e.message, "node refused records");
+                }
+                Err(e) => {
+                    st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(node, error = %e, "node call failed");
+                }
             }
         }
+    };
+    let in_order =
+        [NodeRequest::Drop(queued), NodeRequest::Commit(commits), NodeRequest::Drop(drops)];
+    let in_order = in_order.into_iter().filter(|r| match r {
+        NodeRequest::Drop(d) => !d.is_empty(),
+        NodeRequest::Commit(c) => !c.is_empty(),
+        _ => true,
+    });
+    futures_util::future::join_all(in_order.map(call)).await;
+    if !renames.is_empty() {
+        call(NodeRequest::Rename(renames)).await;
     }
 }
 
