@@ -35,7 +35,8 @@ pub(crate) struct MasterLink {
 
 /// How long a direct call polls for the master's answer before it parks: an answer from the
 /// master's memory arrives within tens of microseconds on one host or rack, and parking then
-/// being woken costs about as much again.
+/// being woken costs about as much again. A `PutEnd` (answered after the nodes' records) parks
+/// at once.
 pub(crate) const DIRECT_SPIN: Duration = Duration::from_micros(50);
 
 /// After making the direct connection failed, calls take the shared one for this long.
@@ -163,7 +164,14 @@ impl MasterLink {
                 }
             },
         };
-        match tokio::time::timeout(self.timeout, conn.call(req, DIRECT_SPIN)).await {
+        // A put's end waits for its nodes to record the object: its answer takes longer than
+        // a spin, and on a small machine the spinning caller would take a CPU from the node
+        // it waits for (in this very process when the node is embedded).
+        let spin = match req {
+            MasterRequest::PutEnd(_) => Duration::ZERO,
+            _ => DIRECT_SPIN,
+        };
+        match tokio::time::timeout(self.timeout, conn.call(req, spin)).await {
             Ok(Ok(resp)) => {
                 lease.back = Some(conn);
                 DirectOutcome::Answered(Ok(resp))
