@@ -10,34 +10,13 @@ use kvfs_master::*;
 const OBJECTS: u64 = 1_000_000;
 const BATCH: usize = 10_000;
 
-fn key(i: u64) -> String {
-    let prefix = &"llama-3-70b/tp8/rank3/layer-group-01/"[..(i % 37) as usize];
-    format!("{prefix}{:064x}", i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-}
+#[path = "../tests/support/filled.rs"]
+mod filled;
+use filled::key;
 
 fn directory() -> Directory {
-    let mut dir = Directory::new(Config::default()).unwrap();
-    let mut fx = Vec::new();
-    for node in 1..=16 {
-        let reg = NodeRegistration {
-            node: NodeId(node),
-            host: format!("h{node}"),
-            endpoint: String::new(),
-            segments: vec![SegmentSpec {
-                index: 0,
-                tier: Tier::Dram,
-                base_addr: 0,
-                capacity: 1 << 44,
-            }],
-            held: Vec::new(),
-        };
-        dir.register_node(&reg, 0, &mut fx).unwrap();
-    }
-    for i in 0..OBJECTS {
-        dir.put_start(&PutStart::new(key(i), 64 << 10), 0, &mut fx).unwrap();
-        dir.put_end(&PutEnd::new(key(i), None), 0, &mut fx).unwrap();
-        fx.clear();
-    }
+    let mut dir = filled::with_nodes(16);
+    filled::fill(&mut dir, 0..OBJECTS);
     dir
 }
 

@@ -20,35 +20,13 @@ const LISTED: usize = 100_000;
 const LIST_PREFIX: &str = "model/tp0/rank1/layer-group-7/pp3";
 const LIST_DIR: &str = "model/tp0/rank1/layer-group-7/pp3/";
 
-fn key(i: u64) -> String {
-    let prefix = &"model/tp0/rank1/layer-group-7/pp3/xyz"[..(i % 37) as usize];
-    format!("{prefix}{:064x}", i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-}
+#[path = "../tests/support/filled.rs"]
+mod filled;
+use filled::key;
 
 fn directory(n: u64) -> Directory {
-    let mut dir = Directory::new(Config::default()).expect("default config");
-    let mut fx = Vec::new();
-    for node in 1..=4 {
-        let reg = NodeRegistration {
-            node: NodeId(node),
-            host: format!("h{node}"),
-            endpoint: String::new(),
-            segments: vec![SegmentSpec {
-                index: 0,
-                tier: Tier::Dram,
-                base_addr: 0,
-                capacity: 1 << 50,
-            }],
-            held: Vec::new(),
-        };
-        dir.register_node(&reg, 0, &mut fx).expect("register");
-    }
-    for i in 0..n {
-        let key = key(i);
-        dir.put_start(&PutStart::new(key.as_str(), 64 << 10), 0, &mut fx).expect("put_start");
-        dir.put_end(&PutEnd::new(key, Some([1; 32])), 0, &mut fx).expect("put_end");
-        fx.clear();
-    }
+    let mut dir = filled::with_nodes(4);
+    filled::fill(&mut dir, 0..n);
     dir
 }
 

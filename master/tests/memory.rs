@@ -12,7 +12,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use kvfs_master::*;
+#[path = "support/filled.rs"]
+mod filled;
 
 struct Counting;
 
@@ -60,32 +61,9 @@ const GIB: f64 = (1u64 << 30) as f64;
 
 /// Fill a 4-node directory with `n` single-replica objects whose keys are 64..100 bytes.
 fn measure(n: u64) -> Figures {
-    let mut dir = Directory::new(Config::default()).unwrap();
-    let mut fx = Vec::new();
-    for node in 1..=4 {
-        let reg = NodeRegistration {
-            node: NodeId(node),
-            host: format!("h{node}"),
-            endpoint: String::new(),
-            segments: vec![SegmentSpec {
-                index: 0,
-                tier: Tier::Dram,
-                base_addr: 0,
-                capacity: 1 << 50,
-            }],
-            held: Vec::new(),
-        };
-        dir.register_node(&reg, 0, &mut fx).unwrap();
-    }
+    let mut dir = filled::with_nodes(4);
     let (count0, rss0) = (ALLOCATED.load(Ordering::Relaxed), rss_bytes());
-    for i in 0..n {
-        let prefix = &"model/tp0/rank1/layer-group-7/pp3/xyz"[..(i % 37) as usize];
-        let key = format!("{prefix}{:064x}", i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        dir.put_start(&PutStart::new(key.as_str(), 64 << 10), 0, &mut fx).unwrap();
-        dir.put_end(&PutEnd::new(key, Some([1; 32])), 0, &mut fx).unwrap();
-        fx.clear();
-    }
-    fx.shrink_to_fit();
+    filled::fill(&mut dir, 0..n);
     let counted = (ALLOCATED.load(Ordering::Relaxed) - count0) as f64 / n as f64;
     let rss = rss_bytes().saturating_sub(rss0) as f64 / n as f64;
     let stats = dir.stats();

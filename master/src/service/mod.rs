@@ -800,14 +800,17 @@ pub(crate) async fn send_records(st: &State, node: u64, (commits, drops, renames
             }
         }
     };
-    let in_order =
-        [NodeRequest::Drop(queued), NodeRequest::Commit(commits), NodeRequest::Drop(drops)];
-    let in_order = in_order.into_iter().filter(|r| match r {
-        NodeRequest::Drop(d) => !d.is_empty(),
-        NodeRequest::Commit(c) => !c.is_empty(),
-        _ => true,
-    });
-    futures_util::future::join_all(in_order.map(call)).await;
+    let mut in_order = Vec::with_capacity(3);
+    if !queued.is_empty() {
+        in_order.push(NodeRequest::Drop(queued));
+    }
+    if !commits.is_empty() {
+        in_order.push(NodeRequest::Commit(commits));
+    }
+    if !drops.is_empty() {
+        in_order.push(NodeRequest::Drop(drops));
+    }
+    futures_util::future::join_all(in_order.into_iter().map(call)).await;
     if !renames.is_empty() {
         call(NodeRequest::Rename(renames)).await;
     }
