@@ -761,7 +761,7 @@ impl Engine {
                     remote_addr,
                     len,
                 };
-                local_copy(shared, &req)
+                local_copy(shared, &req).await
             }
             PeerKind::Remote { tcp: Some(tcp), .. } => {
                 let hold = local.hold();
@@ -869,7 +869,7 @@ async fn run_item(shared: &Shared, req: &TransferRequest, deadline: Instant) -> 
         )
     })?;
     match &req.segment.0.kind {
-        PeerKind::Local => local_copy(shared, req),
+        PeerKind::Local => local_copy(shared, req).await,
         PeerKind::Remote { tcp, shm, rdma } => {
             if let Some(shm) = shm {
                 if shm.is_dead() {
@@ -909,17 +909,26 @@ async fn run_item(shared: &Shared, req: &TransferRequest, deadline: Instant) -> 
     }
 }
 
-fn local_copy(shared: &Shared, req: &TransferRequest) -> Result<()> {
+/// A transfer within this engine's own memory (the caller's segment is ours): a memcpy, spread
+/// over the copy threads when it is large, like a copy over shm.
+async fn local_copy(shared: &Shared, req: &TransferRequest) -> Result<()> {
     let remote = shared.registry.find(req.remote_addr, req.len).filter(|r| r.remote);
-    let Some(_remote) = remote else {
+    let Some(remote) = remote else {
         return Err(Error::new(
             ErrorKind::OutOfRange,
             "transfer",
             "range not in a remotely accessible region",
         ));
     };
-    copy(req.op, req.local_addr as *mut u8, req.remote_addr as *mut u8, req.len as usize);
-    Ok(())
+    let remote = Far { addr: req.remote_addr as usize, keep: remote.hold() };
+    parallel_copy(shared, req.op, req.local_addr as usize, remote, req.len as usize).await
+}
+
+/// The far side of a copy: its address, and what keeps its memory alive while helper threads
+/// copy parts of it.
+struct Far {
+    addr: usize,
+    keep: crate::tcp::Hold,
 }
 
 /// Copies over shm when the remote range is mapped (refreshing the mapping table once);
@@ -935,29 +944,29 @@ async fn shm_copy(shared: &Shared, shm: &ShmPeer, req: &TransferRequest) -> Opti
         }
     };
     let (mapping, offset) = found?;
-    Some(
-        parallel_copy(shared, req.op, req.local_addr as usize, mapping, offset, req.len as usize)
-            .await,
-    )
+    // SAFETY: offset+len lies inside the mapping (translate checked it), which `keep` holds.
+    let addr = unsafe { mapping.as_ptr().add(offset) } as usize;
+    let remote = Far { addr, keep: crate::tcp::Hold::Buffer(mapping) };
+    Some(parallel_copy(shared, req.op, req.local_addr as usize, remote, req.len as usize).await)
 }
 
-/// Copies between local memory and a peer's mapped buffer. Small copies run inline on the
-/// calling task; from `shm_parallel_bytes_min` up, the copy is cut into as many parts as there
-/// are copy threads (at most `shm_copy_threads_max`): one part inline, the others on blocking
-/// threads, so a large transfer uses every core instead of one.
+/// Copies between local memory and a peer's mapped buffer (or another region of this
+/// engine). Small copies run inline on the calling task; from `shm_parallel_bytes_min` up, the
+/// copy is cut into as many parts as there are copy threads (at most `shm_copy_threads_max`):
+/// one part inline, the others on blocking threads, so a large transfer uses every core
+/// instead of one.
 async fn parallel_copy(
     shared: &Shared,
     op: TransferOp,
     local: usize,
-    mapping: Arc<Buffer>,
-    offset: usize,
+    remote: Far,
     len: usize,
 ) -> Result<()> {
     let parts = copy_threads(shared.cfg.shm_copy_threads_max);
-    if (len as u64) < shared.cfg.shm_parallel_bytes_min || parts < 2 {
-        // SAFETY: offset+len lies inside the mapping (translate checked it).
-        let remote = unsafe { mapping.as_ptr().add(offset) };
-        copy(op, local as *mut u8, remote, len);
+    // Overlapping ranges (within this engine's own memory) must be copied as one memmove.
+    let overlap = local < remote.addr + len && remote.addr < local + len;
+    if (len as u64) < shared.cfg.shm_parallel_bytes_min || parts < 2 || overlap {
+        copy(op, local as *mut u8, remote.addr as *mut u8, len);
         return Ok(());
     }
     let chunk = len.div_ceil(parts).next_multiple_of(64 << 10);
@@ -965,21 +974,17 @@ async fn parallel_copy(
     let mut at = chunk;
     while at < len {
         let n = chunk.min(len - at);
-        let m = mapping.clone();
+        let keep_remote = remote.keep.clone();
         let keep = shared.registry.find(local as u64, len as u64).map(|r| r.hold());
+        let far = remote.addr + at;
         helpers.push(tokio::task::spawn_blocking(move || {
-            // The local memory's owner stays alive while this part copies.
-            let _keep = keep;
-            // SAFETY: [offset+at, offset+at+n) lies inside the mapping, which `m` keeps alive;
-            // the local range was checked by the caller; parts do not overlap.
-            let remote = unsafe { m.as_ptr().add(offset + at) };
-            copy(op, (local + at) as *mut u8, remote, n);
+            // Both memories' owners stay alive while this part copies.
+            let _keep = (keep, keep_remote);
+            copy(op, (local + at) as *mut u8, far as *mut u8, n);
         }));
         at += n;
     }
-    // SAFETY: as above, for the first part.
-    let remote = unsafe { mapping.as_ptr().add(offset) };
-    copy(op, local as *mut u8, remote, chunk.min(len));
+    copy(op, local as *mut u8, remote.addr as *mut u8, chunk.min(len));
     for h in helpers {
         h.await.map_err(|e| Error::new(ErrorKind::Io, "shm copy", e.to_string()))?;
     }
