@@ -70,6 +70,11 @@ pub struct EngineConfig {
     /// the reply comes: a loopback or same-rack reply arrives within tens of microseconds, and
     /// parking then waking costs about as much again. 0 parks at once. At most 1000.
     pub tcp_direct_spin_us: u64,
+    /// How long the serving side of a connection polls it for the next request after
+    /// answering a lone small request (the pattern of a peer's direct connection) before it
+    /// parks until one comes: the next request of a caller making one call after another
+    /// then wakes no task here. 0 parks at once. At most 1000.
+    pub tcp_serve_spin_us: u64,
     /// RDMA device to open (`mlx5_0`, `rxe0`); `None` takes the first with an active port. A
     /// named device that does not exist while others do fails `Engine::start` (a machine with
     /// none runs without rdma). Ignored without the `rdma` feature.
@@ -101,6 +106,7 @@ impl Default for EngineConfig {
             shm_copy_threads_max: 4,
             socket_buffer_bytes: 0,
             tcp_direct_spin_us: 50,
+            tcp_serve_spin_us: 50,
             rdma_device: None,
             rdma_gid_index: None,
             rdma_queue_depth_max: 1024,
@@ -136,8 +142,8 @@ impl EngineConfig {
         {
             return bad("queue bounds must be positive");
         }
-        if self.tcp_direct_spin_us > 1000 {
-            return bad("tcp_direct_spin_us must be at most 1000");
+        if self.tcp_direct_spin_us > 1000 || self.tcp_serve_spin_us > 1000 {
+            return bad("tcp_direct_spin_us and tcp_serve_spin_us must be at most 1000");
         }
         if !(self.transports.tcp || self.transports.shm || self.transports.rdma) {
             return bad("at least one transport must be enabled");

@@ -1129,11 +1129,18 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
     let mut rd = Inbound::new(rd);
     let mut out = Replies::new(wr);
     let mut hb = [0u8; DataHeader::SIZE];
+    let mut spin = ServeSpin {
+        max: Duration::from_micros(shared.cfg.tcp_serve_spin_us),
+        lone: false,
+        paid: true,
+    };
     loop {
-        if !next_header(&mut rd, &mut out, &mut hb).await? {
+        if !next_header(&mut rd, &mut out, &mut hb, &mut spin).await? {
             return Ok(());
         }
         let hdr = DataHeader::decode(&hb).map_err(std::io::Error::other)?;
+        spin.lone = matches!(hdr.op, DataOp::Read | DataOp::Write | DataOp::ReadGuarded)
+            && hdr.len <= DIRECT_BYTES_MAX;
         if out.has_payload() && matches!(hdr.op, DataOp::Write | DataOp::WriteV | DataOp::Notify) {
             // Do not hold read payloads while waiting for this request's own payload.
             out.flush().await?;
@@ -1167,18 +1174,43 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
     }
 }
 
+/// Whether the serving side polls a connection for its next request before it parks: after a
+/// lone small request (the pattern of a peer's direct connection), and only while the requests
+/// after such ones have come within `max` of the answer (a caller making call after call), so
+/// a caller whose lone requests are spread out (a put's write sits between two master round
+/// trips) costs no core time spent polling for nothing. The first late request stops the
+/// polling; the first prompt one resumes it.
+struct ServeSpin {
+    max: Duration,
+    /// The request just answered was a lone small one.
+    lone: bool,
+    /// The last request after a lone one came within `max`.
+    paid: bool,
+}
+
 /// Reads the next request header: from what the last read already brought in, or, when that
 /// is used up, after sending the held-back replies (the socket is then as good as drained:
-/// waiting for more without answering would only add latency). `false` at a clean end of
-/// stream.
+/// waiting for more without answering would only add latency) and polling the socket as
+/// `spin` says. `false` at a clean end of stream.
 async fn next_header(
     rd: &mut Inbound,
     out: &mut Replies,
     hb: &mut [u8; DataHeader::SIZE],
+    spin: &mut ServeSpin,
 ) -> std::io::Result<bool> {
     let got = rd.take_buffered(hb);
     if got < hb.len() {
         out.flush().await?;
+        if got == 0 && spin.lone && !spin.max.is_zero() {
+            let idle = std::time::Instant::now();
+            if spin.paid {
+                rd.spin_for_bytes(spin.max);
+            }
+            if !rd.has_buffered() {
+                rd.wait_readable().await?;
+            }
+            spin.paid = idle.elapsed() < spin.max;
+        }
         match rd.read_exact(&mut hb[got..]).await {
             Ok(_) => {}
             Err(e) if got == 0 && e.kind() == std::io::ErrorKind::UnexpectedEof => {
@@ -1234,6 +1266,16 @@ impl Inbound {
             }
             std::hint::spin_loop();
         }
+    }
+
+    fn has_buffered(&self) -> bool {
+        self.end > self.start
+    }
+
+    /// Waits until the socket has something to read (or has ended or failed: the next read
+    /// reports it).
+    async fn wait_readable(&mut self) -> std::io::Result<()> {
+        self.rd.as_ref().readable().await
     }
 
     /// Copies what is buffered into `dst`; returns how much.
