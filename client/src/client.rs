@@ -31,6 +31,7 @@ use kvfs_transfer::{Engine, EngineConfig, SegmentHandle, TransferOp, TransferReq
 
 use crate::locations::{self, Location, Locations};
 use crate::master::MasterLink;
+use crate::node::LocalCommit;
 use crate::staging::{Staged, StagingPool};
 use crate::{Error, ErrorKind, Result};
 
@@ -233,6 +234,9 @@ struct Inner {
     locations: Locations,
     cache_hits: AtomicU64,
     cache_misses: AtomicU64,
+    /// The node in this process whose engine this client shares, if any: puts into its
+    /// segment record their commit there themselves (one master round trip fewer).
+    embedded: Option<crate::node::Embedded>,
 }
 
 /// A connection to a kvfs cluster. Cheap to clone; all clones share one engine and one master
@@ -256,6 +260,23 @@ impl Client {
     /// reads and writes of the node's segment are plain memcpys and one segment name (the
     /// reference system's `get_hostname()`) identifies both.
     pub async fn connect_with_engine(cfg: ClientConfig, engine: Engine) -> Result<Client> {
+        Client::connect_inner(cfg, engine, None).await
+    }
+
+    /// Connects with the engine of a node running in this process (as
+    /// [`Client::connect_with_engine`] with `node.engine()`), and records the commits of the
+    /// objects it writes into that node's segment in the node itself before their `PutEnd`,
+    /// so such a put costs two master round trips instead of three (the master then sends the
+    /// node no commit record).
+    pub async fn connect_embedded(cfg: ClientConfig, node: &crate::Node) -> Result<Client> {
+        Client::connect_inner(cfg, node.engine().clone(), Some(node.embedded())).await
+    }
+
+    async fn connect_inner(
+        cfg: ClientConfig,
+        engine: Engine,
+        embedded: Option<crate::node::Embedded>,
+    ) -> Result<Client> {
         let host = kvfs_transfer::host_id().to_string();
         let timeout = Duration::from_millis(cfg.rpc_timeout_ms);
         let master = MasterLink::new(
@@ -280,6 +301,7 @@ impl Client {
                 locations: Locations::default(),
                 cache_hits: AtomicU64::new(0),
                 cache_misses: AtomicU64::new(0),
+                embedded,
             }),
         })
     }
@@ -412,7 +434,7 @@ impl Client {
         let mut replaced = false;
         for ((i, g), w) in granted.iter().zip(written) {
             match w {
-                Ok(()) => ends.push((*i, g.version)),
+                Ok(()) => ends.push((*i, g)),
                 Err(Failed { error, dead_segment }) => {
                     // A replica on a dead segment: the master stops placing there as soon as
                     // the owner's connection closes, so the same put placed again lands on a
@@ -433,7 +455,7 @@ impl Client {
             let _ = self.call("put", &MasterRequest::PutRevoke(revokes)).await;
         }
         if !ends.is_empty() {
-            self.put_end(items, &ends, opts.checksum, out).await;
+            self.put_end(items, &ends, opts, out).await;
         }
         (retry, replaced)
     }
@@ -441,8 +463,8 @@ impl Client {
     async fn put_end(
         &self,
         items: &[PutFrom<'_>],
-        ends: &[(usize, u64)],
-        checksum: bool,
+        ends: &[(usize, &PutGrant)],
+        opts: &PutOptions,
         out: &mut [Option<Result<()>>],
     ) {
         // An upsert gives the key a new version: a location of the old one would only be
@@ -450,12 +472,22 @@ impl Client {
         for &(i, _) in ends {
             self.inner.locations.forget(items[i].key);
         }
+        let mut local = Vec::new();
         let req = MasterRequest::PutEnd(
             ends.iter()
-                .map(|&(i, version)| PutEndItem {
-                    key: items[i].key.to_string(),
-                    checksum: checksum.then(|| registered_blake3(items[i].addr, items[i].len)),
-                    version: Some(version),
+                .map(|&(i, g)| {
+                    let it = &items[i];
+                    let checksum = opts.checksum.then(|| registered_blake3(it.addr, it.len));
+                    let committed_on = self.commit_locally(it, g, checksum, opts.pin);
+                    if let Some((_, c)) = &committed_on {
+                        local.push((i, c.addr, g.version));
+                    }
+                    PutEndItem {
+                        key: it.key.to_string(),
+                        checksum,
+                        version: Some(g.version),
+                        committed_on: committed_on.map(|(node, _)| node),
+                    }
                 })
                 .collect(),
         );
@@ -472,6 +504,42 @@ impl Client {
             }
             Err(e) => ends.iter().for_each(|&(i, _)| out[i] = Some(Err(e.clone()))),
         }
+        // A put that failed (or whose answer was lost) takes its local commit back: the node
+        // must not keep a name the master may never have completed.
+        let Some(node) = &self.inner.embedded else { return };
+        for (i, addr, version) in local {
+            if matches!(out[i], Some(Err(_))) {
+                let it = &items[i];
+                let (key, size) = (it.key, it.len);
+                node.undo(&LocalCommit { key, addr, size, version, checksum: None, pin: opts.pin });
+            }
+        }
+    }
+
+    /// Records the commit of `g`'s replica in this process's node, when it has one there and
+    /// the object has no persistence: the node's id and the commit, for the `PutEnd`.
+    fn commit_locally<'k>(
+        &self,
+        it: &PutFrom<'k>,
+        g: &PutGrant,
+        checksum: Option<[u8; 32]>,
+        pin: Pin,
+    ) -> Option<(u64, LocalCommit<'k>)> {
+        let node = self.inner.embedded.as_ref()?;
+        if g.persistence != Persistence::None {
+            return None;
+        }
+        let own = self.inner.engine.name();
+        let r = g.replicas.iter().find(|r| r.endpoint == own && r.tier == Tier::Dram)?;
+        let c = LocalCommit {
+            key: it.key,
+            addr: r.addr,
+            size: it.len,
+            version: g.version,
+            checksum,
+            pin,
+        };
+        node.commit(&c).map(|id| (id, c))
     }
 
     /// Writes every replica of every granted object in one transfer batch; per grant, `Ok`
@@ -677,9 +745,27 @@ impl Client {
         r.pop().unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "get", "no result")))
     }
 
-    /// Gets many objects' bytes.
+    /// Gets many objects' bytes. Objects of [`LEND_BYTES_MIN`] and more are read straight into
+    /// their new vectors (faulted in with huge pages first, registered for the call); smaller
+    /// ones are staged and copied once, which costs less than a registration.
     pub async fn get_batch<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<Vec<u8>>> {
-        self.get_batch_staged(keys).await.into_iter().map(|r| r.map(|s| s.to_vec_huge())).collect()
+        let alloc = |size: u64| {
+            let mut v = Vec::<u8>::with_capacity(size as usize);
+            let addr = v.as_mut_ptr() as usize;
+            crate::staging::advise_huge_pages(addr, size as usize);
+            crate::staging::prefault(addr, size as usize);
+            Some((addr as u64, v))
+        };
+        let fetched = self.get_batch_lent(keys, alloc).await;
+        fetched
+            .into_iter()
+            .map(|r| {
+                r.map(|f| match f {
+                    Fetched::Staged(s) => s.to_vec_huge(),
+                    Fetched::Lent(v, len) => filled(v, len),
+                })
+            })
+            .collect()
     }
 
     /// Gets an object into a staging buffer and lends it out (see [`Client::get_batch_staged`]).
@@ -1309,6 +1395,21 @@ fn unexpected(op: &'static str, resp: &MasterResponse) -> Error {
 }
 
 /// blake3 of `len` bytes of registered memory at `addr`.
+/// The vector a lent get filled with `len` bytes (its capacity, from the transfer).
+fn filled(v: Arc<Vec<u8>>, len: usize) -> Vec<u8> {
+    match Arc::try_unwrap(v) {
+        Ok(mut v) => {
+            // SAFETY: the transfer wrote `len` bytes (the object's size, the vector's
+            // capacity) and has finished.
+            unsafe { v.set_len(len) };
+            v
+        }
+        // A transfer's keep-alive not dropped yet: the bytes are final, copy them out.
+        // SAFETY: as above; the memory stays valid while `shared` lives.
+        Err(shared) => unsafe { std::slice::from_raw_parts(shared.as_ptr(), len) }.to_vec(),
+    }
+}
+
 fn registered_blake3(addr: u64, len: u64) -> [u8; 32] {
     // SAFETY: the caller registered [addr, addr+len) with the engine (the transfer that just
     // read it succeeded), and promised it stays valid while the put runs.

@@ -35,8 +35,8 @@ pub(crate) struct MasterLink {
 
 /// How long a direct call polls for the master's answer before it parks: an answer from the
 /// master's memory arrives within tens of microseconds on one host or rack, and parking then
-/// being woken costs about as much again. A `PutEnd` (answered after the nodes' records) parks
-/// at once.
+/// being woken costs about as much again. A `PutEnd` answered after nodes' records (any object
+/// not committed by the writer in its own process's node) parks at once.
 pub(crate) const DIRECT_SPIN: Duration = Duration::from_micros(50);
 
 /// After making the direct connection failed, calls take the shared one for this long.
@@ -166,9 +166,12 @@ impl MasterLink {
         };
         // A put's end waits for its nodes to record the object: its answer takes longer than
         // a spin, and on a small machine the spinning caller would take a CPU from the node
-        // it waits for (in this very process when the node is embedded).
+        // it waits for. Not when the writer committed every object in its own node: then the
+        // master answers from memory.
         let spin = match req {
-            MasterRequest::PutEnd(_) => Duration::ZERO,
+            MasterRequest::PutEnd(items) if items.iter().any(|i| i.committed_on.is_none()) => {
+                Duration::ZERO
+            }
             _ => DIRECT_SPIN,
         };
         match tokio::time::timeout(self.timeout, conn.call(req, spin)).await {

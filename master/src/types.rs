@@ -270,7 +270,17 @@ pub enum NodeEffect {
     /// end of the object's read lease (0: never read): readers may still read a location they
     /// cached until then, through the node, so while it lies ahead the drop is delivered
     /// before the call that caused it is answered.
-    Drop { node: NodeId, key: Arc<str>, segment: u32, offset: u64, len: u64, readers_until_ms: u64 },
+    /// `version` is the dropped copy's (a node that holds a newer version of the key there,
+    /// committed by a writer in its own process, keeps it).
+    Drop {
+        node: NodeId,
+        key: Arc<str>,
+        segment: u32,
+        offset: u64,
+        len: u64,
+        version: u64,
+        readers_until_ms: u64,
+    },
     /// The object the node holds under `from` (at `from_version`) is now `to` at `version`;
     /// one per node, covering all its copies.
     Rename { node: NodeId, from: Arc<str>, to: Arc<str>, from_version: u64, version: u64 },

@@ -12,11 +12,17 @@
 //! object to the object store before it completes ([`NodeRequest::Persist`]) and to copy an
 //! object from NVMe or the object store into a DRAM range it allocated
 //! ([`NodeRequest::Load`]) when a get finds no memory replica.
+//!
+//! Protocol 5: a writer whose replica lies in a node of its own process records the commit in
+//! that node itself ([`PutEndItem::committed_on`]; the grant says the object's effective
+//! persistence, [`PutGrant::persistence`]), and drops name the version of the copy they mean
+//! ([`DropItem::version`]), so a drop that arrives after a newer commit of the same range is
+//! ignored whoever recorded that commit.
 
 use serde::{Deserialize, Serialize};
 
 /// Version of the store protocol; a master refuses a client or node that speaks another one.
-pub const STORE_PROTOCOL_VERSION: u32 = 4;
+pub const STORE_PROTOCOL_VERSION: u32 = 5;
 
 /// Storage medium of a segment or replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -162,6 +168,8 @@ pub struct PutStartItem {
 pub struct PutGrant {
     pub version: u64,
     pub replicas: Vec<ReplicaDesc>,
+    /// The object's persistence after the master's per-prefix defaults.
+    pub persistence: Persistence,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -169,6 +177,9 @@ pub struct PutEndItem {
     pub key: String,
     pub checksum: Option<[u8; 32]>,
     pub version: Option<u64>,
+    /// The node, running in the writer's own process, that already recorded the commit of
+    /// this object's replica in it (the master sends that node no commit record).
+    pub committed_on: Option<u64>,
 }
 
 /// What the directory knows of a complete object.
@@ -443,6 +454,8 @@ pub struct DropItem {
     pub segment: u32,
     pub offset: u64,
     pub len: u64,
+    /// The version of the copy meant; a node holding a newer version of the key keeps it.
+    pub version: u64,
 }
 
 /// An object the node holds under `from` is now `to`, with a new version (sent after the

@@ -100,7 +100,11 @@ impl Session {
             staging_cached_bytes_max: opts.staging_bytes_max.min(256 << 20),
             ..ClientConfig::default()
         };
-        let client = Client::connect_with_engine(ccfg, engine.clone()).await;
+        // A node in this process: the client records its puts' commits there itself.
+        let client = match &node {
+            Some(n) => Client::connect_embedded(ccfg, n).await,
+            None => Client::connect_with_engine(ccfg, engine.clone()).await,
+        };
         let client = match client {
             Ok(c) => c,
             Err(e) => {

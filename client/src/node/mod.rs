@@ -26,8 +26,9 @@
 //! object's bytes from offset 0, so FUSE passthrough can serve it.
 //!
 //! Invariants: the index holds exactly the copies the master committed, loaded or accepted
-//! from this node and has not dropped; a `Drop` for a range that now holds another object (a
-//! newer commit) is ignored; a copy this node made is reported before it is relied on, and
+//! from this node and has not dropped, and those a client in this process committed before
+//! its `PutEnd` (see [`Embedded`]; taken back when the `PutEnd` fails); a `Drop` for a range
+//! that now holds another object, or a newer version of the key, is ignored; a copy this node made is reported before it is relied on, and
 //! undone when the master refuses it.
 //!
 //! Not handled here: HBM as a pool segment (the node only probes for a CUDA driver and reports
@@ -348,6 +349,12 @@ impl Node {
         NodeFiles(self.inner.clone())
     }
 
+    /// A handle through which a [`Client`](crate::Client) in this process records the commits
+    /// of the replicas it writes into this node (see [`crate::Client::connect_embedded`]).
+    pub(crate) fn embedded(&self) -> Embedded {
+        Embedded(Arc::downgrade(&self.inner))
+    }
+
     /// Waits until the node is registered with the master (at most `timeout`).
     pub async fn wait_registered(&self, timeout: Duration) -> Result<()> {
         let mut rx = self.inner.registered.subscribe();
@@ -374,6 +381,59 @@ impl Node {
             .await;
         self.link.close().await;
     }
+}
+
+/// A node as a client in its own process sees it: a writer whose replica lies in this node's
+/// segment records the commit here itself, before its `PutEnd` (which names the node, so the
+/// master sends it no record): one round trip fewer for every put an engine makes into its own
+/// segment. Only objects without persistence (a lazy write-back and an eager persisted copy
+/// start from the master's record). The master's drops name the version they mean, so an older
+/// drop of the same range that arrives after such a commit leaves it alone.
+#[derive(Clone)]
+pub(crate) struct Embedded(std::sync::Weak<Inner>);
+
+impl Embedded {
+    /// Records a complete object at `addr` of the node's DRAM segment; the node's id when it
+    /// did (`None`: the node has stopped, or the range is not in its segment).
+    pub fn commit(&self, c: &LocalCommit<'_>) -> Option<u64> {
+        let inner = self.0.upgrade()?;
+        let offset = inner.dram_offset(c.addr, c.size)?;
+        inner.commit(vec![kvfs_proto::store::CommitItem {
+            key: c.key.to_string(),
+            segment: DRAM_SEGMENT,
+            offset,
+            size: c.size,
+            checksum: c.checksum,
+            version: c.version,
+            persistence: kvfs_proto::store::Persistence::None,
+            pin: c.pin,
+        }]);
+        Some(inner.id)
+    }
+
+    /// Takes back a commit whose `PutEnd` failed (only that version at that range).
+    pub fn undo(&self, c: &LocalCommit<'_>) {
+        let Some(inner) = self.0.upgrade() else { return };
+        let Some(offset) = inner.dram_offset(c.addr, c.size) else { return };
+        inner.drop_copies(vec![kvfs_proto::store::DropItem {
+            key: c.key.to_string(),
+            segment: DRAM_SEGMENT,
+            offset,
+            len: c.size,
+            version: c.version,
+        }]);
+    }
+}
+
+/// An object a client wrote into its own process's node.
+pub(crate) struct LocalCommit<'a> {
+    pub key: &'a str,
+    /// Engine address of the replica (inside the node's DRAM segment).
+    pub addr: u64,
+    pub size: u64,
+    pub version: u64,
+    pub checksum: Option<[u8; 32]>,
+    pub pin: kvfs_proto::store::Pin,
 }
 
 /// Looks for a CUDA driver; opens `hbm_bytes` of GPU memory when asked, as a proof the tier
@@ -405,6 +465,13 @@ fn probe_hbm(hbm_bytes: u64) -> Result<bool> {
 impl Inner {
     fn now_ms(&self) -> u64 {
         self.started.elapsed().as_millis() as u64
+    }
+
+    /// The offset in the DRAM segment of `[addr, addr+size)`, when it lies inside it.
+    fn dram_offset(&self, addr: u64, size: u64) -> Option<u64> {
+        let offset = addr.checked_sub(self.dram.addr())?;
+        let end = offset.checked_add(size)?;
+        (end <= self.dram.len() as u64).then_some(offset)
     }
 
     async fn apply(self: Arc<Self>, req: NodeRequest) -> NodeResponse {

@@ -488,9 +488,14 @@ impl Inner {
         {
             let mut idx = lock(&self.index);
             let mut policy = lock(&self.tiers.policy);
-            for DropItem { key, segment, offset, .. } in items {
+            for DropItem { key, segment, offset, version: dropped, .. } in items {
                 let Some(h) = idx.objects.get(&key) else { continue };
                 let version = h.version;
+                if version > dropped {
+                    // A newer commit of the key (recorded by a writer in this process before
+                    // the master's older drop arrived): the drop meant the copy it replaced.
+                    continue;
+                }
                 if segment == DRAM_SEGMENT && h.dram == Some(offset) {
                     idx.set_dram(&key, None);
                 } else if segment == NVME_SEGMENT && h.nvme == Some(offset) {

@@ -29,7 +29,7 @@
 
 use std::num::NonZeroU32;
 
-use super::{Directory, LIST_PLAIN, LIST_SOFT};
+use super::{Directory, DroppedCopy, LIST_PLAIN, LIST_SOFT};
 use crate::config::Config;
 use crate::slab::NIL;
 use crate::types::{Eviction, NodeEffect, Tier};
@@ -153,10 +153,10 @@ impl Directory {
 
     fn evict_replica(&mut self, rep: u32, fx: &mut Vec<NodeEffect>, out: &mut Eviction) {
         let (id, _, _) = self.replica(rep);
-        let size = self.objects[id].size;
+        let (size, version) = (self.objects[id].size, self.objects[id].version);
         let key = self.key_arc(id);
         let (seg, offset) = self.detach_replica(rep);
-        fx.push(self.drop_effect(&key, seg, offset, size));
+        fx.push(self.drop_effect(&key, DroppedCopy { seg, offset, len: size, version }));
         self.free_range(seg, offset, size);
         out.replicas += 1;
         out.bytes += size;

@@ -330,6 +330,15 @@ struct Pending {
     ranges: Vec<(NonZeroU32, u64)>,
 }
 
+/// Where a dropped copy lay, and its version (for [`NodeEffect::Drop`]).
+#[derive(Debug, Clone, Copy)]
+struct DroppedCopy {
+    seg: NonZeroU32,
+    offset: u64,
+    len: u64,
+    version: u64,
+}
+
 /// A range of a replaced object kept allocated until its readers' lease ends.
 #[derive(Debug)]
 struct Retired {
@@ -338,6 +347,7 @@ struct Retired {
     offset: u64,
     len: u64,
     key: Arc<str>,
+    version: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -813,11 +823,11 @@ impl Directory {
         if on_node.is_empty() {
             return Ok(false);
         }
-        let size = self.objects[id].size;
+        let (size, version) = (self.objects[id].size, self.objects[id].version);
         let key = self.key_arc(id);
         for rep in on_node {
             let (seg, offset) = self.detach_replica(rep);
-            fx.push(self.drop_effect(&key, seg, offset, size));
+            fx.push(self.drop_effect(&key, DroppedCopy { seg, offset, len: size, version }));
             self.free_range(seg, offset, size);
         }
         if self.is_orphan(id) {
@@ -917,6 +927,7 @@ impl Directory {
                 segment: index,
                 offset: r.offset,
                 len: r.len,
+                version: r.version,
                 readers_until_ms: 0,
             });
             self.free_range(r.seg, r.offset, r.len);
@@ -1169,7 +1180,8 @@ impl Directory {
             self.remove_object(old, Some(fx));
             return;
         }
-        let (size, key) = (self.objects[old].size, self.key_arc(old));
+        let (size, version, key) =
+            (self.objects[old].size, self.objects[old].version, self.key_arc(old));
         while let Some(rep) = self.first_replica(old) {
             let (seg, offset) = self.detach_replica(rep);
             // The name goes now: a node holding it in memory forgets it now (so no reader
@@ -1184,6 +1196,7 @@ impl Directory {
                 offset,
                 len: size,
                 key: key.clone(),
+                version,
             });
         }
         self.forget_object(old);
@@ -1204,16 +1217,26 @@ impl Directory {
         self.segments[seg.get() as usize].as_mut().expect("live segment")
     }
 
-    fn drop_effect(&self, key: &Arc<str>, seg: NonZeroU32, offset: u64, len: u64) -> NodeEffect {
-        let s = self.segment(seg);
+    fn drop_effect(&self, key: &Arc<str>, at: DroppedCopy) -> NodeEffect {
+        let s = self.segment(at.seg);
         let (node, segment) = (s.node, s.index);
-        NodeEffect::Drop { node, key: key.clone(), segment, offset, len, readers_until_ms: 0 }
+        let DroppedCopy { offset, len, version, .. } = at;
+        NodeEffect::Drop {
+            node,
+            key: key.clone(),
+            segment,
+            offset,
+            len,
+            version,
+            readers_until_ms: 0,
+        }
     }
 
     /// [`Directory::drop_effect`] for a replica of object `id`, carrying its read lease.
     fn drop_effect_of(&self, id: u32, key: &Arc<str>, seg: NonZeroU32, offset: u64) -> NodeEffect {
         let o = &self.objects[id];
-        let mut e = self.drop_effect(key, seg, offset, o.size);
+        let at = DroppedCopy { seg, offset, len: o.size, version: o.version };
+        let mut e = self.drop_effect(key, at);
         if let NodeEffect::Drop { readers_until_ms, .. } = &mut e {
             *readers_until_ms = o.lease_end_ms;
         }

@@ -251,6 +251,7 @@ impl Directory {
                 segment: h.segment,
                 offset: h.offset,
                 len: h.size,
+                version: h.version,
                 readers_until_ms: 0,
             });
             let c =

@@ -33,7 +33,7 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use super::evict::{Budget, Goal};
-use super::{Directory, Flags, Obj};
+use super::{Directory, DroppedCopy, Flags, Obj};
 use crate::error::{Error, ErrorKind, Result};
 use crate::types::*;
 
@@ -250,7 +250,8 @@ impl Directory {
             self.objects[id].version == l.version && self.replica_on(id, node, Tier::Dram).is_none()
         });
         let Some(id) = id else {
-            fx.push(self.drop_effect(&plan.key, l.seg, l.offset, l.size));
+            let at = DroppedCopy { seg: l.seg, offset: l.offset, len: l.size, version: l.version };
+            fx.push(self.drop_effect(&plan.key, at));
             self.free_range(l.seg, l.offset, l.size);
             return false;
         };

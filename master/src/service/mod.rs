@@ -5,7 +5,9 @@
 //! master calls it (commit and drop records). Every request takes the directory lock once,
 //! computes its answer and the node effects, releases the lock, then delivers the effects:
 //! `Commit` records are awaited before a `PutEnd` is answered (so what a client was told is
-//! complete is what the nodes will re-report after a master restart), `Drop` records are queued
+//! complete is what the nodes will re-report after a master restart; a writer whose replica
+//! lies in a node of its own process records that commit there itself before its `PutEnd`,
+//! which names the node, and that node gets no record), `Drop` records are queued
 //! per node and sent in one call every few milliseconds, ahead of any other record or call to
 //! that node so that the node sees them in order (a lost drop only leaves a stale entry that
 //! the node's next registration resolves), except those of objects under a live read lease: a reader may read a location
@@ -588,10 +590,12 @@ async fn put_start(
         let grants = dir.put_start_batch(&reqs, now, &mut fx);
         grants
             .into_iter()
-            .map(|r| {
+            .zip(&reqs)
+            .map(|(r, req)| {
                 r.map(|g| w::PutGrant {
                     version: g.version,
                     replicas: g.replicas.iter().map(|rep| convert::replica(dir, rep)).collect(),
+                    persistence: convert::persistence(req.persistence),
                 })
                 .map_err(|e| convert::error(&e))
             })
@@ -604,6 +608,9 @@ async fn put_start(
 async fn put_end(state: &Arc<State>, mut items: Vec<w::PutEndItem>, now: u64) -> MasterResponse {
     // Eager objects reach the object store first; a failure revokes the put.
     let failed = tiers::persist_eager(state, &mut items).await;
+    // Replicas in the writer's own process that it committed there itself need no record.
+    let committed: Vec<(u64, String)> =
+        items.iter().filter_map(|i| i.committed_on.map(|node| (node, i.key.clone()))).collect();
     let ends: Vec<PutEnd> = items
         .into_iter()
         .zip(&failed)
@@ -612,6 +619,16 @@ async fn put_end(state: &Arc<State>, mut items: Vec<w::PutEndItem>, now: u64) ->
         .collect();
     let mut fx = Vec::new();
     let r = state.lock().put_end_batch(&ends, now_ms().max(now), &mut fx);
+    if !committed.is_empty() {
+        fx.retain(|e| match e {
+            // Only objects without persistence: a lazy one's write-back and an eager one's
+            // persisted copy start from the master's record.
+            NodeEffect::Commit { node, key, persistence: crate::Persistence::None, .. } => {
+                !committed.iter().any(|(n, k)| *n == node.0 && **k == **key)
+            }
+            _ => true,
+        });
+    }
     // Nodes must have recorded the objects before the writer hears they are complete.
     deliver(state, fx, true).await;
     let mut done = results(r, |()| ()).into_iter();
@@ -855,8 +872,8 @@ async fn deliver(state: &Arc<State>, fx: Vec<NodeEffect>, wait: bool) {
                 persistence: convert::persistence(persistence),
                 pin: convert::pin(pin),
             }),
-            NodeEffect::Drop { key, segment, offset, len, .. } => {
-                slot.1.push(DropItem { key: key.to_string(), segment, offset, len })
+            NodeEffect::Drop { key, segment, offset, len, version, .. } => {
+                slot.1.push(DropItem { key: key.to_string(), segment, offset, len, version })
             }
             NodeEffect::Rename { from, to, from_version, version, .. } => {
                 slot.2.push(RenameRecord {

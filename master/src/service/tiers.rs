@@ -456,6 +456,7 @@ async fn drop_corrupt_copy(
         segment: at.segment,
         offset: at.offset,
         len: size,
+        version,
         readers_until_ms: 0,
     }];
     deliver(state, fx, false).await;
