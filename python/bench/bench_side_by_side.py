@@ -35,7 +35,12 @@ The table gives per call and size: kvfs's and the reference's GB/s (ops/s for
 ``is_exist``/``remove``), their ratio kvfs / reference (above 1: kvfs is faster), and the p50
 latency of one call on each (of one object, or of the whole batch for the batch forms).
 Raw loopback TCP (``bench_mooncake_api.raw_tcp_gbps``) is printed before and after as the
-machine's limit. On a shared machine absolute figures are noise; the ratios are the figures.
+machine's limit. At the end, kvfs's figures are set against the limits seen from its client
+process, measured there before and after the table: each single 4 KiB read's p50 against a
+raw 4 KiB request/response round trip with plain sockets to a native blocking server (the
+faster of a blocking and a polling receive), and the largest size's calls against raw TCP
+(across processes) or numpy's single-threaded memcpy (``--in-process``). On a shared machine
+absolute figures are noise; the ratios are the figures.
 
 Usage::
 
@@ -63,6 +68,7 @@ TAG = "@@bench "  # prefix of the workers' reply lines (the stores log to the sa
 CALLS = ["put", "get", "put_from", "get_into", "put_batch", "get_batch", "batch_put_from",
          "batch_get_into", "is_exist", "remove"]
 KEY_OPS = {"is_exist", "remove"}  # size-independent: smallest size only, in ops/s
+LIMITS = "__limits"  # a worker request: the limits seen from the client process
 BATCH = {"put_batch", "get_batch", "batch_put_from", "batch_get_into"}
 
 
@@ -94,10 +100,54 @@ def worker(role, master, metadata, segment_bytes, buffer_bytes):
     for line in sys.stdin:
         req = json.loads(line)
         try:
+            if req["call"] == LIMITS:
+                reply(process_limits(req.get("raw_port"), req["size"]))
+                continue
             reply(rounds.run(req["call"], req["size"], req["n"]))
         except Exception as e:  # the driver prints it and stops
             reply({"error": f"{req['call']} {req['size']}: {e}"})
     store.close()
+
+
+def process_limits(raw_port, size):
+    """The limits seen from the client process itself: the p50 of a raw 4 KiB request/response
+    round trip with plain sockets to a native server (``kvfs bench store-peer``'s plain-thread
+    raw TCP server: a 9-byte request, 4 KiB back; 2000 of them after 200 untimed), once with a
+    blocking receive and once polling the socket (in a VM an idle CPU that blocked wakes slowly:
+    polling is the faster, stricter limit), and a single-threaded memcpy of ``size`` bytes
+    (numpy, best of 5, pages touched first)."""
+    import numpy as np
+    out = {}
+    if raw_port:
+        with socket.create_connection(("127.0.0.1", raw_port)) as c:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            req, buf = bytes([2]) + (4096).to_bytes(8, "little"), bytearray(4096)
+            view = memoryview(buf)
+            for name, flags in (("blocking", 0), ("polling", socket.MSG_DONTWAIT)):
+                times = []
+                for i in range(2200):
+                    t0 = time.perf_counter()
+                    c.sendall(req)
+                    got = 0
+                    while got < 4096:
+                        try:
+                            got += c.recv_into(view[got:], 0, flags)
+                        except BlockingIOError:
+                            pass
+                    if i >= 200:
+                        times.append(time.perf_counter() - t0)
+                out[f"rtt_4k_{name}_p50_us"] = statistics.median(times) * 1e6
+        out["rtt_4k_p50_us"] = min(out["rtt_4k_blocking_p50_us"], out["rtt_4k_polling_p50_us"])
+    src = np.ones(size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    best = None
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        t = time.perf_counter() - t0
+        best = t if best is None else min(best, t)
+    out["memcpy_gbps"] = size / best / 1e9
+    return out
 
 
 def reply(obj):
@@ -233,6 +283,13 @@ class System:
             self.log.write(line.encode())
         self.fail(f"the {what} process exited (rc {proc.wait()})")
 
+    def limits(self, size, raw_port):
+        """The raw round trip to `raw_port` and memcpy, measured in the client process."""
+        req = {"call": LIMITS, "size": size, "raw_port": raw_port}
+        self.client.stdin.write(json.dumps(req) + "\n")
+        self.client.stdin.flush()
+        return self.expect(self.client, "client")
+
     def round(self, call, size, n):
         self.client.stdin.write(json.dumps({"call": call, "size": size, "n": n}) + "\n")
         self.client.stdin.flush()
@@ -276,12 +333,30 @@ def wait_for(pred, system, what, timeout=30):
     system.fail(f"{what} did not listen within {timeout} s")
 
 
-def kvfs_system(args, tmp, free_port):
+def kvfs_binary(args):
     binary = args.kvfs_bin or os.path.join(REPO, "target", "release", "kvfs")
     if not os.access(binary, os.X_OK):
         binary = os.environ.get("KVFS_BIN", "")
     if not os.access(binary, os.X_OK):
         sys.exit("no kvfs binary: cargo build --release --bin kvfs, or --kvfs-bin / $KVFS_BIN")
+    return binary
+
+
+def raw_server(args, system):
+    """Starts ``kvfs bench store-peer`` (its raw TCP server is a plain blocking thread per
+    connection, as ``kvfs bench store`` measures its round-trip limit against) as one more
+    process of `system`; returns the raw server's port."""
+    p = subprocess.Popen([kvfs_binary(args), "bench", "store-peer", "--dram", "16777216"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=system.log, text=True)
+    system.procs.append(p)
+    words = p.stdout.readline().split()
+    if len(words) != 3 or words[0] != "READY":
+        system.fail(f"kvfs bench store-peer answered {words}")
+    return int(words[2].rsplit(":", 1)[1])
+
+
+def kvfs_system(args, tmp, free_port):
+    binary = kvfs_binary(args)
     rpc, admin = free_port(), free_port()
     cmd = [binary, "master", f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
            f"--metrics_port={admin}", "--metrics_host=127.0.0.1"]
@@ -483,7 +558,10 @@ def main():
                 rows.append(row)
                 print(json.dumps(row), flush=True) if args.json else print_row(row, with_ref)
 
+            raw_port = None if args.in_process else raw_server(args, systems[0])
+            local = [systems[0].limits(max(sizes), raw_port)]
             measure(systems, calls, sizes, args, emit)
+            local.append(systems[0].limits(max(sizes), raw_port))
         finally:
             for s in systems:
                 s.stop()
@@ -497,6 +575,43 @@ def main():
         print(f"raw loopback TCP after: {after:.2f} GB/s")
         print("ratio = kvfs / reference; above 1 kvfs is faster" if with_ref
               else "reference not run (--no-ref): kvfs figures only")
+    print_limits(rows, local, (before + after) / 2, max(sizes), args)
+
+
+def print_limits(rows, local, tcp_gbps, big, args):
+    """kvfs's figures against the limits seen from its client process: each single 4 KiB read's
+    p50 against the raw 4 KiB round trip (across processes; the lower of the measurements
+    before and after the figures), and the largest size's calls against raw loopback TCP (the
+    mean of before and after) across processes or memcpy (the higher) in one process."""
+    rtts = [x["rtt_4k_p50_us"] for x in local if "rtt_4k_p50_us" in x]
+    memcpy = max(x["memcpy_gbps"] for x in local)
+    figures = []
+    if rtts:
+        rtt = min(rtts)
+        for r in rows:
+            if r["size_bytes"] == 4096 and r["call"] in ("get", "get_into", "is_exist"):
+                p50 = r["kvfs"]["p50_us"]
+                figures.append({"figure": f"{r['call']} 4 KiB p50 / raw 4 KiB round trip",
+                                "kvfs_p50_us": p50, "rtt_p50_us": round(rtt, 1),
+                                "ratio": round(p50 / rtt, 2)})
+    from bench_mooncake_api import human
+    limit, name = (memcpy, "memcpy") if args.in_process else (tcp_gbps, "raw loopback TCP")
+    for r in rows:
+        if big >= 1 << 20 and r["size_bytes"] == big and r["call"] not in KEY_OPS:
+            g = r["kvfs"]["gbps"]
+            figures.append({"figure": f"{r['call']} {human(big)} GB/s / {name}",
+                            "kvfs_gbps": g, "limit_gbps": round(limit, 3),
+                            "ratio": round(g / limit, 2)})
+    if args.json:
+        for f in figures:
+            print(json.dumps(f))
+        return
+    blocking = [x["rtt_4k_blocking_p50_us"] for x in local if "rtt_4k_blocking_p50_us" in x]
+    print(f"limits in the kvfs client process: memcpy {memcpy:.2f} GB/s"
+          + (f", raw 4 KiB round trip p50 {min(rtts):.1f} us polling, {min(blocking):.1f} us "
+             "blocking (the lower is the limit)" if rtts else ""))
+    for f in figures:
+        print(f"  {f['figure']:<48} {f['ratio']:>6.2f}")
 
 
 if __name__ == "__main__":
