@@ -478,15 +478,16 @@ impl Client {
                 .map(|&(i, g)| {
                     let it = &items[i];
                     let checksum = opts.checksum.then(|| registered_blake3(it.addr, it.len));
-                    let committed_on = self.commit_locally(it, g, checksum, opts.pin);
-                    if let Some((_, c)) = &committed_on {
-                        local.push((i, c.addr, g.version));
-                    }
+                    let committed_on =
+                        self.commit_locally(it, g, checksum, opts.pin).map(|(node, c)| {
+                            local.push((i, c));
+                            node
+                        });
                     PutEndItem {
                         key: it.key.to_string(),
                         checksum,
                         version: Some(g.version),
-                        committed_on: committed_on.map(|(node, _)| node),
+                        committed_on,
                     }
                 })
                 .collect(),
@@ -507,11 +508,9 @@ impl Client {
         // A put that failed (or whose answer was lost) takes its local commit back: the node
         // must not keep a name the master may never have completed.
         let Some(node) = &self.inner.embedded else { return };
-        for (i, addr, version) in local {
+        for (i, c) in local {
             if matches!(out[i], Some(Err(_))) {
-                let it = &items[i];
-                let (key, size) = (it.key, it.len);
-                node.undo(&LocalCommit { key, addr, size, version, checksum: None, pin: opts.pin });
+                node.undo(&c);
             }
         }
     }
@@ -1394,7 +1393,6 @@ fn unexpected(op: &'static str, resp: &MasterResponse) -> Error {
     Error::new(ErrorKind::Internal, op, format!("unexpected answer from the master: {resp:?}"))
 }
 
-/// blake3 of `len` bytes of registered memory at `addr`.
 /// The vector a lent get filled with `len` bytes (its capacity, from the transfer).
 fn filled(v: Arc<Vec<u8>>, len: usize) -> Vec<u8> {
     match Arc::try_unwrap(v) {
@@ -1410,6 +1408,7 @@ fn filled(v: Arc<Vec<u8>>, len: usize) -> Vec<u8> {
     }
 }
 
+/// blake3 of `len` bytes of registered memory at `addr`.
 fn registered_blake3(addr: u64, len: u64) -> [u8; 32] {
     // SAFETY: the caller registered [addr, addr+len) with the engine (the transfer that just
     // read it succeeded), and promised it stays valid while the put runs.

@@ -971,11 +971,12 @@ async fn parallel_copy(
     }
     let chunk = len.div_ceil(parts).next_multiple_of(64 << 10);
     let mut helpers = Vec::with_capacity(parts - 1);
+    let keep_local = shared.registry.find(local as u64, len as u64).map(|r| r.hold());
     let mut at = chunk;
     while at < len {
         let n = chunk.min(len - at);
         let keep_remote = remote.keep.clone();
-        let keep = shared.registry.find(local as u64, len as u64).map(|r| r.hold());
+        let keep = keep_local.clone();
         let far = remote.addr + at;
         helpers.push(tokio::task::spawn_blocking(move || {
             // Both memories' owners stay alive while this part copies.

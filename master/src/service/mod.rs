@@ -609,8 +609,8 @@ async fn put_end(state: &Arc<State>, mut items: Vec<w::PutEndItem>, now: u64) ->
     // Eager objects reach the object store first; a failure revokes the put.
     let failed = tiers::persist_eager(state, &mut items).await;
     // Replicas in the writer's own process that it committed there itself need no record.
-    let committed: Vec<(u64, String)> =
-        items.iter().filter_map(|i| i.committed_on.map(|node| (node, i.key.clone()))).collect();
+    let committed: HashMap<String, u64> =
+        items.iter().filter_map(|i| i.committed_on.map(|node| (i.key.clone(), node))).collect();
     let ends: Vec<PutEnd> = items
         .into_iter()
         .zip(&failed)
@@ -624,7 +624,7 @@ async fn put_end(state: &Arc<State>, mut items: Vec<w::PutEndItem>, now: u64) ->
             // Only objects without persistence: a lazy one's write-back and an eager one's
             // persisted copy start from the master's record.
             NodeEffect::Commit { node, key, persistence: crate::Persistence::None, .. } => {
-                !committed.iter().any(|(n, k)| *n == node.0 && **k == **key)
+                committed.get(&**key) != Some(&node.0)
             }
             _ => true,
         });
