@@ -155,6 +155,49 @@ impl Drop for Lent {
     }
 }
 
+/// Lends slices the caller only borrowed to the engine for one call (a Rust `put` of `&[u8]`):
+/// the keeper it hands out is held by every transfer reading the slices, and dropping the
+/// `Borrowed` waits until none is left. A call that finishes has no transfer left by then; a
+/// call whose future is dropped midway (a timeout around it) blocks its thread until the
+/// transfers it started let go, which the engine bounds by their deadline, so the borrow never
+/// ends while a transfer still reads the caller's memory.
+struct Borrowed {
+    keeper: Arc<()>,
+    /// How long the transfers can hold on (their deadline); past it the wait logs, once.
+    bound: Duration,
+}
+
+impl Borrowed {
+    fn new(op_timeout: Duration) -> Borrowed {
+        Borrowed { keeper: Arc::new(()), bound: op_timeout + Duration::from_secs(1) }
+    }
+
+    fn keeper(&self) -> Keeper {
+        self.keeper.clone()
+    }
+}
+
+impl Drop for Borrowed {
+    fn drop(&mut self) {
+        let start = Instant::now();
+        let mut warned = false;
+        while Arc::strong_count(&self.keeper) > 1 {
+            if !warned && start.elapsed() > self.bound {
+                tracing::error!(
+                    waited = ?start.elapsed(),
+                    "a transfer still reads a borrowed put value past its deadline"
+                );
+                warned = true;
+            }
+            if start.elapsed() < Duration::from_micros(200) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+    }
+}
+
 /// Where a get reads one object: the master's view, or a location this client cached under a
 /// live lease (a view with that one replica, read with a guard its node checks).
 struct Source {
@@ -628,9 +671,14 @@ impl Client {
         results
     }
 
-    /// Puts bytes (staged through a registered buffer).
+    /// Puts bytes: a value of at least [`LEND_BYTES_MIN`] is written straight from `data`
+    /// (see [`Borrowed`]); a smaller one is staged through a registered buffer.
     pub async fn put(&self, key: &str, data: &[u8], opts: &PutOptions) -> Result<()> {
-        self.put_parts(key, &[data], opts).await
+        if (data.len() as u64) < LEND_BYTES_MIN {
+            return self.put_parts(key, &[data], opts).await;
+        }
+        let mut r = self.put_batch(&[(key, data)], opts).await;
+        r.pop().unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "put", "no result")))
     }
 
     /// Puts the concatenation of `parts` as one object (e.g. a small header and a KV block).
@@ -645,9 +693,16 @@ impl Client {
         self.put_from(key, staged.buffer().addr(), len as u64, opts).await
     }
 
-    /// Puts many byte values.
+    /// Puts many byte values; those of at least [`LEND_BYTES_MIN`] are written straight from
+    /// the caller's slices (see [`Borrowed`]), smaller ones are staged.
     pub async fn put_batch(&self, items: &[(&str, &[u8])], opts: &PutOptions) -> Vec<Result<()>> {
-        self.put_batch_lent(items, opts, |_| None).await
+        let lend = items.iter().any(|(_, d)| d.len() as u64 >= LEND_BYTES_MIN);
+        if !lend {
+            return self.put_batch_lent(items, opts, |_| None).await;
+        }
+        let borrowed = Borrowed::new(self.inner.cfg.engine.op_timeout());
+        let keeper = borrowed.keeper();
+        self.put_batch_lent(items, opts, |_| Some(keeper.clone())).await
     }
 
     /// [`Client::put_batch`] that writes values of at least [`LEND_BYTES_MIN`] straight from

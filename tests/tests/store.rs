@@ -337,3 +337,33 @@ async fn puts_right_after_a_node_is_killed_all_land_on_live_nodes() {
     }
     cluster.wait_nodes(2).await;
 }
+
+/// A Rust `put` of a large `&[u8]` writes straight from the caller's slice; a put whose future
+/// is dropped midway (a timeout around it) must not return before every transfer it started
+/// has let go of that slice, since the caller frees it right after (an unmapped source under a
+/// shared-memory copy would crash the process, and under a socket write it would send garbage).
+/// Whatever was committed reads back exact, and the client keeps working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_dropped_midway_never_outlives_the_callers_bytes() {
+    let cluster =
+        Cluster::start(ClusterOpts { nodes: 1, dram: "512MiB".into(), ..ClusterOpts::default() })
+            .await;
+    let c = cluster.client().await;
+    let size = 48 << 20;
+    let delays_us = [20u64, 100, 400, 1_500, 5_000, 20_000];
+    for (i, &us) in delays_us.iter().enumerate() {
+        let data = content(7_000 + i as u64, size);
+        let key = format!("dropped/{i}");
+        let _ = tokio::time::timeout(Duration::from_micros(us), c.put(&key, &data, &opts())).await;
+        // Unmapped right away (48 MiB is an mmap of its own).
+        drop(data);
+    }
+    for i in 0..delays_us.len() {
+        if let Ok(got) = c.get(&format!("dropped/{i}")).await {
+            assert_eq!(blake3::hash(&got), blake3::hash(&content(7_000 + i as u64, size)));
+        }
+    }
+    let after = content(7_100, size);
+    c.put("dropped/after", &after, &opts()).await.unwrap();
+    assert_eq!(blake3::hash(&c.get("dropped/after").await.unwrap()), blake3::hash(&after));
+}

@@ -199,16 +199,26 @@ fn batch_items(op: &str, size: u64) -> u64 {
     if op.ends_with("_batch") { (BATCH_BYTES_MAX / size).clamp(1, BATCH_ITEMS_MAX) } else { 1 }
 }
 
-/// Raw round trips timed per measurement of the round-trip limit.
+/// Raw round trips timed per measurement of the round-trip limit, for small objects; large
+/// ones take as many as move `RTT_BYTES` (at least `RTT_ITERS_MIN`), so a 64 MiB figure's
+/// limit takes about a second, not minutes.
 const RTT_ITERS: usize = 2000;
+const RTT_ITERS_MIN: usize = 21;
+const RTT_BYTES: u64 = 2 << 30;
+
+fn rtt_iters(size: u64) -> usize {
+    ((RTT_BYTES / size.max(1)) as usize).clamp(RTT_ITERS_MIN, RTT_ITERS)
+}
 
 /// p50 of a raw request/response round trip of `size` bytes in `op`'s direction between this
 /// process and the peer (see `limits::raw_rtt_p50_us`).
 async fn raw_rtt(ctx: &Ctx, op: &str, size: u64) -> anyhow::Result<f64> {
     let dir = if op.starts_with("put") { Direction::Send } else { Direction::Receive };
     let addr = ctx.raw;
-    Ok(tokio::task::spawn_blocking(move || raw_rtt_p50_us(addr, size as usize, dir, RTT_ITERS))
-        .await??)
+    Ok(tokio::task::spawn_blocking(move || {
+        raw_rtt_p50_us(addr, size as usize, dir, rtt_iters(size))
+    })
+    .await??)
 }
 
 /// Runs one operation for at least the minimum time; every round is one timed call. Single
