@@ -158,9 +158,10 @@ impl Drop for Lent {
 /// Lends slices the caller only borrowed to the engine for one call (a Rust `put` of `&[u8]`):
 /// the keeper it hands out is held by every transfer reading the slices, and dropping the
 /// `Borrowed` waits until none is left. A call that finishes has no transfer left by then; a
-/// call whose future is dropped midway (a timeout around it) blocks its thread until the
-/// transfers it started let go, which the engine bounds by their deadline, so the borrow never
-/// ends while a transfer still reads the caller's memory.
+/// call whose future is dropped midway (a timeout around it) blocks its thread (off the
+/// runtime's worker, see [`may_borrow`]) until the transfers it started let go, which the
+/// engine bounds by their deadline, so the borrow never ends while a transfer still reads the
+/// caller's memory.
 struct Borrowed {
     keeper: Arc<()>,
     /// How long the transfers can hold on (their deadline); past it the wait logs, once.
@@ -177,8 +178,39 @@ impl Borrowed {
     }
 }
 
+/// Whether a call may lend borrowed slices ([`Borrowed`]): only on tokio's multi-thread
+/// runtime, where a dropped call's wait can hand its worker's other tasks (the engine's socket
+/// writers among them) to another thread; on a current-thread runtime the wait would stop the
+/// very tasks it waits for, so values are staged there.
+fn may_borrow() -> bool {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread)
+}
+
 impl Drop for Borrowed {
     fn drop(&mut self) {
+        // A finished call's last transfer may still be dropping its hold on another thread.
+        let start = Instant::now();
+        while Arc::strong_count(&self.keeper) > 1 && start.elapsed() < BORROW_SPIN {
+            std::thread::yield_now();
+        }
+        if Arc::strong_count(&self.keeper) == 1 {
+            return;
+        }
+        if may_borrow() {
+            // Off the worker: its other tasks (the transfers this waits for) move on meanwhile.
+            tokio::task::block_in_place(|| self.wait());
+        } else {
+            self.wait();
+        }
+    }
+}
+
+/// How long dropping a [`Borrowed`] polls before it moves off the runtime's worker to wait.
+const BORROW_SPIN: Duration = Duration::from_micros(50);
+
+impl Borrowed {
+    fn wait(&self) {
         let start = Instant::now();
         let mut warned = false;
         while Arc::strong_count(&self.keeper) > 1 {
@@ -674,7 +706,7 @@ impl Client {
     /// Puts bytes: a value of at least [`LEND_BYTES_MIN`] is written straight from `data`
     /// (see [`Borrowed`]); a smaller one is staged through a registered buffer.
     pub async fn put(&self, key: &str, data: &[u8], opts: &PutOptions) -> Result<()> {
-        if (data.len() as u64) < LEND_BYTES_MIN {
+        if (data.len() as u64) < LEND_BYTES_MIN || !may_borrow() {
             return self.put_parts(key, &[data], opts).await;
         }
         let mut r = self.put_batch(&[(key, data)], opts).await;
@@ -697,7 +729,7 @@ impl Client {
     /// the caller's slices (see [`Borrowed`]), smaller ones are staged.
     pub async fn put_batch(&self, items: &[(&str, &[u8])], opts: &PutOptions) -> Vec<Result<()>> {
         let lend = items.iter().any(|(_, d)| d.len() as u64 >= LEND_BYTES_MIN);
-        if !lend {
+        if !lend || !may_borrow() {
             return self.put_batch_lent(items, opts, |_| None).await;
         }
         let borrowed = Borrowed::new(self.inner.cfg.engine.op_timeout());

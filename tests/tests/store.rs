@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kvfs_client::{Client, ErrorKind, GetInto, Pin, PutFrom, PutOptions};
 use kvfs_tests::{Cluster, ClusterOpts, content};
-use kvfs_transfer::BufferOptions;
+use kvfs_transfer::{BufferOptions, EngineConfig, Transports};
 
 fn opts() -> PutOptions {
     PutOptions::default()
@@ -341,29 +341,68 @@ async fn puts_right_after_a_node_is_killed_all_land_on_live_nodes() {
 /// A Rust `put` of a large `&[u8]` writes straight from the caller's slice; a put whose future
 /// is dropped midway (a timeout around it) must not return before every transfer it started
 /// has let go of that slice, since the caller frees it right after (an unmapped source under a
-/// shared-memory copy would crash the process, and under a socket write it would send garbage).
-/// Whatever was committed reads back exact, and the client keeps working.
+/// shared-memory copy would crash the process, and under a socket write it would send garbage),
+/// and its wait must not stall the runtime the transfers run on (several dropped at once, over
+/// shared memory and over tcp). Whatever was committed reads back exact, and the clients keep
+/// working.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_dropped_midway_never_outlives_the_callers_bytes() {
     let cluster =
-        Cluster::start(ClusterOpts { nodes: 1, dram: "512MiB".into(), ..ClusterOpts::default() })
+        Cluster::start(ClusterOpts { nodes: 1, dram: "2GiB".into(), ..ClusterOpts::default() })
             .await;
-    let c = cluster.client().await;
-    let size = 48 << 20;
-    let delays_us = [20u64, 100, 400, 1_500, 5_000, 20_000];
-    for (i, &us) in delays_us.iter().enumerate() {
-        let data = content(7_000 + i as u64, size);
-        let key = format!("dropped/{i}");
-        let _ = tokio::time::timeout(Duration::from_micros(us), c.put(&key, &data, &opts())).await;
-        // Unmapped right away (48 MiB is an mmap of its own).
-        drop(data);
-    }
-    for i in 0..delays_us.len() {
-        if let Ok(got) = c.get(&format!("dropped/{i}")).await {
-            assert_eq!(blake3::hash(&got), blake3::hash(&content(7_000 + i as u64, size)));
+    let shm = cluster.client().await;
+    let engine = EngineConfig { transports: Transports::tcp_only(), ..EngineConfig::default() };
+    let tcp = Client::connect(kvfs_client::ClientConfig { engine, ..cluster.client_config() })
+        .await
+        .unwrap();
+    // Above glibc's largest mmap threshold (32 MiB), so a freed value is unmapped at once.
+    let size = 40 << 20;
+    let delays_us = [20u64, 100, 400, 1_500, 5_000];
+    let seed = |c: usize, i: usize| 7_000 + (c * 100 + i) as u64;
+    for (ci, c) in [&shm, &tcp].into_iter().enumerate() {
+        for (i, &us) in delays_us.iter().enumerate() {
+            // Two puts dropped at the same moment, on a runtime of two workers.
+            let (a, b) = (content(seed(ci, i), size), content(seed(ci, i) + 50, size));
+            let (ka, kb) = (format!("dropped/{ci}/{i}/a"), format!("dropped/{ci}/{i}/b"));
+            let o = opts();
+            let both = async { tokio::join!(c.put(&ka, &a, &o), c.put(&kb, &b, &o)) };
+            let _ = tokio::time::timeout(Duration::from_micros(us), both).await;
+            drop((a, b));
         }
     }
-    let after = content(7_100, size);
-    c.put("dropped/after", &after, &opts()).await.unwrap();
-    assert_eq!(blake3::hash(&c.get("dropped/after").await.unwrap()), blake3::hash(&after));
+    for (ci, c) in [&shm, &tcp].into_iter().enumerate() {
+        for i in 0..delays_us.len() {
+            for (part, s) in [("a", seed(ci, i)), ("b", seed(ci, i) + 50)] {
+                if let Ok(got) = c.get(&format!("dropped/{ci}/{i}/{part}")).await {
+                    assert_eq!(blake3::hash(&got), blake3::hash(&content(s, size)));
+                }
+            }
+        }
+        let after = content(7_900 + ci as u64, size);
+        let key = format!("dropped/after/{ci}");
+        c.put(&key, &after, &opts()).await.unwrap();
+        assert_eq!(blake3::hash(&c.get(&key).await.unwrap()), blake3::hash(&after));
+    }
+}
+
+/// On a current-thread runtime the socket writers run on the caller's own thread, so a dropped
+/// put could not wait for them there: large values are staged instead, and a put dropped midway
+/// leaves the client working.
+#[tokio::test(flavor = "current_thread")]
+async fn a_put_dropped_midway_on_a_current_thread_runtime_does_not_stall_it() {
+    let cluster = Cluster::start(ClusterOpts { nodes: 1, ..ClusterOpts::default() }).await;
+    let engine = EngineConfig { transports: Transports::tcp_only(), ..EngineConfig::default() };
+    let c = Client::connect(kvfs_client::ClientConfig { engine, ..cluster.client_config() })
+        .await
+        .unwrap();
+    let size = 40 << 20;
+    for (i, us) in [100u64, 1_000, 5_000].into_iter().enumerate() {
+        let v = content(8_000 + i as u64, size);
+        let _ =
+            tokio::time::timeout(Duration::from_micros(us), c.put(&format!("ct/{i}"), &v, &opts()))
+                .await;
+    }
+    let after = content(8_100, size);
+    c.put("ct/after", &after, &opts()).await.unwrap();
+    assert_eq!(blake3::hash(&c.get("ct/after").await.unwrap()), blake3::hash(&after));
 }
