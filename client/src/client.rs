@@ -168,6 +168,9 @@ struct Borrowed {
     bound: Duration,
 }
 
+/// How long dropping a [`Borrowed`] polls before it moves off the runtime's worker to wait.
+const BORROW_SPIN: Duration = Duration::from_micros(50);
+
 impl Borrowed {
     fn new(op_timeout: Duration) -> Borrowed {
         Borrowed { keeper: Arc::new(()), bound: op_timeout + Duration::from_secs(1) }
@@ -176,25 +179,36 @@ impl Borrowed {
     fn keeper(&self) -> Keeper {
         self.keeper.clone()
     }
-}
 
-/// Whether a call may lend borrowed slices ([`Borrowed`]): only on tokio's multi-thread
-/// runtime, where a dropped call's wait can hand its worker's other tasks (the engine's socket
-/// writers among them) to another thread; on a current-thread runtime the wait would stop the
-/// very tasks it waits for, so values are staged there.
-fn may_borrow() -> bool {
-    use tokio::runtime::{Handle, RuntimeFlavor};
-    Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread)
+    fn lent(&self) -> bool {
+        Arc::strong_count(&self.keeper) > 1
+    }
+
+    /// Sleeps until no transfer holds the keeper.
+    fn wait(&self) {
+        let start = Instant::now();
+        let mut warned = false;
+        while self.lent() {
+            if !warned && start.elapsed() > self.bound {
+                tracing::error!(
+                    waited = ?start.elapsed(),
+                    "a transfer still reads a borrowed put value past its deadline"
+                );
+                warned = true;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
 }
 
 impl Drop for Borrowed {
     fn drop(&mut self) {
         // A finished call's last transfer may still be dropping its hold on another thread.
         let start = Instant::now();
-        while Arc::strong_count(&self.keeper) > 1 && start.elapsed() < BORROW_SPIN {
+        while self.lent() && start.elapsed() < BORROW_SPIN {
             std::thread::yield_now();
         }
-        if Arc::strong_count(&self.keeper) == 1 {
+        if !self.lent() {
             return;
         }
         if may_borrow() {
@@ -206,28 +220,13 @@ impl Drop for Borrowed {
     }
 }
 
-/// How long dropping a [`Borrowed`] polls before it moves off the runtime's worker to wait.
-const BORROW_SPIN: Duration = Duration::from_micros(50);
-
-impl Borrowed {
-    fn wait(&self) {
-        let start = Instant::now();
-        let mut warned = false;
-        while Arc::strong_count(&self.keeper) > 1 {
-            if !warned && start.elapsed() > self.bound {
-                tracing::error!(
-                    waited = ?start.elapsed(),
-                    "a transfer still reads a borrowed put value past its deadline"
-                );
-                warned = true;
-            }
-            if start.elapsed() < Duration::from_micros(200) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(100));
-            }
-        }
-    }
+/// Whether a call may lend borrowed slices ([`Borrowed`]): only on tokio's multi-thread
+/// runtime, where a dropped call's wait can hand its worker's other tasks (the engine's socket
+/// writers among them) to another thread; on a current-thread runtime the wait would stop the
+/// very tasks it waits for, so values are staged there.
+fn may_borrow() -> bool {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread)
 }
 
 /// Where a get reads one object: the master's view, or a location this client cached under a
@@ -706,7 +705,7 @@ impl Client {
     /// Puts bytes: a value of at least [`LEND_BYTES_MIN`] is written straight from `data`
     /// (see [`Borrowed`]); a smaller one is staged through a registered buffer.
     pub async fn put(&self, key: &str, data: &[u8], opts: &PutOptions) -> Result<()> {
-        if (data.len() as u64) < LEND_BYTES_MIN || !may_borrow() {
+        if (data.len() as u64) < LEND_BYTES_MIN {
             return self.put_parts(key, &[data], opts).await;
         }
         let mut r = self.put_batch(&[(key, data)], opts).await;
