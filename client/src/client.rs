@@ -23,9 +23,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvfs_proto::store::{
-    DirPage, ListPage, MasterRequest, MasterResponse, MasterStats, ObjectView, Persistence, Pin,
-    PutEndItem, PutGrant, PutStartItem, RemoveCounts, RenameItem, RenameMode, ReplicaDesc, Role,
-    Strategy, Tier,
+    CommitNote, DirPage, ListPage, MasterRequest, MasterResponse, MasterStats, ObjectView,
+    Persistence, Pin, PutEndItem, PutGrant, PutStartItem, RemoveCounts, RenameItem, RenameMode,
+    ReplicaDesc, Role, Strategy, Tier,
 };
 use kvfs_transfer::{Engine, EngineConfig, SegmentHandle, TransferOp, TransferRequest};
 
@@ -502,13 +502,13 @@ impl Client {
         if granted.is_empty() {
             return (retry, false);
         }
-        let written = self.write_replicas(items, &granted).await;
+        let written = self.write_replicas(items, &granted, opts).await;
         let mut ends = Vec::new();
         let mut revokes = Vec::new();
         let mut replaced = false;
         for ((i, g), w) in granted.iter().zip(written) {
             match w {
-                Ok(()) => ends.push((*i, g)),
+                Ok(noted) => ends.push((*i, g, noted)),
                 Err(Failed { error, dead_segment }) => {
                     // A replica on a dead segment: the master stops placing there as soon as
                     // the owner's connection closes, so the same put placed again lands on a
@@ -534,29 +534,31 @@ impl Client {
         (retry, replaced)
     }
 
+    /// Completes the written puts `ends` (item, grant, and the nodes that recorded the commit
+    /// from the write's note).
     async fn put_end(
         &self,
         items: &[PutFrom<'_>],
-        ends: &[(usize, &PutGrant)],
+        ends: &[(usize, &PutGrant, Vec<u64>)],
         opts: &PutOptions,
         out: &mut [Option<Result<()>>],
     ) {
         // An upsert gives the key a new version: a location of the old one would only be
         // refused by its node.
-        for &(i, _) in ends {
+        for &(i, _, _) in ends {
             self.inner.locations.forget(items[i].key);
         }
         let mut local = Vec::new();
         let req = MasterRequest::PutEnd(
             ends.iter()
-                .map(|&(i, g)| {
-                    let it = &items[i];
+                .map(|(i, g, noted)| {
+                    let (i, it) = (*i, &items[*i]);
                     let checksum = opts.checksum.then(|| registered_blake3(it.addr, it.len));
-                    let committed_on =
-                        self.commit_locally(it, g, checksum, opts.pin).map(|(node, c)| {
-                            local.push((i, c));
-                            node
-                        });
+                    let mut committed_on = noted.clone();
+                    if let Some((node, c)) = self.commit_locally(it, g, checksum, opts.pin) {
+                        local.push((i, c));
+                        committed_on.push(node);
+                    }
                     PutEndItem {
                         key: it.key.to_string(),
                         checksum,
@@ -568,16 +570,16 @@ impl Client {
         );
         match self.call("put", &req).await {
             Ok(MasterResponse::PutEnd(r)) if r.len() == ends.len() => {
-                for (&(i, _), r) in ends.iter().zip(r) {
+                for (&(i, _, _), r) in ends.iter().zip(r) {
                     out[i] =
                         Some(r.map_err(|e| Error::from_wire("put", &e).with_key(items[i].key)));
                 }
             }
             Ok(other) => {
                 let e = unexpected("put", &other);
-                ends.iter().for_each(|&(i, _)| out[i] = Some(Err(e.clone())));
+                ends.iter().for_each(|&(i, _, _)| out[i] = Some(Err(e.clone())));
             }
-            Err(e) => ends.iter().for_each(|&(i, _)| out[i] = Some(Err(e.clone()))),
+            Err(e) => ends.iter().for_each(|&(i, _, _)| out[i] = Some(Err(e.clone()))),
         }
         // A put that failed (or whose answer was lost) takes its local commit back: the node
         // must not keep a name the master may never have completed.
@@ -616,13 +618,20 @@ impl Client {
     }
 
     /// Writes every replica of every granted object in one transfer batch; per grant, `Ok`
-    /// when all of its replicas were written.
+    /// when all of its replicas were written, with the nodes that recorded the commit from
+    /// the write itself (a lone put's noted writes, see [`Client::write_noted`]).
     async fn write_replicas(
         &self,
         items: &[PutFrom<'_>],
         granted: &[(usize, PutGrant)],
-    ) -> Vec<Result<(), Failed>> {
-        let mut status: Vec<Result<(), Failed>> = vec![Ok(()); granted.len()];
+        opts: &PutOptions,
+    ) -> Vec<Result<Vec<u64>, Failed>> {
+        if let [(i, g)] = granted
+            && let Some(done) = self.write_noted(&items[*i], g, opts).await
+        {
+            return vec![done];
+        }
+        let mut status: Vec<Result<Vec<u64>, Failed>> = vec![Ok(Vec::new()); granted.len()];
         let mut reqs = Vec::with_capacity(granted.len());
         let mut owner = Vec::with_capacity(granted.len());
         for (gi, (i, g)) in granted.iter().enumerate() {
@@ -651,6 +660,74 @@ impl Client {
             }
         }
         status
+    }
+
+    /// A lone put's replicas written with noted writes: each write carries the object's
+    /// commit record ([`CommitNote`]), which its node records once the bytes are in place and
+    /// before it answers, so the `PutEnd` names those nodes and the master answers it without
+    /// a record round trip to them: a small put takes three round trips (master, node,
+    /// master), not four. `None` (write the usual way) unless the object has no persistence
+    /// and no checksum, is at most [`NOTED_BYTES_MAX`] (above that the round trip is noise
+    /// next to the bytes, and writes are striped), and every replica is a remote DRAM range
+    /// the owner sees written (tcp; shared memory and rdma writes are one-sided). A node that
+    /// refuses the note (an older node, a range it does not own) still got the bytes: the
+    /// master records the commit there as usual.
+    async fn write_noted(
+        &self,
+        it: &PutFrom<'_>,
+        g: &PutGrant,
+        opts: &PutOptions,
+    ) -> Option<Result<Vec<u64>, Failed>> {
+        if g.persistence != Persistence::None
+            || opts.checksum
+            || it.len == 0
+            || it.len > NOTED_BYTES_MAX
+        {
+            return None;
+        }
+        let engine = &self.inner.engine;
+        let own = engine.name();
+        let mut targets = Vec::with_capacity(g.replicas.len());
+        for r in &g.replicas {
+            let node = r.node?;
+            if r.tier != Tier::Dram || r.endpoint == own {
+                return None;
+            }
+            let seg = match self.writable_segment(r).await {
+                Ok(seg) => seg,
+                Err(f) => return Some(Err(f)),
+            };
+            if !engine.guarded_is_direct(&seg, r.addr, it.len) {
+                return None;
+            }
+            targets.push((node, r, seg));
+        }
+        let note: Arc<[u8]> =
+            CommitNote { key: it.key.to_string(), version: g.version, pin: opts.pin }
+                .encode()
+                .into();
+        let writes = targets.iter().map(|(node, r, seg)| {
+            let note = note.clone();
+            async move {
+                let w = engine.write_noted(seg, it.addr, r.addr, it.len, note).await;
+                (*node, r.endpoint.as_str(), w)
+            }
+        });
+        let mut noted = Vec::with_capacity(targets.len());
+        for (node, endpoint, w) in futures_util::future::join_all(writes).await {
+            match w {
+                Ok(true) => noted.push(node),
+                Ok(false) => {}
+                Err(e) => {
+                    let dead_segment = self.forget_if_dead(endpoint, &e).await;
+                    return Some(Err(Failed {
+                        error: Error::from_transfer("put", &e),
+                        dead_segment,
+                    }));
+                }
+            }
+        }
+        Some(Ok(noted))
     }
 
     /// After a failed transfer with `endpoint`: whether the failure says the segment's owner is
@@ -1442,6 +1519,10 @@ struct Failed {
     error: Error,
     dead_segment: bool,
 }
+
+/// Largest lone put whose replicas are written with the commit in the same request
+/// ([`Client::write_noted`]).
+const NOTED_BYTES_MAX: u64 = 1 << 20;
 
 const CHUNK_ITEMS_MAX: usize = 64;
 const CHUNK_BYTES_MAX: u64 = 8 << 20;

@@ -166,10 +166,11 @@ impl MasterLink {
         };
         // A put's end waits for its nodes to record the object: its answer takes longer than
         // a spin, and on a small machine the spinning caller would take a CPU from the node
-        // it waits for. Not when the writer committed every object in its own node: then the
+        // it waits for. Not when the writer committed every object on its nodes itself (its own
+        // process's node, or noted writes): then the
         // master answers from memory.
         let spin = match req {
-            MasterRequest::PutEnd(items) if items.iter().any(|i| i.committed_on.is_none()) => {
+            MasterRequest::PutEnd(items) if items.iter().any(|i| i.committed_on.is_empty()) => {
                 Duration::ZERO
             }
             _ => DIRECT_SPIN,

@@ -52,6 +52,9 @@ struct Sim {
     pending: BTreeMap<String, (u64, Pin)>,
     /// Puts the simulation gave up on without telling the directory.
     abandoned: BTreeSet<String>,
+    /// Every put granted and not completed, by (key, version): the directory drops the ranges
+    /// of those it abandons (a writer may have committed there with a noted write).
+    unfinished: BTreeSet<(String, u64)>,
     /// Keys the simulation pinned hard (pins are immutable per version; upserts keep the pin).
     hard: BTreeSet<String>,
     /// Latest lease end the simulation saw per key.
@@ -101,6 +104,7 @@ impl Sim {
             nodes: BTreeMap::new(),
             pending: BTreeMap::new(),
             abandoned: BTreeSet::new(),
+            unfinished: BTreeSet::new(),
             hard: BTreeSet::new(),
             leases: BTreeMap::new(),
             ops: BTreeMap::new(),
@@ -156,13 +160,14 @@ impl Sim {
                     };
                     node.held.insert((segment, offset), h);
                 }
-                NodeEffect::Drop { key, segment, offset, .. } => {
-                    let gone = node.held.remove(&(segment, offset));
-                    assert_eq!(
-                        gone.map(|h| h.key),
-                        Some(key.to_string()),
-                        "drop of what the node holds"
-                    );
+                NodeEffect::Drop { key, segment, offset, version, .. } => {
+                    match node.held.remove(&(segment, offset)) {
+                        Some(h) => assert_eq!(h.key, *key, "drop of what the node holds"),
+                        None => assert!(
+                            self.unfinished.contains(&(key.to_string(), version)),
+                            "a drop of an empty range is of a put that never completed"
+                        ),
+                    }
                 }
                 NodeEffect::Rename { from, to, from_version, version, .. } => {
                     for h in node.held.values_mut() {
@@ -257,6 +262,7 @@ impl Sim {
                 // the pending put is invisible: readers still see the old state
                 assert_eq!(self.dir.stat(&k).ok().map(|v| v.version), before.map(|v| v.version));
                 self.pending.insert(k.clone(), (grant.version, req.pin));
+                self.unfinished.insert((k.clone(), grant.version));
             }
             Err(e) => match e.kind() {
                 ErrorKind::AlreadyExists => assert!(!req.upsert && before.is_some()),
@@ -278,7 +284,8 @@ impl Sim {
         let (version, pin) = self.pending.remove(&k).unwrap();
         let mut fx = Vec::new();
         if self.rand.chance(15) {
-            let _ = self.dir.put_revoke(&k);
+            let _ = self.dir.put_revoke(&k, &mut fx);
+            self.apply(fx);
             return "revoke";
         }
         if self.rand.chance(10) {
@@ -289,6 +296,7 @@ impl Sim {
             PutEnd { key: k.clone(), checksum: Some([version as u8; 32]), version: Some(version) };
         match self.dir.put_end(&end, self.now, &mut fx) {
             Ok(()) => {
+                self.unfinished.remove(&(k.clone(), version));
                 let view = self.dir.stat(&k).unwrap();
                 assert_eq!(view.version, version);
                 self.leases.remove(&k); // a new object: no lease yet

@@ -18,11 +18,18 @@
 //! persistence, [`PutGrant::persistence`]), and drops name the version of the copy they mean
 //! ([`DropItem::version`]), so a drop that arrives after a newer commit of the same range is
 //! ignored whoever recorded that commit.
+//!
+//! Protocol 6: a writer records the commit in a remote node too, in the same request as the
+//! bytes (the Transfer Engine's noted write carrying a [`CommitNote`]), and names every node
+//! that recorded it in [`PutEndItem::committed_on`]; the master then answers the `PutEnd`
+//! without a record round trip to those nodes, and sends a drop for the ranges of every
+//! pending put it abandons (revoked, timed out, first writer lost), which a writer may have
+//! committed on its nodes already.
 
 use serde::{Deserialize, Serialize};
 
 /// Version of the store protocol; a master refuses a client or node that speaks another one.
-pub const STORE_PROTOCOL_VERSION: u32 = 5;
+pub const STORE_PROTOCOL_VERSION: u32 = 6;
 
 /// Storage medium of a segment or replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -177,9 +184,35 @@ pub struct PutEndItem {
     pub key: String,
     pub checksum: Option<[u8; 32]>,
     pub version: Option<u64>,
-    /// The node, running in the writer's own process, that already recorded the commit of
-    /// this object's replica in it (the master sends that node no commit record).
-    pub committed_on: Option<u64>,
+    /// The nodes that already recorded the commit of this object's replica in them: a node
+    /// in the writer's own process, or one the writer's noted write reached with a
+    /// [`CommitNote`] (the master sends them no commit record).
+    pub committed_on: Vec<u64>,
+}
+
+/// The note of a writer's noted write into a node's DRAM segment: the commit record of the
+/// object whose bytes the write carries, recorded by the node once they are in place (only for
+/// objects without persistence, and without a checksum: a writer that asks for one computes it
+/// after the write and leaves the record to the master). Postcard-encoded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommitNote {
+    pub key: String,
+    pub version: u64,
+    pub pin: Pin,
+}
+
+impl CommitNote {
+    pub fn encode(&self) -> Vec<u8> {
+        postcard::to_stdvec(self).expect("a commit note always encodes")
+    }
+
+    /// `None` for bytes that are not exactly one note.
+    pub fn decode(bytes: &[u8]) -> Option<CommitNote> {
+        match postcard::take_from_bytes(bytes) {
+            Ok((note, [])) => Some(note),
+            _ => None,
+        }
+    }
 }
 
 /// What the directory knows of a complete object.
@@ -529,6 +562,9 @@ pub struct NodeStats {
     pub writeback_persisted: u64,
     pub writeback_failed: u64,
     pub eager_persisted: u64,
+    /// Commits writers recorded on this node themselves (noted writes, puts from the node's
+    /// own process), for which the master sent no record.
+    pub writer_commits: u64,
     /// Whether the node found a CUDA driver (the HBM tier can exist only then).
     pub hbm_available: bool,
 }
@@ -617,5 +653,17 @@ mod tests {
         let frame = crate::encode_frame(&resp).unwrap();
         let back: MasterResponse = crate::decode_body(&frame[4..]).unwrap();
         assert_eq!(back, resp);
+    }
+
+    #[test]
+    fn commit_notes_round_trip_and_refuse_anything_else() {
+        let note = CommitNote { key: "model/L0/abc".into(), version: 42, pin: Pin::Soft };
+        let bytes = note.encode();
+        assert_eq!(CommitNote::decode(&bytes), Some(note));
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert_eq!(CommitNote::decode(&longer), None, "trailing bytes");
+        assert_eq!(CommitNote::decode(&bytes[..bytes.len() - 1]), None, "cut short");
+        assert_eq!(CommitNote::decode(&[]), None);
     }
 }

@@ -23,8 +23,8 @@
 use serde::{Deserialize, Serialize};
 
 /// Version of the Transfer Engine protocol; peers with a different version are refused.
-/// Version 2 added the rdma fields of [`Hello`] and [`Welcome`].
-pub const TE_PROTOCOL_VERSION: u32 = 5;
+/// Version 2 added the rdma fields of [`Hello`] and [`Welcome`]; version 6 `WriteNoted`.
+pub const TE_PROTOCOL_VERSION: u32 = 6;
 
 /// Largest handshake frame accepted.
 pub const HANDSHAKE_FRAME_MAX: usize = 1 << 20;
@@ -168,9 +168,16 @@ pub enum DataOp {
     /// if not the reply is `Stale` with no payload. The engine never interprets the guard (the
     /// store passes an object's key and version).
     ReadGuarded = 7,
+    /// A write the acceptor's owner is told of: a note of `ranges` bytes follows the header,
+    /// then `len` payload bytes stored at `addr`; once they are in place the acceptor hands
+    /// the range and the note to its owner before it answers, and answers `Stale` if the owner
+    /// refuses the note (the bytes are written either way). The engine never interprets the
+    /// note (the store passes the commit record of the object written, so a put needs no
+    /// separate commit round trip).
+    WriteNoted = 8,
 }
 
-/// Largest guard a `ReadGuarded` request may carry.
+/// Largest guard a `ReadGuarded` request, or note a `WriteNoted` request, may carry.
 pub const GUARD_BYTES_MAX: u32 = 4096;
 
 /// Bytes of one entry of a ReadV/WriteV range table: `addr` u64 and `len` u64, little endian.
@@ -201,6 +208,12 @@ pub fn decode_ranges(bytes: &[u8]) -> Result<Vec<(u64, u64)>, WireError> {
 }
 
 impl DataOp {
+    /// Whether the header is followed by opaque owner bytes (a guard or a note) counted in
+    /// [`DataHeader::ranges`].
+    pub fn carries_note(self) -> bool {
+        matches!(self, DataOp::ReadGuarded | DataOp::WriteNoted)
+    }
+
     fn from_u8(v: u8) -> Option<DataOp> {
         Some(match v {
             1 => DataOp::Write,
@@ -210,6 +223,7 @@ impl DataOp {
             5 => DataOp::ReadV,
             6 => DataOp::WriteV,
             7 => DataOp::ReadGuarded,
+            8 => DataOp::WriteNoted,
             _ => return None,
         })
     }
@@ -227,8 +241,8 @@ pub struct DataHeader {
     /// Payload bytes that follow (writes, notifications) or are asked for (reads); for
     /// ReadV/WriteV the sum of the ranges' lengths.
     pub len: u64,
-    /// Entries in the range table that follows a ReadV/WriteV header, bytes of the guard
-    /// that follows a ReadGuarded header (0 otherwise).
+    /// Entries in the range table that follows a ReadV/WriteV header, bytes of the guard or
+    /// note that follows a ReadGuarded or WriteNoted header (0 otherwise).
     pub ranges: u32,
 }
 
@@ -273,7 +287,8 @@ pub enum DataStatus {
     /// The acceptor's bounded notification queue is full.
     Busy = 3,
     TooLarge = 4,
-    /// A guarded read whose guard the acceptor's owner no longer vouches for.
+    /// A guarded read whose guard the acceptor's owner no longer vouches for, or a noted
+    /// write whose note it refused.
     Stale = 5,
 }
 

@@ -82,16 +82,29 @@ pub(crate) struct Shared {
     notify_tx: mpsc::Sender<Notification>,
     /// The owner's check of guarded reads (`Engine::set_read_guard`); none: refuse them all.
     read_guard: std::sync::OnceLock<ReadGuard>,
+    /// The owner's hook for noted writes (`Engine::set_write_note`); none: refuse every note.
+    write_note: std::sync::OnceLock<WriteNote>,
 }
 
 /// Says whether `[addr, addr+len)` of this engine's memory still holds what `guard` names
 /// (see [`Engine::set_read_guard`]).
 pub type ReadGuard = Box<dyn Fn(u64, u64, &[u8]) -> bool + Send + Sync>;
 
+/// Told that `[addr, addr+len)` of this engine's memory now holds the bytes of a noted write,
+/// with the write's note; says whether it accepts the note (see [`Engine::set_write_note`]).
+/// It runs on the task serving the connection, before the writer is answered: it must not
+/// block.
+pub type WriteNote = Box<dyn Fn(u64, u64, &[u8]) -> bool + Send + Sync>;
+
 impl Shared {
     /// Whether the owner vouches for a guarded read; never without a guard installed.
     pub fn vouches(&self, addr: u64, len: u64, guard: &[u8]) -> bool {
         self.read_guard.get().is_some_and(|g| g(addr, len, guard))
+    }
+
+    /// Whether the owner accepts a noted write's note; never without a hook installed.
+    pub fn noted(&self, addr: u64, len: u64, note: &[u8]) -> bool {
+        self.write_note.get().is_some_and(|h| h(addr, len, note))
     }
 
     pub fn deliver_notification(&self, from: &str, msg: Vec<u8>) -> Result<()> {
@@ -433,6 +446,7 @@ impl Engine {
             rdma: nic,
             notify_tx,
             read_guard: std::sync::OnceLock::new(),
+            write_note: std::sync::OnceLock::new(),
         });
         let mut tasks = vec![tokio::spawn(accept_loop(listener, shared.clone()))];
         if let Some(l) = shm_listener {
@@ -706,6 +720,18 @@ impl Engine {
         })
     }
 
+    /// Installs the hook of noted writes into this engine's memory (once per engine): after a
+    /// peer's [`Engine::write_noted`] (or this engine's own, on its own segment) has put its
+    /// bytes in place, `note(addr, len, note)` is called before the writer is answered, and a
+    /// `false` answers `Stale`. The store's node records the commit the note carries, so the
+    /// object is known to it the moment the writer learns its bytes landed; without a hook
+    /// every note is refused (the bytes are still written).
+    pub fn set_write_note(&self, note: WriteNote) -> Result<()> {
+        self.inner.shared.write_note.set(note).map_err(|_| {
+            Error::new(ErrorKind::InvalidArgument, "set write note", "already installed")
+        })
+    }
+
     /// Whether a guarded read of `seg` goes without shared memory or rdma: over tcp, or on
     /// this engine's own memory. Guarded reads need the owner to check them, so they never
     /// take a one-sided transport; a caller that could read a peer through shared memory or
@@ -772,6 +798,66 @@ impl Engine {
                 "guarded read",
                 "guarded reads need the tcp transport",
             )),
+        }
+    }
+
+    /// Writes local memory to `[remote_addr, remote_addr+len)` of `seg` and hands `note` to
+    /// the segment's owner once the bytes are in place ([`Engine::set_write_note`]), in the
+    /// one request and one reply of a plain tcp write (on this engine's own memory: a memcpy,
+    /// then the hook). `Ok(true)`: written and the note accepted; `Ok(false)`: written, the
+    /// note refused (no hook, or the owner said no). Always over tcp, even to a peer that
+    /// shared memory or rdma would reach (their writes are one-sided: the owner never sees
+    /// them); `Unsupported` for a peer without tcp. [`Engine::guarded_is_direct`] says whether
+    /// tcp is the peer's usual transport for the range anyway.
+    pub async fn write_noted(
+        &self,
+        seg: &SegmentHandle,
+        local_addr: u64,
+        remote_addr: u64,
+        len: u64,
+        note: Arc<[u8]>,
+    ) -> Result<bool> {
+        let shared = &self.inner.shared;
+        if len == 0 {
+            return Err(Error::new(ErrorKind::InvalidArgument, "noted write", "zero length"));
+        }
+        if remote_addr.checked_add(len).is_none() {
+            return Err(Error::new(ErrorKind::OutOfRange, "noted write", "range wraps around"));
+        }
+        let local = shared.registry.find(local_addr, len).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotRegistered,
+                "noted write",
+                format!("local range {local_addr:#x}+{len} is not inside one registered region"),
+            )
+        })?;
+        let deadline = Instant::now() + shared.cfg.op_timeout();
+        let written = match &seg.0.kind {
+            PeerKind::Local => {
+                let req = TransferRequest {
+                    op: TransferOp::Write,
+                    segment: seg.clone(),
+                    local_addr,
+                    remote_addr,
+                    len,
+                };
+                local_copy(shared, &req).await?;
+                return Ok(shared.noted(remote_addr, len, &note));
+            }
+            PeerKind::Remote { tcp: Some(tcp), .. } => {
+                let hold = local.hold();
+                tcp.write_noted(remote_addr, local_addr, len, note, hold, deadline).await
+            }
+            PeerKind::Remote { tcp: None, .. } => Err(Error::new(
+                ErrorKind::Unsupported,
+                "noted write",
+                "noted writes need the tcp transport",
+            )),
+        };
+        match written {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == ErrorKind::Stale => Ok(false),
+            Err(e) => Err(e),
         }
     }
 

@@ -283,7 +283,7 @@ fn start_conn(stream: TcpStream, shared: &Arc<Shared>) -> Result<Conn> {
 
 /// Whether the job's request carries payload bytes after its header (and table).
 fn sends_payload(op: DataOp) -> bool {
-    matches!(op, DataOp::Write | DataOp::Notify | DataOp::WriteV)
+    matches!(op, DataOp::Write | DataOp::Notify | DataOp::WriteV | DataOp::WriteNoted)
 }
 
 /// The bytes of a job's header and, for packs, its range table.
@@ -291,7 +291,8 @@ fn request_head(job: &Job, id: u64) -> Vec<u8> {
     encode_head(job.op, id, &job.ranges, &job.guard)
 }
 
-/// A request's header, then its range table (packs) or its guard (`ReadGuarded`).
+/// A request's header, then its range table (packs) or its guard or note (`ReadGuarded`,
+/// `WriteNoted`).
 fn encode_head(op: DataOp, id: u64, ranges: &[Range], guard: &[u8]) -> Vec<u8> {
     let packed = matches!(op, DataOp::ReadV | DataOp::WriteV);
     let total: u64 = ranges.iter().map(|r| r.len).sum();
@@ -303,7 +304,7 @@ fn encode_head(op: DataOp, id: u64, ranges: &[Range], guard: &[u8]) -> Vec<u8> {
         len: total,
         ranges: if packed {
             ranges.len() as u32
-        } else if op == DataOp::ReadGuarded {
+        } else if op.carries_note() {
             guard.len() as u32
         } else {
             0
@@ -313,7 +314,7 @@ fn encode_head(op: DataOp, id: u64, ranges: &[Range], guard: &[u8]) -> Vec<u8> {
     if packed {
         head.extend(encode_ranges(ranges.iter().map(|r| (r.remote, r.len))));
     }
-    if op == DataOp::ReadGuarded {
+    if op.carries_note() {
         head.extend_from_slice(guard);
     }
     head
@@ -512,7 +513,7 @@ async fn receive_reply(
             }
             Ok(Ok(Outcome::Ranges(statuses)))
         }
-        DataOp::Write | DataOp::Notify | DataOp::Ping => Ok(Ok(Outcome::Done)),
+        DataOp::Write | DataOp::WriteNoted | DataOp::Notify | DataOp::Ping => Ok(Ok(Outcome::Done)),
     }
 }
 
@@ -539,7 +540,7 @@ async fn watchdog(st: Weak<ConnState>, tick: Duration) {
 fn status_error(status: DataStatus, op: DataOp) -> Error {
     let what = match op {
         DataOp::Read | DataOp::ReadV | DataOp::ReadGuarded => "remote read",
-        DataOp::Write | DataOp::WriteV => "remote write",
+        DataOp::Write | DataOp::WriteV | DataOp::WriteNoted => "remote write",
         DataOp::Notify => "notify",
         DataOp::Ping => "ping",
     };
@@ -554,6 +555,8 @@ fn status_error(status: DataStatus, op: DataOp) -> Error {
     let detail = if status == DataStatus::OutOfRange {
         "remote range is not inside one region the peer registered as remotely accessible"
             .to_string()
+    } else if status == DataStatus::Stale && op == DataOp::WriteNoted {
+        "the bytes were written, but the peer's owner refused the write's note".to_string()
     } else if status == DataStatus::Stale {
         "the peer no longer holds what the guard names there".to_string()
     } else {
@@ -827,6 +830,34 @@ impl TcpPeer {
             return done;
         }
         self.with_retries(DataOp::ReadGuarded, &guard, &[r], std::slice::from_ref(&hold), deadline)
+            .await
+            .map(|_| ())
+    }
+
+    /// One noted write on one connection (never striped: the acceptor hands the whole range
+    /// and the note to its owner once the bytes are in place); `Stale` when the owner refused
+    /// the note (the bytes were written).
+    pub async fn write_noted(
+        &self,
+        remote: u64,
+        local: u64,
+        len: u64,
+        note: Arc<[u8]>,
+        hold: Hold,
+        deadline: Instant,
+    ) -> Result<()> {
+        if note.len() > GUARD_BYTES_MAX as usize {
+            let detail = format!("{} note bytes, the limit is {GUARD_BYTES_MAX}", note.len());
+            return Err(Error::new(ErrorKind::InvalidArgument, "noted write", detail));
+        }
+        let _busy = BusyGuard::new(&self.busy);
+        let r = Range { remote, local, len };
+        if len <= DIRECT_BYTES_MAX
+            && let Some(done) = self.direct(DataOp::WriteNoted, &note, r, deadline).await
+        {
+            return done;
+        }
+        self.with_retries(DataOp::WriteNoted, &note, &[r], std::slice::from_ref(&hold), deadline)
             .await
             .map(|_| ())
     }
@@ -1139,9 +1170,16 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
             return Ok(());
         }
         let hdr = DataHeader::decode(&hb).map_err(std::io::Error::other)?;
-        spin.lone = matches!(hdr.op, DataOp::Read | DataOp::Write | DataOp::ReadGuarded)
-            && hdr.len <= DIRECT_BYTES_MAX;
-        if out.has_payload() && matches!(hdr.op, DataOp::Write | DataOp::WriteV | DataOp::Notify) {
+        spin.lone = matches!(
+            hdr.op,
+            DataOp::Read | DataOp::Write | DataOp::ReadGuarded | DataOp::WriteNoted
+        ) && hdr.len <= DIRECT_BYTES_MAX;
+        if out.has_payload()
+            && matches!(
+                hdr.op,
+                DataOp::Write | DataOp::WriteV | DataOp::Notify | DataOp::WriteNoted
+            )
+        {
             // Do not hold read payloads while waiting for this request's own payload.
             out.flush().await?;
         }
@@ -1159,6 +1197,18 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
                     let reply = DataReply { status: DataStatus::Stale, id: hdr.id, len: 0 };
                     out.push(&reply.encode()).await?;
                 }
+            }
+            DataOp::WriteNoted => {
+                if hdr.ranges > GUARD_BYTES_MAX {
+                    return Err(std::io::Error::other(format!("note of {} bytes", hdr.ranges)));
+                }
+                let mut note = vec![0u8; hdr.ranges as usize];
+                rd.read_exact(&mut note).await?;
+                let mut status = serve_write(&mut rd, shared, &hdr).await?;
+                if status == DataStatus::Ok && !shared.noted(hdr.addr, hdr.len, &note) {
+                    status = DataStatus::Stale;
+                }
+                out.push(&DataReply { status, id: hdr.id, len: 0 }.encode()).await?;
             }
             DataOp::ReadV => serve_read_pack(&mut rd, &mut out, shared, &hdr).await?,
             DataOp::WriteV => serve_write_pack(&mut rd, &mut out, shared, &hdr).await?,

@@ -376,3 +376,86 @@ async fn cancelled_and_concurrent_lone_requests_stay_exact() {
     // SAFETY: the write has completed.
     assert!(unsafe { rb.as_slice() }[..4096].iter().all(|&x| x == 0xa5));
 }
+
+/// Noted writes: the owner's hook sees the range and the note once the bytes are in place and
+/// before the writer is answered (lone small writes on the direct connection, larger ones on
+/// the pooled connections, and on the engine's own memory); a refused note still wrote the
+/// bytes; no hook refuses every note; bad input is a typed error and never reaches the hook.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn noted_writes_reach_the_owner_after_their_bytes() {
+    use std::sync::{Arc, Mutex};
+    let (a, b) = pair(Transports::tcp_only()).await;
+    let la = a.alloc_buffer(4 << 20, &BufferOptions::default()).unwrap();
+    let rb = b.alloc_buffer(4 << 20, &BufferOptions::default()).unwrap();
+    let seg = a.open_segment(b.name()).await.unwrap();
+    let note = |v: &[u8]| -> Arc<[u8]> { Arc::from(v) };
+    let fill = |v: u8, len: usize| {
+        // SAFETY: no transfer touches the local buffer between writes.
+        unsafe { la.as_mut_slice()[..len].fill(v) };
+    };
+    let remote = |at: usize, len: usize| {
+        // SAFETY: the writes into this range have completed.
+        unsafe { rb.as_slice()[at..at + len].to_vec() }
+    };
+
+    // No hook: the bytes land, the note is refused.
+    fill(1, 4096);
+    assert!(!a.write_noted(&seg, la.addr(), rb.addr(), 4096, note(b"k@1")).await.unwrap());
+    assert!(remote(0, 4096).iter().all(|&x| x == 1));
+
+    // The hook records what it was told and what the range held when it was called.
+    type Seen = (u64, u64, Vec<u8>, bool);
+    let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
+    let log = seen.clone();
+    b.set_write_note(Box::new(move |addr, len, n| {
+        // SAFETY: the range is inside the registered buffer (checked before the hook runs).
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
+        let landed = bytes.iter().all(|&x| x == bytes[0]) && bytes[0] != 0;
+        log.lock().unwrap().push((addr, len, n.to_vec(), landed));
+        n != b"refuse"
+    }))
+    .unwrap();
+    assert!(b.set_write_note(Box::new(|_, _, _| true)).is_err(), "installed once");
+    let take = || std::mem::take(&mut *seen.lock().unwrap());
+
+    fill(2, 4096);
+    assert!(a.write_noted(&seg, la.addr(), rb.addr() + 8192, 4096, note(b"k@2")).await.unwrap());
+    assert_eq!(take(), vec![(rb.addr() + 8192, 4096, b"k@2".to_vec(), true)]);
+    assert!(remote(8192, 4096).iter().all(|&x| x == 2));
+
+    fill(3, 4096);
+    let refused = a.write_noted(&seg, la.addr(), rb.addr(), 4096, note(b"refuse")).await;
+    assert!(!refused.unwrap(), "refused note");
+    assert!(remote(0, 4096).iter().all(|&x| x == 3), "a refused note still wrote the bytes");
+    assert_eq!(take().len(), 1);
+
+    // Larger than a direct request: one request on a pooled connection, one call of the hook
+    // for the whole range.
+    fill(4, 3 << 20);
+    assert!(a.write_noted(&seg, la.addr(), rb.addr(), 3 << 20, note(b"big")).await.unwrap());
+    assert_eq!(take(), vec![(rb.addr(), 3 << 20, b"big".to_vec(), true)]);
+
+    // Bad input never reaches the hook; the connection stays usable.
+    let kind = |r: kvfs_transfer::Result<bool>| r.unwrap_err().kind();
+    let r = a.write_noted(&seg, la.addr(), rb.addr() + (4 << 20) - 100, 4096, note(b"x")).await;
+    assert_eq!(kind(r), ErrorKind::OutOfRange);
+    let r = a.write_noted(&seg, la.addr(), rb.addr(), 4096, note(&[b'x'; 5000])).await;
+    assert_eq!(kind(r), ErrorKind::InvalidArgument);
+    let r = a.write_noted(&seg, la.addr(), rb.addr(), 0, note(b"x")).await;
+    assert_eq!(kind(r), ErrorKind::InvalidArgument);
+    let stray = vec![0u8; 4096];
+    let r = a.write_noted(&seg, stray.as_ptr() as u64, rb.addr(), 4096, note(b"x")).await;
+    assert_eq!(kind(r), ErrorKind::NotRegistered);
+    assert!(take().is_empty());
+    fill(5, 4096);
+    assert!(a.write_noted(&seg, la.addr(), rb.addr(), 4096, note(b"k@5")).await.unwrap());
+    assert_eq!(take().len(), 1);
+
+    // The engine's own memory: a memcpy, then the hook.
+    let own = b.open_segment(b.name()).await.unwrap();
+    let lb = b.alloc_buffer(4096, &BufferOptions::default()).unwrap();
+    // SAFETY: no transfer touches the buffer while it is filled.
+    unsafe { lb.as_mut_slice().fill(6) };
+    assert!(b.write_noted(&own, lb.addr(), rb.addr() + 4096, 4096, note(b"own")).await.unwrap());
+    assert_eq!(take(), vec![(rb.addr() + 4096, 4096, b"own".to_vec(), true)]);
+}

@@ -26,8 +26,10 @@
 //! object's bytes from offset 0, so FUSE passthrough can serve it.
 //!
 //! Invariants: the index holds exactly the copies the master committed, loaded or accepted
-//! from this node and has not dropped, and those a client in this process committed before
-//! its `PutEnd` (see [`Embedded`]; taken back when the `PutEnd` fails); a `Drop` for a range
+//! from this node and has not dropped, and those a writer committed before its `PutEnd`: a
+//! client in this process (see [`Embedded`]; taken back when the `PutEnd` fails) or a remote
+//! one whose noted write carried the commit (`noted_commit`; the master drops the ranges of
+//! every put it abandons, so one that never completes is forgotten); a `Drop` for a range
 //! that now holds another object, or a newer version of the key, is ignored; a copy this node made is reported before it is relied on, and
 //! undone when the master refuses it.
 //!
@@ -272,6 +274,13 @@ impl Node {
                 guard_owner.upgrade().is_some_and(|n| n.vouches(addr, len, guard))
             }))
             .map_err(|e| Error::from_transfer("node", &e))?;
+        let note_owner = Arc::downgrade(&inner);
+        inner
+            .engine
+            .set_write_note(Box::new(move |addr, len, note| {
+                note_owner.upgrade().is_some_and(|n| n.noted_commit(addr, len, note))
+            }))
+            .map_err(|e| Error::from_transfer("node", &e))?;
         let handler = {
             let inner = Arc::downgrade(&inner);
             handler_fn(move |_conn: RpcConn, req: NodeRequest| {
@@ -408,6 +417,7 @@ impl Embedded {
             persistence: kvfs_proto::store::Persistence::None,
             pin: c.pin,
         }]);
+        inner.count_writer_commit();
         Some(inner.id)
     }
 
@@ -506,6 +516,27 @@ impl Inner {
             self.on_served_read(key);
         }
         ok
+    }
+
+    /// A writer's noted write into our DRAM segment: its bytes are in place, and the note is
+    /// the commit record of the object they are ([`kvfs_proto::store::CommitNote`]), recorded
+    /// now so the writer's `PutEnd` needs no record from the master. Refused (the master then
+    /// sends the record) for a note that does not decode or a range outside the segment.
+    fn noted_commit(self: &Arc<Self>, addr: u64, len: u64, note: &[u8]) -> bool {
+        let Some(note) = kvfs_proto::store::CommitNote::decode(note) else { return false };
+        let Some(offset) = self.dram_offset(addr, len) else { return false };
+        self.commit(vec![kvfs_proto::store::CommitItem {
+            key: note.key,
+            segment: DRAM_SEGMENT,
+            offset,
+            size: len,
+            checksum: None,
+            version: note.version,
+            persistence: kvfs_proto::store::Persistence::None,
+            pin: note.pin,
+        }]);
+        self.count_writer_commit();
+        true
     }
 
     fn registration(&self) -> NodeRegistration {

@@ -67,6 +67,7 @@ struct Counters {
     writeback_persisted: AtomicU64,
     writeback_failed: AtomicU64,
     eager_persisted: AtomicU64,
+    writer_commits: AtomicU64,
 }
 
 /// The node's tiers and tier manager state.
@@ -482,6 +483,11 @@ impl Inner {
 
     /// `Drop` records: the master no longer counts these copies. One hold of the index and
     /// policy locks for the batch, as in `commit`.
+    /// Counts a commit a writer recorded here itself (the master sent no record for it).
+    pub(super) fn count_writer_commit(&self) {
+        self.tiers.counters.writer_commits.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(super) fn drop_copies(&self, items: Vec<DropItem>) {
         let mut nvme_files = Vec::new();
         let now = self.now_ms();
@@ -689,6 +695,7 @@ impl Inner {
             writeback_persisted: load(&c.writeback_persisted),
             writeback_failed: load(&c.writeback_failed),
             eager_persisted: load(&c.eager_persisted),
+            writer_commits: load(&c.writer_commits),
             hbm_available: self.tiers.hbm_available,
         }
     }

@@ -466,7 +466,7 @@ impl Directory {
                     .with_key(key)
                     .with_detail(detail));
             }
-            self.revoke_pending(key);
+            self.revoke_pending(key, fx);
         }
         if let Some(id) = self.lookup(key) {
             if !req.upsert {
@@ -525,7 +525,7 @@ impl Directory {
             return not_found("the pending put has another version (this put was revoked)");
         }
         if p.deadline_ms <= now_ms {
-            self.revoke_pending(key);
+            self.revoke_pending(key, fx);
             return not_found("put timed out");
         }
         let key_arc = key_arc.clone();
@@ -535,7 +535,7 @@ impl Directory {
         }
         if let Some(old) = self.lookup(key) {
             if !p.upsert {
-                self.free_ranges(&p.ranges, p.size);
+                self.abandon_ranges(&key_arc, &p, fx);
                 return Err(Error::new(ErrorKind::AlreadyExists, OP).with_key(key));
             }
             self.replace_old(old, now_ms, fx);
@@ -555,8 +555,8 @@ impl Directory {
     }
 
     /// Abandon a pending put and free its ranges. `NotFound` if there is none.
-    pub fn put_revoke(&mut self, key: &str) -> Result<()> {
-        if self.revoke_pending(key) {
+    pub fn put_revoke(&mut self, key: &str, fx: &mut Vec<NodeEffect>) -> Result<()> {
+        if self.revoke_pending(key, fx) {
             Ok(())
         } else {
             Err(Error::new(ErrorKind::NotFound, "put_revoke")
@@ -583,8 +583,12 @@ impl Directory {
         ends.iter().map(|e| self.put_end(e, now_ms, fx)).collect()
     }
 
-    pub fn put_revoke_batch<K: AsRef<str>>(&mut self, keys: &[K]) -> Vec<Result<()>> {
-        keys.iter().map(|k| self.put_revoke(k.as_ref())).collect()
+    pub fn put_revoke_batch<K: AsRef<str>>(
+        &mut self,
+        keys: &[K],
+        fx: &mut Vec<NodeEffect>,
+    ) -> Vec<Result<()>> {
+        keys.iter().map(|k| self.put_revoke(k.as_ref(), fx)).collect()
     }
 
     // ----- reads ---------------------------------------------------------------------------
@@ -911,7 +915,7 @@ impl Directory {
             .map(|(k, _)| k.clone())
             .collect();
         for key in expired {
-            self.revoke_pending(&key);
+            self.revoke_pending(&key, fx);
             tick.expired_puts += 1;
         }
         let (due, keep) = std::mem::take(&mut self.retired)
@@ -1345,10 +1349,29 @@ impl Directory {
         }
     }
 
-    fn revoke_pending(&mut self, key: &str) -> bool {
-        let Some(p) = self.pending.remove(key) else { return false };
-        self.free_ranges(&p.ranges, p.size);
+    /// Abandons a pending put: its ranges are freed, and each node gets a drop of them (a
+    /// writer may have committed its replica there itself with a noted write before the
+    /// `PutEnd` that will never complete it; a node that holds nothing of it ignores it).
+    fn revoke_pending(&mut self, key: &str, fx: &mut Vec<NodeEffect>) -> bool {
+        let Some((key, p)) = self.pending.remove_entry(key) else { return false };
+        self.abandon_ranges(&key, &p, fx);
         true
+    }
+
+    fn abandon_ranges(&mut self, key: &Arc<str>, p: &Pending, fx: &mut Vec<NodeEffect>) {
+        for &(seg, offset) in &p.ranges {
+            let s = self.segment(seg);
+            fx.push(NodeEffect::Drop {
+                node: s.node,
+                key: key.clone(),
+                segment: s.index,
+                offset,
+                len: p.size,
+                version: p.version,
+                readers_until_ms: 0,
+            });
+        }
+        self.free_ranges(&p.ranges, p.size);
     }
 
     /// The object's replica on `node` in `tier`, if any.

@@ -119,7 +119,7 @@ impl Directory {
         }
         // A timed-out put of the new name would otherwise complete over the renamed object.
         if self.pending.contains_key(to) {
-            self.revoke_pending(to);
+            self.revoke_pending(to, fx);
         }
         let from_key = self.key_arc(id);
         let from_version = self.objects[id].version;

@@ -301,11 +301,19 @@ fn pending_puts_time_out_and_free_their_space() {
     let mut d = cluster_with(Config { put_timeout_ms: 1000, ..cfg() }, 1, 4 * MIB);
     let mut fx = Vec::new();
     let k = key(1);
-    d.put_start(&PutStart::new(&k, 4 * MIB), 0, &mut fx).unwrap();
+    let g = d.put_start(&PutStart::new(&k, 4 * MIB), 0, &mut fx).unwrap();
     assert_eq!(kind(d.put_start(&PutStart::new(key(2), MIB), 0, &mut fx)), ErrorKind::NoSpace);
     assert_eq!(d.tick(999, &mut fx).expired_puts, 0);
+    assert!(drops(&fx).is_empty());
     assert_eq!(d.tick(1000, &mut fx).expired_puts, 1);
     assert_eq!(d.stats().tiers[Tier::Dram.index()].used_bytes, 0);
+    // The writer may have committed its replica on the node itself (a noted write): the node
+    // is told to forget exactly that version there.
+    assert_eq!(drops(&fx), vec![k.clone()]);
+    let Location::Node(at) = g.replicas[0].location else { panic!("a node replica") };
+    assert!(fx.iter().any(|e| matches!(e,
+        NodeEffect::Drop { version, offset, .. }
+            if *version == g.version && *offset == at.offset)));
     assert_eq!(kind(d.put_end(&PutEnd::new(&k, None), 1001, &mut fx)), ErrorKind::NotFound);
 
     // without a tick, a late put_end is refused and the next put_start takes over
@@ -336,8 +344,9 @@ fn put_revoke_frees_the_space() {
     let mut d = cluster(1, 4 * MIB);
     let mut fx = Vec::new();
     d.put_start(&PutStart::new(key(1), 4 * MIB), 0, &mut fx).unwrap();
-    d.put_revoke(&key(1)).unwrap();
-    assert_eq!(kind(d.put_revoke(&key(1))), ErrorKind::NotFound);
+    d.put_revoke(&key(1), &mut fx).unwrap();
+    assert_eq!(drops(&fx), vec![key(1)]);
+    assert_eq!(kind(d.put_revoke(&key(1), &mut fx)), ErrorKind::NotFound);
     d.put_start(&PutStart::new(key(2), 4 * MIB), 0, &mut fx).unwrap();
     d.verify().unwrap();
 }
@@ -376,7 +385,7 @@ fn batch_calls_answer_per_key() {
     assert!(d.put_start_batch(&reqs, 0, &mut fx).iter().all(Result::is_ok));
     let ends: Vec<PutEnd> = (0..3).map(|i| PutEnd::new(key(i), None)).collect();
     assert!(d.put_end_batch(&ends, 0, &mut fx).iter().all(Result::is_ok));
-    assert!(d.put_revoke_batch(&[key(3)])[0].is_ok());
+    assert!(d.put_revoke_batch(&[key(3)], &mut fx)[0].is_ok());
     let keys = vec![key(0), key(3), String::new()];
     let got: Vec<Option<bool>> = d.exists_batch(&keys, 5).into_iter().map(Result::ok).collect();
     assert_eq!(got, vec![Some(true), Some(false), None]);

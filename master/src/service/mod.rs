@@ -418,7 +418,10 @@ async fn dispatch(state: &Arc<State>, conn: &RpcConn, req: MasterRequest) -> Mas
         }
         MasterRequest::PutEnd(items) => put_end(state, items, now).await,
         MasterRequest::PutRevoke(keys) => {
-            MasterResponse::PutRevoke(results(state.lock().put_revoke_batch(&keys), |()| ()))
+            let mut fx = Vec::new();
+            let r = state.lock().put_revoke_batch(&keys, &mut fx);
+            deliver(state, fx, false).await;
+            MasterResponse::PutRevoke(results(r, |()| ()))
         }
         MasterRequest::Get(keys) => tiers::get(state, keys, now).await,
         MasterRequest::Stat(keys) => {
@@ -608,9 +611,13 @@ async fn put_start(
 async fn put_end(state: &Arc<State>, mut items: Vec<w::PutEndItem>, now: u64) -> MasterResponse {
     // Eager objects reach the object store first; a failure revokes the put.
     let failed = tiers::persist_eager(state, &mut items).await;
-    // Replicas in the writer's own process that it committed there itself need no record.
-    let committed: HashMap<String, u64> =
-        items.iter().filter_map(|i| i.committed_on.map(|node| (i.key.clone(), node))).collect();
+    // Replicas the writer committed itself (in its own process's node, or with a noted
+    // write) need no record.
+    let committed: HashMap<String, Vec<u64>> = items
+        .iter()
+        .filter(|i| !i.committed_on.is_empty())
+        .map(|i| (i.key.clone(), i.committed_on.clone()))
+        .collect();
     let ends: Vec<PutEnd> = items
         .into_iter()
         .zip(&failed)
@@ -624,7 +631,7 @@ async fn put_end(state: &Arc<State>, mut items: Vec<w::PutEndItem>, now: u64) ->
             // Only objects without persistence: a lazy one's write-back and an eager one's
             // persisted copy start from the master's record.
             NodeEffect::Commit { node, key, persistence: crate::Persistence::None, .. } => {
-                committed.get(&**key) != Some(&node.0)
+                !committed.get(&**key).is_some_and(|nodes| nodes.contains(&node.0))
             }
             _ => true,
         });

@@ -207,7 +207,9 @@ pub(crate) async fn persist_eager(
             Err(e) => {
                 state.tiers.metrics.persist_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(key = %items[i].key, error = %e.message, "eager persistence failed; put revoked");
-                let _ = state.lock().put_revoke(&items[i].key);
+                let mut fx = Vec::new();
+                let _ = state.lock().put_revoke(&items[i].key, &mut fx);
+                super::deliver(state, fx, false).await;
                 failed[i] = Some(WireError::new(
                     e.code,
                     format!("eager persistence failed, the put was revoked: {}", e.message),
@@ -723,7 +725,7 @@ pub(crate) fn render(state: &State, o: &mut String) {
     );
     let stats = lock(&state.tiers.node_stats).clone();
     type Field = fn(&w::NodeStats) -> u64;
-    let fields: [(&str, &str, &str, Field); 16] = [
+    let fields: [(&str, &str, &str, Field); 17] = [
         ("kvfs_node_dram_capacity_bytes", "gauge", "DRAM the node contributes.", |s| {
             s.dram_capacity_bytes
         }),
@@ -780,6 +782,12 @@ pub(crate) fn render(state: &State, o: &mut String) {
             "counter",
             "Eager objects this node wrote to the object store.",
             |s| s.eager_persisted,
+        ),
+        (
+            "kvfs_node_writer_commits_total",
+            "counter",
+            "Commits writers recorded on the node themselves (noted writes, same-process puts).",
+            |s| s.writer_commits,
         ),
         ("kvfs_node_hbm_available", "gauge", "1 when the node found a CUDA driver.", |s| {
             u64::from(s.hbm_available)
