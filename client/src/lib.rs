@@ -24,4 +24,4 @@ pub use kvfs_proto::store::{
     RenameItem, RenameMode, ReplicaDesc, Strategy, Tier,
 };
 pub use node::{Node, NodeConfig, NodeStats, TierConfig};
-pub use staging::{advise_huge_pages, prefault};
+pub use staging::{advise_huge_pages, keep_freed_buffers, prefault};

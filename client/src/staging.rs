@@ -220,6 +220,32 @@ pub(crate) fn vec_from(src: &Buffer, len: usize) -> Vec<u8> {
     v
 }
 
+/// Largest allocation glibc serves from the heap instead of an `mmap` of its own once
+/// [`keep_freed_buffers`] ran; twice this much freed memory stays mapped at the heap's top.
+const HEAP_BUFFER_BYTES_MAX: i32 = 256 << 20;
+
+/// Keeps large freed buffers in the process heap for reuse (glibc `mallopt`). With glibc's
+/// defaults a buffer above 32 MiB (a `Vec` from [`crate::Client::get`], a Python `bytes`) is
+/// an `mmap` of its own: every get of a large object faults in fresh pages (16384 faults for 64 MiB, which in a VM take longer than the
+/// transfer) and every free unmaps them again. Allocations up to [`HEAP_BUFFER_BYTES_MAX`] come
+/// from the heap instead and up to twice that of freed memory stays mapped, so the next get's
+/// bytes land on pages already faulted in (side by side, a 64 MiB `get` over tcp goes from
+/// about 1.1 to 3.5 GB/s). The cost: the process keeps up to 512 MiB of freed memory mapped.
+/// `KVFS_MALLOC_TUNING=0` leaves glibc's defaults. Process-wide: the Python package calls it
+/// at import, `kvfs bench store` at start; a Rust program that gets large objects again and
+/// again should call it once too.
+pub fn keep_freed_buffers() {
+    if std::env::var("KVFS_MALLOC_TUNING").is_ok_and(|v| v == "0") {
+        return;
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets allocator parameters; it is safe to call at any time.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, HEAP_BUFFER_BYTES_MAX);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, HEAP_BUFFER_BYTES_MAX * 2);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

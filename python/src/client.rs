@@ -653,30 +653,6 @@ pub fn drop_session(s: Option<Arc<Session>>) {
     }
 }
 
-/// Largest allocation glibc serves from the heap instead of an `mmap` of its own once
-/// [`keep_freed_buffers`] ran; twice this much freed memory stays mapped at the heap's top.
-const HEAP_BUFFER_BYTES_MAX: i32 = 256 << 20;
-
-/// Keeps large freed buffers in the process heap for reuse (glibc `mallopt`). With glibc's
-/// defaults a `bytes` object above 32 MiB is an `mmap` of its own: every get of a large object
-/// faults in fresh pages (16384 faults for 64 MiB, which in a VM take longer than the
-/// transfer) and every free unmaps them again. Allocations up to [`HEAP_BUFFER_BYTES_MAX`] come
-/// from the heap instead and up to twice that of freed memory stays mapped, so the next get's
-/// bytes land on pages already faulted in (side by side, a 64 MiB `get` over tcp goes from
-/// about 1.1 to 3.5 GB/s). The cost: the process keeps up to 512 MiB of freed memory mapped.
-/// `KVFS_MALLOC_TUNING=0` leaves glibc's defaults; called once, at import.
-pub fn keep_freed_buffers() {
-    if std::env::var("KVFS_MALLOC_TUNING").is_ok_and(|v| v == "0") {
-        return;
-    }
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets allocator parameters; it is safe to call at any time.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, HEAP_BUFFER_BYTES_MAX);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, HEAP_BUFFER_BYTES_MAX * 2);
-    }
-}
-
 /// A new, uninitialised `bytes` object of `size` bytes for a get to fill in place (huge pages
 /// asked for and pages faulted in before the transfer: PyO3's `new_with` would zero it first,
 /// a second pass over memory that is all page faults when fresh), and its buffer's address;

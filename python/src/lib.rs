@@ -42,7 +42,7 @@ fn init_logging() {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
-    client::keep_freed_buffers();
+    kvfs_client::keep_freed_buffers();
     m.add_class::<client::PyClient>()?;
     m.add_class::<store::MooncakeCore>()?;
     m.add_class::<memory::BufferHandle>()?;

@@ -114,6 +114,8 @@ impl Ctx {
 }
 
 pub async fn run(opts: StoreBench) -> anyhow::Result<()> {
+    // As the Python package does at import: large gets land on pages already faulted in.
+    kvfs_client::keep_freed_buffers();
     let (_peer, master, raw) = start_peer(opts.node_dram).await?;
     let mut rep = Reporter::new(opts.json);
     let max_size = opts.sizes.iter().copied().max().unwrap_or(1 << 20);
