@@ -4,7 +4,8 @@
 //! The binary is found through `KVFS_BIN`, or next to the test executable in the cargo target
 //! directory (`target/<profile>/kvfs`, built by `cargo build --bin kvfs`; `scripts/test`
 //! builds it before running the suite). Every process is killed when its handle drops, so a
-//! failing test leaves nothing running.
+//! failing test leaves nothing running; and every process gets SIGKILL when the test process
+//! itself dies (a test killed by its runner's timeout, a signal), see [`spawn_tied`].
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -45,17 +46,61 @@ pub struct Proc {
     pub first_line: String,
 }
 
+/// Spawns `cmd` so that the child gets SIGKILL when this process dies, however it dies.
+///
+/// `PR_SET_PDEATHSIG` fires when the *thread* that forked the child exits, not the process: a
+/// child spawned from a runtime worker or a scoped thread would be killed when that thread
+/// ends, while the test still uses it. So every child is forked by one spawner thread that
+/// lives as long as the process (it waits on a channel that is never closed), and the signal
+/// fires only when the whole test process is gone.
+pub fn spawn_tied(cmd: Command) -> std::io::Result<Child> {
+    use std::os::unix::process::CommandExt;
+    use std::sync::mpsc;
+    type Request = (Command, mpsc::Sender<std::io::Result<Child>>);
+    static SPAWNER: std::sync::OnceLock<std::sync::Mutex<mpsc::Sender<Request>>> =
+        std::sync::OnceLock::new();
+    let tx = SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<Request>();
+        std::thread::Builder::new()
+            .name("kvfs-tests-spawner".into())
+            .spawn(move || {
+                let parent = std::process::id() as libc::pid_t;
+                for (mut cmd, reply) in rx {
+                    // SAFETY: prctl and getppid are async-signal-safe; the closure touches no
+                    // memory of the parent.
+                    unsafe {
+                        cmd.pre_exec(move || {
+                            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                                return Err(std::io::Error::last_os_error());
+                            }
+                            // The parent died before the prctl: nobody will signal us.
+                            if libc::getppid() != parent {
+                                return Err(std::io::Error::other("the test process is gone"));
+                            }
+                            Ok(())
+                        });
+                    }
+                    let _ = reply.send(cmd.spawn());
+                }
+            })
+            .expect("the spawner thread starts");
+        std::sync::Mutex::new(tx)
+    });
+    let (reply, answer) = mpsc::channel();
+    tx.lock().unwrap_or_else(|e| e.into_inner()).send((cmd, reply)).expect("spawner alive");
+    answer.recv().expect("spawner answers")
+}
+
 impl Proc {
     /// Starts `kvfs ARGS` and waits (at most 20 s) for its first line on stdout.
     pub fn start(args: &[String]) -> Proc {
-        let mut child = Command::new(kvfs_bin())
-            .args(args)
+        let mut cmd = Command::new(kvfs_bin());
+        cmd.args(args)
             .env("KVFS_LOG", std::env::var("KVFS_LOG").unwrap_or_else(|_| "warn".into()))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting kvfs {args:?}: {e}"));
+            .stderr(Stdio::inherit());
+        let mut child = spawn_tied(cmd).unwrap_or_else(|e| panic!("starting kvfs {args:?}: {e}"));
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
