@@ -757,19 +757,7 @@ impl Engine {
         guard: Arc<[u8]>,
     ) -> Result<()> {
         let shared = &self.inner.shared;
-        if len == 0 {
-            return Err(Error::new(ErrorKind::InvalidArgument, "guarded read", "zero length"));
-        }
-        if remote_addr.checked_add(len).is_none() {
-            return Err(Error::new(ErrorKind::OutOfRange, "guarded read", "range wraps around"));
-        }
-        let local = shared.registry.find(local_addr, len).ok_or_else(|| {
-            Error::new(
-                ErrorKind::NotRegistered,
-                "guarded read",
-                format!("local range {local_addr:#x}+{len} is not inside one registered region"),
-            )
-        })?;
+        let local = checked_lone(shared, "guarded read", local_addr, remote_addr, len)?;
         let deadline = Instant::now() + shared.cfg.op_timeout();
         match &seg.0.kind {
             PeerKind::Local => {
@@ -818,19 +806,7 @@ impl Engine {
         note: Arc<[u8]>,
     ) -> Result<bool> {
         let shared = &self.inner.shared;
-        if len == 0 {
-            return Err(Error::new(ErrorKind::InvalidArgument, "noted write", "zero length"));
-        }
-        if remote_addr.checked_add(len).is_none() {
-            return Err(Error::new(ErrorKind::OutOfRange, "noted write", "range wraps around"));
-        }
-        let local = shared.registry.find(local_addr, len).ok_or_else(|| {
-            Error::new(
-                ErrorKind::NotRegistered,
-                "noted write",
-                format!("local range {local_addr:#x}+{len} is not inside one registered region"),
-            )
-        })?;
+        let local = checked_lone(shared, "noted write", local_addr, remote_addr, len)?;
         let deadline = Instant::now() + shared.cfg.op_timeout();
         let written = match &seg.0.kind {
             PeerKind::Local => {
@@ -935,6 +911,31 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
         }
     }
+}
+
+/// The checks of a lone owner-checked request (guarded read, noted write) before it leaves:
+/// a non-empty range that does not wrap, and local memory inside one registered region (whose
+/// hold the request keeps).
+fn checked_lone(
+    shared: &Shared,
+    what: &'static str,
+    local_addr: u64,
+    remote_addr: u64,
+    len: u64,
+) -> Result<Region> {
+    if len == 0 {
+        return Err(Error::new(ErrorKind::InvalidArgument, what, "zero length"));
+    }
+    if remote_addr.checked_add(len).is_none() {
+        return Err(Error::new(ErrorKind::OutOfRange, what, "range wraps around"));
+    }
+    shared.registry.find(local_addr, len).ok_or_else(|| {
+        Error::new(
+            ErrorKind::NotRegistered,
+            what,
+            format!("local range {local_addr:#x}+{len} is not inside one registered region"),
+        )
+    })
 }
 
 async fn run_item(shared: &Shared, req: &TransferRequest, deadline: Instant) -> Result<()> {

@@ -537,13 +537,18 @@ async fn watchdog(st: Weak<ConnState>, tick: Duration) {
     }
 }
 
-fn status_error(status: DataStatus, op: DataOp) -> Error {
-    let what = match op {
+/// What a request of `op` is, for its errors.
+fn status_what(op: DataOp) -> &'static str {
+    match op {
         DataOp::Read | DataOp::ReadV | DataOp::ReadGuarded => "remote read",
         DataOp::Write | DataOp::WriteV | DataOp::WriteNoted => "remote write",
         DataOp::Notify => "notify",
         DataOp::Ping => "ping",
-    };
+    }
+}
+
+fn status_error(status: DataStatus, op: DataOp) -> Error {
+    let what = status_what(op);
     let kind = match status {
         DataStatus::OutOfRange => ErrorKind::OutOfRange,
         DataStatus::Busy => ErrorKind::Busy,
@@ -818,20 +823,7 @@ impl TcpPeer {
         hold: Hold,
         deadline: Instant,
     ) -> Result<()> {
-        if guard.len() > GUARD_BYTES_MAX as usize {
-            let detail = format!("{} guard bytes, the limit is {GUARD_BYTES_MAX}", guard.len());
-            return Err(Error::new(ErrorKind::InvalidArgument, "guarded read", detail));
-        }
-        let _busy = BusyGuard::new(&self.busy);
-        let r = Range { remote, local, len };
-        if len <= DIRECT_BYTES_MAX
-            && let Some(done) = self.direct(DataOp::ReadGuarded, &guard, r, deadline).await
-        {
-            return done;
-        }
-        self.with_retries(DataOp::ReadGuarded, &guard, &[r], std::slice::from_ref(&hold), deadline)
-            .await
-            .map(|_| ())
+        self.lone_with_note(DataOp::ReadGuarded, remote, local, len, guard, hold, deadline).await
     }
 
     /// One noted write on one connection (never striped: the acceptor hands the whole range
@@ -846,20 +838,34 @@ impl TcpPeer {
         hold: Hold,
         deadline: Instant,
     ) -> Result<()> {
+        self.lone_with_note(DataOp::WriteNoted, remote, local, len, note, hold, deadline).await
+    }
+
+    /// One request carrying owner bytes (`op.carries_note()`) on one connection: the direct
+    /// one when it is free and the request small, else a pooled one, never striped.
+    #[allow(clippy::too_many_arguments)]
+    async fn lone_with_note(
+        &self,
+        op: DataOp,
+        remote: u64,
+        local: u64,
+        len: u64,
+        note: Arc<[u8]>,
+        hold: Hold,
+        deadline: Instant,
+    ) -> Result<()> {
         if note.len() > GUARD_BYTES_MAX as usize {
-            let detail = format!("{} note bytes, the limit is {GUARD_BYTES_MAX}", note.len());
-            return Err(Error::new(ErrorKind::InvalidArgument, "noted write", detail));
+            let detail = format!("{} owner bytes, the limit is {GUARD_BYTES_MAX}", note.len());
+            return Err(Error::new(ErrorKind::InvalidArgument, status_what(op), detail));
         }
         let _busy = BusyGuard::new(&self.busy);
         let r = Range { remote, local, len };
         if len <= DIRECT_BYTES_MAX
-            && let Some(done) = self.direct(DataOp::WriteNoted, &note, r, deadline).await
+            && let Some(done) = self.direct(op, &note, r, deadline).await
         {
             return done;
         }
-        self.with_retries(DataOp::WriteNoted, &note, &[r], std::slice::from_ref(&hold), deadline)
-            .await
-            .map(|_| ())
+        self.with_retries(op, &note, &[r], std::slice::from_ref(&hold), deadline).await.map(|_| ())
     }
 
     /// Slice size for a request of `len` bytes: `slice_bytes`, except that a request alone on an
