@@ -117,6 +117,7 @@ pub struct Membership {
     world: u32,
     max_group_size: u32,
     reconcile_timeout: Duration,
+    lease_ms: u64,
     epoch: u64,
     formed: bool,
     members: BTreeMap<u32, Member>,
@@ -134,6 +135,7 @@ impl Membership {
             world: cfg.world,
             max_group_size: cfg.max_group_size,
             reconcile_timeout: Duration::from_millis(cfg.reconcile_timeout_ms),
+            lease_ms: cfg.failure_timeout_ms / 2,
             epoch: 0,
             formed: false,
             members: BTreeMap::new(),
@@ -157,6 +159,11 @@ impl Membership {
             .collect()
     }
 
+    /// Slots with a process waiting for activation.
+    pub fn pending(&self) -> Vec<u32> {
+        self.members.values().filter(|m| m.state == State::Pending).map(|m| m.info.slot).collect()
+    }
+
     pub fn view(&self) -> View {
         View {
             group: self.group.clone(),
@@ -170,6 +177,7 @@ impl Membership {
                 .collect(),
             removed: Vec::new(),
             resume: None,
+            lease_ms: self.lease_ms,
         }
     }
 
@@ -193,6 +201,10 @@ impl Membership {
                 self.join(from, protocol, group, world, member, now)
             }
             Msg::Suspect { .. } => Vec::new(), // the driver pings first, then calls `fail`
+            Msg::Check { nonce, epoch } => match self.slot_of(from) {
+                Some(_) => vec![(from.to_string(), Msg::Checked { epoch: self.epoch, nonce })],
+                None => vec![(from.to_string(), Msg::Stale { sent: epoch, current: self.epoch })],
+            },
             Msg::Progress { epoch, finished, in_op, dirty } => {
                 let Some(slot) = self.slot_of(from) else { return Vec::new() };
                 match self.reconcile.as_mut() {
@@ -490,6 +502,11 @@ impl Coordinator {
     /// The current view.
     pub fn view(&self) -> View {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).view()
+    }
+
+    /// Slots with a process waiting for activation.
+    pub fn pending(&self) -> Vec<u32> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).pending()
     }
 
     /// Members failed or removed so far.

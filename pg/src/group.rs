@@ -184,6 +184,12 @@ struct State {
     p2p_done: HashSet<(u64, u32, u32, u64, u32)>,
     p2p_send_seq: HashMap<(u32, u32), u64>,
     p2p_recv_seq: HashMap<(u32, u32), u64>,
+    /// When the last `Check` the coordinator confirmed was sent (the lease runs from there).
+    lease_from: Option<Instant>,
+    /// Checks sent and not answered yet, by nonce (bounded: a few per lease).
+    checks: HashMap<u64, Instant>,
+    /// The coordinator could not be reached at all: no view can change, no lease is needed.
+    coordinator_gone: bool,
     /// The large send whose last part may still be pulled from the p2p staging.
     p2p_outstanding: Option<(u64, u32, u32, u64, u32)>,
     closed: bool,
@@ -226,11 +232,30 @@ pub struct Group {
     _task: Arc<TaskGuard>,
 }
 
-struct TaskGuard(tokio::task::JoinHandle<()>);
+struct TaskGuard(Vec<tokio::task::JoinHandle<()>>);
 
 impl Drop for TaskGuard {
     fn drop(&mut self) {
-        self.0.abort();
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+/// Renews the member's lease every third of it, while the member lives.
+async fn renew_lease(inner: std::sync::Weak<Inner>) {
+    loop {
+        let wait = {
+            let Some(i) = inner.upgrade() else { return };
+            let st = i.state.lock().unwrap_or_else(|e| e.into_inner());
+            st.view.as_ref().map(|v| v.lease_ms / 3).unwrap_or(50).max(10)
+        };
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        let Some(i) = inner.upgrade() else { return };
+        let g = Group { inner: i, _task: Arc::new(TaskGuard(Vec::new())) };
+        if g.lock().view.is_some() {
+            g.check().await;
+        }
     }
 }
 
@@ -282,7 +307,8 @@ impl Group {
             peers: Mutex::new(HashMap::new()),
         });
         let task = tokio::spawn(dispatch(Arc::downgrade(&inner), engine.clone()));
-        let group = Group { inner, _task: Arc::new(TaskGuard(task)) };
+        let renew = tokio::spawn(renew_lease(Arc::downgrade(&inner)));
+        let group = Group { inner, _task: Arc::new(TaskGuard(vec![task, renew])) };
         let me = group.member_info();
         group
             .to_coordinator(&Msg::Join {
@@ -427,6 +453,10 @@ impl Group {
         outcome: StepResult<u64>,
         deadline: Instant,
     ) -> Result<bool> {
+        let outcome = match outcome {
+            Ok(steps) => self.leased(ctx).await.map(|()| steps),
+            Err(e) => Err(e),
+        };
         let stop = match outcome {
             Ok(steps) => {
                 let mut st = self.lock();
@@ -542,13 +572,82 @@ impl Group {
 
     /// Marks the operation as about to write the caller's output: after this it is no
     /// longer run again if a failure interrupts it. Fails if the view is already changing.
-    pub(crate) fn commit(&self, ctx: &Ctx) -> StepResult<()> {
+    pub(crate) async fn commit(&self, ctx: &Ctx) -> StepResult<()> {
+        self.leased(ctx).await?;
         let mut st = self.lock();
         if st.frozen.is_some() || st.view.as_ref().is_none_or(|v| v.epoch != ctx.epoch) {
             return Err(Stop::Interrupted);
         }
         st.dirty = true;
         Ok(())
+    }
+
+    /// Makes sure this member's lease is current before an operation completes: a member that
+    /// was stopped or cut off longer than the lease asks the coordinator first, so a member
+    /// the group moved on without learns it (`StaleEpoch`) instead of completing an operation
+    /// with frames from an attempt the survivors abandoned.
+    pub(crate) async fn leased(&self, ctx: &Ctx) -> StepResult<()> {
+        let lease = |st: &State| {
+            Duration::from_millis(st.view.as_ref().map(|v| v.lease_ms).unwrap_or(0).max(1))
+        };
+        {
+            let st = self.lock();
+            if st.coordinator_gone || st.lease_from.is_some_and(|t| t.elapsed() < lease(&st)) {
+                return Ok(());
+            }
+        }
+        let sent = Instant::now();
+        self.check().await;
+        let deadline =
+            (sent + Duration::from_millis(self.inner.cfg.suspect_after_ms)).min(ctx.deadline);
+        let op = "lease";
+        let r = self
+            .wait(deadline, op, |st| {
+                if st.stale_seen > ctx.epoch && st.frozen.is_none() {
+                    return Some(Err(stale_error(st, op)));
+                }
+                (st.coordinator_gone || st.lease_from.is_some_and(|t| t >= sent)).then_some(Ok(()))
+            })
+            .await;
+        match r {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == ErrorKind::Timeout => Err(Stop::Fail(Error::new(
+                ErrorKind::Timeout,
+                "lease",
+                "the coordinator did not confirm this member's place in the group",
+            ))),
+            Err(e) => Err(Stop::Fail(e)),
+        }
+    }
+
+    /// Sends a `Check` to the coordinator (its answer renews the lease).
+    pub(crate) async fn check(&self) {
+        let nonce = rand_u64();
+        let epoch = {
+            let mut st = self.lock();
+            if st.checks.len() >= 64 {
+                st.checks.clear();
+            }
+            st.checks.insert(nonce, Instant::now());
+            st.view.as_ref().map(|v| v.epoch).unwrap_or(0)
+        };
+        let r = self
+            .inner
+            .engine
+            .notify(&self.inner.coord, &wire::encode(&Msg::Check { epoch, nonce }))
+            .await;
+        if let Err(e) = r
+            && matches!(
+                e.kind(),
+                kvfs_transfer::ErrorKind::PeerGone
+                    | kvfs_transfer::ErrorKind::UnknownSegment
+                    | kvfs_transfer::ErrorKind::Refused
+            )
+        {
+            tracing::warn!(error = %e, "pg: the coordinator is gone; the view can no longer change");
+            self.lock().coordinator_gone = true;
+            self.inner.changed.notify_waiters();
+        }
     }
 
     pub(crate) async fn segment(&self, m: &MemberInfo) -> StepResult<SegmentHandle> {
@@ -589,6 +688,28 @@ impl Group {
         Stop::Interrupted
     }
 
+    /// Sends an empty frame stamped with `epoch` to `slot` (tests: the receiver must refuse
+    /// one from an older epoch than its own and count it in `Counters::stale_refused`).
+    #[doc(hidden)]
+    pub async fn send_frame_at_epoch(&self, slot: u32, epoch: u64) -> Result<()> {
+        let m = self.view().member(slot).cloned().ok_or_else(|| {
+            Error::new(ErrorKind::UnknownSlot, "frame", format!("slot {slot} is not active"))
+        })?;
+        let seg = self
+            .inner
+            .engine
+            .open_segment(&m.segment)
+            .await
+            .map_err(|e| Error::transfer("frame", e))?;
+        let msg =
+            Msg::Data { epoch, seq: 0, phase: 0, from: self.inner.slot, sig: 0, body: Vec::new() };
+        self.inner
+            .engine
+            .notify(&seg, &wire::encode(&msg))
+            .await
+            .map_err(|e| Error::transfer("frame", e))
+    }
+
     /// Sends one frame of operation `ctx` to rank `to`.
     pub(crate) async fn frame(
         &self,
@@ -602,7 +723,10 @@ impl Group {
         let seg = self.segment(m).await?;
         let msg =
             Msg::Data { epoch: ctx.epoch, seq: ctx.seq, phase, from: self.inner.slot, sig, body };
-        match self.inner.engine.notify(&seg, &wire::encode(&msg)).await {
+        match self
+            .unless_interrupted(ctx, self.inner.engine.notify(&seg, &wire::encode(&msg)))
+            .await?
+        {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == kvfs_transfer::ErrorKind::Busy => {
                 Err(Stop::Fail(Error::transfer("send", e)))
@@ -623,10 +747,41 @@ impl Group {
         body: &[u8],
     ) -> StepResult<()> {
         let sends: Vec<_> = to.map(|r| self.frame(ctx, r, phase, sig, body.to_vec())).collect();
-        for r in futures_util::future::join_all(sends).await {
+        for r in self.unless_interrupted(ctx, futures_util::future::join_all(sends)).await? {
             r?;
         }
         Ok(())
+    }
+
+    /// Runs `fut` unless the view starts changing first (a send or read to a stopped peer
+    /// would otherwise hold the operation until the engine's timeout).
+    pub(crate) async fn unless_interrupted<T>(
+        &self,
+        ctx: &Ctx,
+        fut: impl std::future::Future<Output = T>,
+    ) -> StepResult<T> {
+        let interrupted = async {
+            loop {
+                let notified = self.inner.changed.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                {
+                    let st = self.lock();
+                    if st.closed
+                        || st.frozen.is_some()
+                        || st.view.as_ref().is_none_or(|v| v.epoch != ctx.epoch)
+                        || st.stale_seen > ctx.epoch
+                    {
+                        return;
+                    }
+                }
+                notified.await;
+            }
+        };
+        tokio::select! {
+            r = fut => Ok(r),
+            () = interrupted => Err(Stop::Interrupted),
+        }
     }
 
     /// Waits for phase `phase` frames from every rank in `from`; returns their bodies by rank.
@@ -757,7 +912,7 @@ impl Group {
         if reqs.is_empty() {
             return Ok(());
         }
-        let results = match self.inner.engine.transfer(reqs).await {
+        let results = match self.unless_interrupted(ctx, self.inner.engine.transfer(reqs)).await? {
             Ok(r) => r,
             Err(e) => return Err(Error::transfer("pull", e).into()),
         };
@@ -979,6 +1134,12 @@ fn file(inner: &Inner, from: &str, msg: Msg) -> Option<(bool, Msg)> {
             st.frozen = Some(next);
             let finished = st.finished_at_freeze.unwrap_or(st.finished);
             Some((true, Msg::Progress { epoch: next, finished, in_op: st.in_op, dirty: st.dirty }))
+        }
+        Msg::Checked { nonce, .. } => {
+            if let Some(sent) = st.checks.remove(&nonce) {
+                st.lease_from = Some(st.lease_from.map_or(sent, |t| t.max(sent)));
+            }
+            None
         }
         Msg::Stale { current, .. } => {
             st.stale_seen = st.stale_seen.max(current);

@@ -136,7 +136,7 @@ impl Group {
     ) -> StepResult<u64> {
         let n = ctx.n();
         if n == 1 || data.is_empty() {
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             return Ok(0);
         }
         let others: Vec<usize> = ctx.others().collect();
@@ -149,7 +149,7 @@ impl Group {
                 parts.insert(ctx.me, data);
                 dtype::reduce(dt, op, &parts, &mut out);
             }
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             data.copy_from_slice(&out);
             return Ok(0);
         }
@@ -186,7 +186,7 @@ impl Group {
                 .map(|&j| (j, ranges[j].0 as u64, ranges[j].1 as u64, ranges[j].0 as u64))
                 .collect();
             self.pull(ctx, ctx.half(seg_no), &pulls).await?;
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             let landing = region(&self.inner.landing, 0, len);
             landing[mine_at..mine_at + mine_len].copy_from_slice(region(stage, mine_at, mine_len));
             data[a..a + len].copy_from_slice(landing);
@@ -218,7 +218,7 @@ impl Group {
                 self.send_many(ctx, others.iter().copied(), 0, s, data).await?;
             } else {
                 let got = self.recv_many(ctx, &[r], 0, s, "broadcast").await?;
-                self.commit(ctx)?;
+                self.commit(ctx).await?;
                 data.copy_from_slice(&got[0]);
             }
             return Ok(0);
@@ -235,7 +235,7 @@ impl Group {
                 self.recv_many(ctx, &[r], phase, s, "broadcast").await?;
                 self.pull(ctx, ctx.half(seg_no), &[(r, 0, len as u64, 0)]).await?;
                 self.frame(ctx, r, phase + 1, s, Vec::new()).await?;
-                self.commit(ctx)?;
+                self.commit(ctx).await?;
                 data[a..a + len].copy_from_slice(region(&self.inner.landing, 0, len));
             }
             seg_no += 1;
@@ -275,7 +275,7 @@ impl Group {
             } else {
                 vec![]
             };
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             output[ctx.me * l..(ctx.me + 1) * l].copy_from_slice(input);
             for (j, body) in others.iter().zip(got) {
                 output[j * l..(j + 1) * l].copy_from_slice(&body);
@@ -294,7 +294,7 @@ impl Group {
                 .map(|(i, &j)| (j, 0, len as u64, (i * len) as u64))
                 .collect();
             self.pull(ctx, ctx.half(seg_no), &pulls).await?;
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             output[ctx.me * l + a..ctx.me * l + a + len].copy_from_slice(&input[a..a + len]);
             for (i, &j) in others.iter().enumerate() {
                 output[j * l + a..j * l + a + len].copy_from_slice(region(
@@ -347,7 +347,8 @@ impl Group {
             if n > 1 && l > 0 {
                 let sends: Vec<_> =
                     others.iter().map(|&j| self.frame(ctx, j, 0, s, block(j).to_vec())).collect();
-                for r in futures_util::future::join_all(sends).await {
+                for r in self.unless_interrupted(ctx, futures_util::future::join_all(sends)).await?
+                {
                     r?;
                 }
                 got = self.recv_many(ctx, &others, 0, s, "reduce_scatter").await?;
@@ -358,7 +359,7 @@ impl Group {
                 parts.insert(ctx.me, block(ctx.me));
                 dtype::reduce(dt, op, &parts, &mut out);
             }
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             output.copy_from_slice(&out);
             return Ok(0);
         }
@@ -389,7 +390,7 @@ impl Group {
                 .collect();
             let out = region(landing, ctx.me * len, len);
             dtype::reduce(dt, op, &parts, out);
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             output[a..a + len].copy_from_slice(out);
             seg_no += 1;
         }
@@ -416,7 +417,7 @@ impl Group {
         let (n, es) = (ctx.n(), dt.size());
         let others: Vec<usize> = ctx.others().collect();
         if n == 1 || data.is_empty() {
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             return Ok(0);
         }
         if data.len() <= self.inline_max() {
@@ -431,7 +432,7 @@ impl Group {
                 parts.insert(ctx.me, data);
                 dtype::reduce(dt, op, &parts, &mut out);
             }
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             data.copy_from_slice(&out);
             return Ok(0);
         }
@@ -462,7 +463,7 @@ impl Group {
                     .collect();
                 let out = region(landing, ctx.me * len, len);
                 dtype::reduce(dt, op, &parts, out);
-                self.commit(ctx)?;
+                self.commit(ctx).await?;
                 data[a..a + len].copy_from_slice(out);
             }
             seg_no += 1;
@@ -528,7 +529,7 @@ impl Group {
             } else {
                 vec![]
             };
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             output[ctx.me * l..(ctx.me + 1) * l].copy_from_slice(input);
             for (&j, body) in others.iter().zip(got) {
                 output[j * l..(j + 1) * l].copy_from_slice(&body);
@@ -544,7 +545,7 @@ impl Group {
                 others.iter().map(|&j| (j, 0, len as u64, (j * len) as u64)).collect();
             self.pull(ctx, ctx.half(seg_no), &pulls).await?;
             self.send_many(ctx, others.iter().copied(), phase + 1, s, &[]).await?;
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             output[ctx.me * l + a..ctx.me * l + a + len].copy_from_slice(&input[a..a + len]);
             for &j in &others {
                 output[j * l + a..j * l + a + len].copy_from_slice(region(
@@ -595,7 +596,9 @@ impl Group {
                         .iter()
                         .map(|&j| self.frame(ctx, j, 0, s, block(j).to_vec()))
                         .collect();
-                    for res in futures_util::future::join_all(sends).await {
+                    for res in
+                        self.unless_interrupted(ctx, futures_util::future::join_all(sends)).await?
+                    {
                         res?;
                     }
                 } else {
@@ -612,7 +615,7 @@ impl Group {
                     }
                 }
             }
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             output.copy_from_slice(block(ctx.me));
             return Ok(steps);
         }
@@ -621,7 +624,7 @@ impl Group {
         }
         if l <= self.inline_max() {
             let got = self.recv_many(ctx, &[r], 0, s, "scatter").await?;
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             output.copy_from_slice(&got[0]);
             return Ok(0);
         }
@@ -632,7 +635,7 @@ impl Group {
             self.recv_many(ctx, &[r], phase, s, "scatter").await?;
             self.pull(ctx, ctx.half(seg_no), &[(r, (ctx.me * len) as u64, len as u64, 0)]).await?;
             self.frame(ctx, r, phase + 1, s, Vec::new()).await?;
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             output[a..a + len].copy_from_slice(region(&self.inner.landing, 0, len));
             seg_no += 1;
         }
@@ -783,12 +786,14 @@ impl Group {
                         )
                     })
                     .collect();
-                for res in futures_util::future::join_all(sends).await {
+                for res in
+                    self.unless_interrupted(ctx, futures_util::future::join_all(sends)).await?
+                {
                     res?;
                 }
                 got = self.recv_many(ctx, &others, base, s, "alltoall").await?;
             }
-            self.commit(ctx)?;
+            self.commit(ctx).await?;
             output[roff[ctx.me]..roff[ctx.me] + recv[ctx.me] as usize]
                 .copy_from_slice(&input[soff[ctx.me]..soff[ctx.me] + send[ctx.me] as usize]);
             for (&j, body) in others.iter().zip(got) {
@@ -832,7 +837,7 @@ impl Group {
                 .collect();
             self.pull(ctx, ctx.half(round as u64), &pulls).await?;
             if !committed {
-                self.commit(ctx)?;
+                self.commit(ctx).await?;
                 committed = true;
             }
             let own = part(send[ctx.me]);
@@ -860,7 +865,7 @@ impl Group {
         let others: Vec<usize> = ctx.others().collect();
         self.send_many(ctx, others.iter().copied(), 0, s, &[]).await?;
         self.recv_many(ctx, &others, 0, s, "barrier").await?;
-        self.commit(ctx)?;
+        self.commit(ctx).await?;
         Ok(0)
     }
 

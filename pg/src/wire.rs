@@ -45,6 +45,10 @@ pub struct View {
     pub removed: Vec<(u32, String)>,
     /// Set when this epoch follows a failure that may have interrupted an operation.
     pub resume: Option<Resume>,
+    /// How long a member may complete operations after its last confirmed `Check` was sent
+    /// (below the coordinator's failure timeout, so a member the coordinator has given up on
+    /// has stopped completing operations by then).
+    pub lease_ms: u64,
 }
 
 impl View {
@@ -82,6 +86,10 @@ pub enum Msg {
     Change { epoch: u64, activate: Vec<u32>, deactivate: Vec<u32> },
     /// Coordinator to members: the change request failed (the detail says why).
     ChangeRefused { epoch: u64, reason: String },
+    /// Member to coordinator: am I still a member? (`nonce` pairs the answer.)
+    Check { epoch: u64, nonce: u64 },
+    /// Coordinator to member: yes, at `epoch`.
+    Checked { epoch: u64, nonce: u64 },
     /// Member to coordinator: I am closing.
     Leave { epoch: u64 },
     /// Member to member: one step of a collective.

@@ -12,6 +12,7 @@
 //!   gather BYTES SEED ROOT                 scatter BYTES SEED ROOT (BYTES per rank)
 //!   alltoall BYTES SEED (per rank block)   alltoallv SEED (block j of rank i: (i+2j)%5*1000+7 bytes)
 //!   send DST TAG BYTES SEED                recv SRC TAG BYTES
+//!   frame_at_epoch SLOT EPOCH (an empty frame stamped with EPOCH, for the stale-frame test)
 //!   barrier | view | counters | change ACTIVATE DEACTIVATE (comma lists, - for none) | close
 //!   time N CMD...                          (runs CMD N times, answers `ok P50_US P99_US`)
 //! HASH is the blake3 of the result bytes, hex.
@@ -225,6 +226,9 @@ async fn run(g: &Group, w: &[&str]) -> String {
                     .await
                     .map(|v| format!("{} {:?}", v.epoch, v.slots())),
             )
+        }
+        "frame_at_epoch" => {
+            answer(g.send_frame_at_epoch(num(1) as u32, num(2)).await.map(|()| "-".into()))
         }
         "close" => {
             g.close().await;
