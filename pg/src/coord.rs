@@ -201,6 +201,9 @@ impl Membership {
                 self.join(from, protocol, group, world, member, now)
             }
             Msg::Suspect { .. } => Vec::new(), // the driver pings first, then calls `fail`
+            Msg::Pending { nonce } => {
+                vec![(from.to_string(), Msg::PendingSlots { nonce, slots: self.pending() })]
+            }
             Msg::Check { nonce, epoch } => match self.slot_of(from) {
                 Some(_) => vec![(from.to_string(), Msg::Checked { epoch: self.epoch, nonce })],
                 None => vec![(from.to_string(), Msg::Stale { sent: epoch, current: self.epoch })],

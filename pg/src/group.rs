@@ -180,18 +180,22 @@ struct State {
     /// The newest epoch a peer or the coordinator said our messages were older than.
     stale_seen: u64,
     mailbox: HashMap<FrameKey, (u64, Vec<u8>)>,
-    p2p_in: HashMap<(u64, u32, u32, u64), VecDeque<P2pKind>>,
-    p2p_done: HashSet<(u64, u32, u32, u64, u32)>,
-    p2p_send_seq: HashMap<(u32, u32), u64>,
-    p2p_recv_seq: HashMap<(u32, u32), u64>,
+    /// Point-to-point state is per peer *process* (its segment), not per epoch: messages
+    /// between two members that both survive a view change stay valid across it.
+    p2p_in: HashMap<(String, u32, u64), VecDeque<P2pKind>>,
+    p2p_done: HashSet<(String, u32, u64, u32)>,
+    p2p_send_seq: HashMap<(String, u32), u64>,
+    p2p_recv_seq: HashMap<(String, u32), u64>,
     /// When the last `Check` the coordinator confirmed was sent (the lease runs from there).
     lease_from: Option<Instant>,
     /// Checks sent and not answered yet, by nonce (bounded: a few per lease).
     checks: HashMap<u64, Instant>,
     /// The coordinator could not be reached at all: no view can change, no lease is needed.
     coordinator_gone: bool,
+    /// Answers to `Pending` queries, by nonce.
+    pending_answers: HashMap<u64, Vec<u32>>,
     /// The large send whose last part may still be pulled from the p2p staging.
-    p2p_outstanding: Option<(u64, u32, u32, u64, u32)>,
+    p2p_outstanding: Option<(String, u32, u64, u32)>,
     closed: bool,
     counters: Counters,
 }
@@ -395,6 +399,16 @@ impl Group {
             (v.epoch > epoch).then(|| Ok(v.clone()))
         })
         .await
+    }
+
+    /// Slots with a process waiting at the coordinator for activation (a replacement or a
+    /// newcomer): what the active members pass to [`Group::change`].
+    pub async fn pending(&self) -> Result<Vec<u32>> {
+        let nonce = rand_u64();
+        self.to_coordinator(&Msg::Pending { nonce }).await?;
+        let deadline =
+            Instant::now() + Duration::from_millis(self.inner.cfg.suspect_after_ms.max(1000));
+        self.wait(deadline, "pending", |st| st.pending_answers.remove(&nonce).map(Ok)).await
     }
 
     /// Leaves the group: the coordinator removes this slot (the survivors' next operation runs
@@ -939,29 +953,40 @@ impl Group {
         let seg = match self.segment(to).await {
             Ok(s) => s,
             Err(_) => {
-                return Err(Error::new(
-                    ErrorKind::PeerFailed,
-                    "send",
-                    format!("slot {} is unreachable", to.slot),
-                ));
+                let detail = format!("slot {} is unreachable", to.slot);
+                return Err(self.p2p_failed(to.slot, epoch, detail).await);
             }
         };
         let msg = Msg::P2p { epoch, from: self.inner.slot, tag, pseq, kind };
-        self.inner.engine.notify(&seg, &wire::encode(&msg)).await.map_err(|e| {
-            Error::new(ErrorKind::PeerFailed, "send", format!("slot {}: {e}", to.slot))
-        })
+        match self.inner.engine.notify(&seg, &wire::encode(&msg)).await {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.p2p_failed(to.slot, epoch, format!("slot {}: {e}", to.slot)).await),
+        }
     }
 
-    pub(crate) fn next_send_seq(&self, to: u32, tag: u32) -> u64 {
+    /// A point-to-point call failed on `slot`: report it and wait (bounded) for the view that
+    /// follows, so the caller sees the group without it when the call returns.
+    pub(crate) async fn p2p_failed(&self, slot: u32, epoch: u64, detail: String) -> Error {
+        let _ = self.suspect(slot, detail.clone()).await;
+        let deadline = Instant::now() + Duration::from_millis(self.inner.cfg.suspect_after_ms * 3);
+        let _ = self
+            .wait(deadline, "p2p", |st| {
+                st.view.as_ref().is_some_and(|v| v.epoch > epoch).then_some(Ok(()))
+            })
+            .await;
+        Error::new(ErrorKind::PeerFailed, "p2p", detail)
+    }
+
+    pub(crate) fn next_send_seq(&self, to: &MemberInfo, tag: u32) -> u64 {
         let mut st = self.lock();
-        let s = st.p2p_send_seq.entry((to, tag)).or_insert(0);
+        let s = st.p2p_send_seq.entry((to.segment.clone(), tag)).or_insert(0);
         *s += 1;
         *s - 1
     }
 
-    pub(crate) fn next_recv_seq(&self, from: u32, tag: u32) -> u64 {
+    pub(crate) fn next_recv_seq(&self, from: &MemberInfo, tag: u32) -> u64 {
         let mut st = self.lock();
-        let s = st.p2p_recv_seq.entry((from, tag)).or_insert(0);
+        let s = st.p2p_recv_seq.entry((from.segment.clone(), tag)).or_insert(0);
         *s += 1;
         *s - 1
     }
@@ -969,42 +994,53 @@ impl Group {
     /// Waits for the next part of point-to-point message `(from, tag, pseq)`.
     pub(crate) async fn p2p_wait(
         &self,
-        from: u32,
+        from: &MemberInfo,
         tag: u32,
         pseq: u64,
-        epoch: u64,
         deadline: Instant,
     ) -> Result<P2pKind> {
+        let key = (from.segment.clone(), tag, pseq);
         self.wait(deadline, "recv", |st| {
-            if st.view.as_ref().is_none_or(|v| v.epoch != epoch) || st.stale_seen > epoch {
+            if let Some(q) = st.p2p_in.get_mut(&key)
+                && let Some(k) = q.pop_front()
+            {
+                if q.is_empty() {
+                    st.p2p_in.remove(&key);
+                }
+                return Some(Ok(k));
+            }
+            let epoch = st.view.as_ref().map(|v| v.epoch).unwrap_or(0);
+            if st.stale_seen > epoch && st.frozen.is_none() {
+                return Some(Err(stale_error(st, "recv")));
+            }
+            if !st
+                .view
+                .as_ref()
+                .is_some_and(|v| v.members.iter().any(|m| m.segment == from.segment))
+            {
                 return Some(Err(Error::new(
                     ErrorKind::PeerFailed,
                     "recv",
-                    "the group's view changed",
+                    format!("slot {} left the group before its message came", from.slot),
                 )));
             }
-            let q = st.p2p_in.get_mut(&(epoch, from, tag, pseq))?;
-            let k = q.pop_front()?;
-            if q.is_empty() {
-                st.p2p_in.remove(&(epoch, from, tag, pseq));
-            }
-            Some(Ok(k))
+            None
         })
         .await
     }
 
-    pub(crate) fn set_p2p_outstanding(&self, o: Option<(u32, u32, u64, u32, u64)>) {
-        self.lock().p2p_outstanding =
-            o.map(|(to, tag, pseq, part, epoch)| (epoch, to, tag, pseq, part));
+    pub(crate) fn set_p2p_outstanding(&self, to: &MemberInfo, tag: u32, pseq: u64, part: u32) {
+        self.lock().p2p_outstanding = Some((to.segment.clone(), tag, pseq, part));
     }
 
-    /// Waits until the receiver of the last large send has pulled its last part (or the
-    /// view changed, which ends that send's use of the staging).
+    /// Waits until the receiver of the last large send has pulled its last part (or left the
+    /// group, which ends that send's use of the staging).
     pub(crate) async fn wait_p2p_staging(&self, deadline: Instant) -> Result<()> {
         self.wait(deadline, "send", |st| {
-            let Some(key) = st.p2p_outstanding else { return Some(Ok(())) };
-            let epoch = st.view.as_ref().map(|v| v.epoch).unwrap_or(0);
-            if key.0 != epoch || st.p2p_done.remove(&key) {
+            let Some(key) = st.p2p_outstanding.clone() else { return Some(Ok(())) };
+            let present =
+                st.view.as_ref().is_some_and(|v| v.members.iter().any(|m| m.segment == key.0));
+            if !present || st.p2p_done.remove(&key) {
                 st.p2p_outstanding = None;
                 return Some(Ok(()));
             }
@@ -1014,7 +1050,13 @@ impl Group {
     }
 
     /// Pulls `len` bytes at `addr` of `from`'s p2p staging into the landing buffer.
-    pub(crate) async fn p2p_pull(&self, from: &MemberInfo, addr: u64, len: u64) -> Result<()> {
+    pub(crate) async fn p2p_pull(
+        &self,
+        from: &MemberInfo,
+        epoch: u64,
+        addr: u64,
+        len: u64,
+    ) -> Result<()> {
         if len > self.inner.landing.len() as u64 {
             return Err(Error::new(
                 ErrorKind::Mismatch,
@@ -1022,9 +1064,13 @@ impl Group {
                 "a part larger than the landing buffer",
             ));
         }
-        let seg = self.segment(from).await.map_err(|_| {
-            Error::new(ErrorKind::PeerFailed, "recv", format!("slot {} is unreachable", from.slot))
-        })?;
+        let seg = match self.segment(from).await {
+            Ok(s) => s,
+            Err(_) => {
+                let detail = format!("slot {} is unreachable", from.slot);
+                return Err(self.p2p_failed(from.slot, epoch, detail).await);
+            }
+        };
         let req = TransferRequest {
             op: TransferOp::Read,
             segment: seg,
@@ -1032,9 +1078,12 @@ impl Group {
             remote_addr: addr,
             len,
         };
-        self.inner.engine.transfer_one(&req).await.map_err(|e| {
-            Error::new(ErrorKind::PeerFailed, "recv", format!("slot {}: {e}", from.slot))
-        })
+        match self.inner.engine.transfer_one(&req).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                Err(self.p2p_failed(from.slot, epoch, format!("slot {}: {e}", from.slot)).await)
+            }
+        }
     }
 }
 
@@ -1104,10 +1153,11 @@ fn file(inner: &Inner, from: &str, msg: Msg) -> Option<(bool, Msg)> {
                 st.pending = false;
                 let e = v.epoch;
                 st.mailbox.retain(|k, _| k.0 >= e);
-                st.p2p_in.retain(|k, _| k.0 >= e);
-                st.p2p_done.retain(|k| k.0 >= e);
-                st.p2p_send_seq.clear();
-                st.p2p_recv_seq.clear();
+                let alive: HashSet<String> = v.members.iter().map(|m| m.segment.clone()).collect();
+                st.p2p_in.retain(|k, _| alive.contains(&k.0));
+                st.p2p_done.retain(|k| alive.contains(&k.0));
+                st.p2p_send_seq.retain(|k, _| alive.contains(&k.0));
+                st.p2p_recv_seq.retain(|k, _| alive.contains(&k.0));
                 st.view = Some(v);
             }
             None
@@ -1135,6 +1185,12 @@ fn file(inner: &Inner, from: &str, msg: Msg) -> Option<(bool, Msg)> {
             let finished = st.finished_at_freeze.unwrap_or(st.finished);
             Some((true, Msg::Progress { epoch: next, finished, in_op: st.in_op, dirty: st.dirty }))
         }
+        Msg::PendingSlots { nonce, slots } => {
+            if st.pending_answers.len() < 64 {
+                st.pending_answers.insert(nonce, slots);
+            }
+            None
+        }
         Msg::Checked { nonce, .. } => {
             if let Some(sent) = st.checks.remove(&nonce) {
                 st.lease_from = Some(st.lease_from.map_or(sent, |t| t.max(sent)));
@@ -1158,21 +1214,24 @@ fn file(inner: &Inner, from: &str, msg: Msg) -> Option<(bool, Msg)> {
             st.mailbox.insert((e, seq, phase, slot), (sig, body));
             None
         }
-        Msg::P2p { epoch: e, from: slot, tag, pseq, kind } => {
-            if e < epoch {
+        Msg::P2p { epoch: e, from: _, tag, pseq, kind } => {
+            let known =
+                st.view.as_ref().is_some_and(|v| v.members.iter().any(|m| m.segment == from));
+            if e < epoch && !known {
+                // A process the group moved on without.
                 st.counters.stale_refused += 1;
                 return Some((false, Msg::Stale { sent: e, current: epoch }));
             }
             match kind {
                 P2pKind::Done { part } => {
-                    st.p2p_done.insert((e, slot, tag, pseq, part));
+                    st.p2p_done.insert((from.to_string(), tag, pseq, part));
                 }
                 k => {
                     if st.p2p_in.len() >= inner.cfg.mailbox_frames_max {
                         st.counters.dropped += 1;
                         return None;
                     }
-                    st.p2p_in.entry((e, slot, tag, pseq)).or_default().push_back(k);
+                    st.p2p_in.entry((from.to_string(), tag, pseq)).or_default().push_back(k);
                 }
             }
             None

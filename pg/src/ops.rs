@@ -889,7 +889,7 @@ impl Group {
     /// has pulled all of it but its last part.
     pub async fn send(&self, data: &[u8], dst: u32, tag: u32) -> Result<()> {
         let (epoch, m) = self.p2p_peer(dst, "send")?;
-        let pseq = self.next_send_seq(dst, tag);
+        let pseq = self.next_send_seq(&m, tag);
         if data.len() <= self.inline_max() {
             return self.p2p_notify(&m, epoch, tag, pseq, P2pKind::Inline(data.to_vec())).await;
         }
@@ -911,7 +911,7 @@ impl Group {
                 len: len as u64,
             };
             self.p2p_notify(&m, epoch, tag, pseq, kind).await?;
-            self.set_p2p_outstanding(Some((dst, tag, pseq, part as u32, epoch)));
+            self.set_p2p_outstanding(&m, tag, pseq, part as u32);
         }
         debug_assert!(parts >= 1);
         Ok(())
@@ -919,13 +919,25 @@ impl Group {
 
     /// Receives the next message from slot `src` with `tag` into `out` (its size must match).
     pub async fn recv(&self, out: &mut [u8], src: u32, tag: u32) -> Result<()> {
+        let pseq = self.post_recv(src, tag)?;
+        self.recv_posted(out, src, tag, pseq).await
+    }
+
+    /// Reserves the next message from `src` with `tag` (receives match in the order they are
+    /// posted, whenever they are waited for); [`Group::recv_posted`] takes it.
+    pub fn post_recv(&self, src: u32, tag: u32) -> Result<u64> {
+        let (_, m) = self.p2p_peer(src, "recv")?;
+        Ok(self.next_recv_seq(&m, tag))
+    }
+
+    /// Receives the message reserved by [`Group::post_recv`] into `out` (sizes must match).
+    pub async fn recv_posted(&self, out: &mut [u8], src: u32, tag: u32, pseq: u64) -> Result<()> {
         let (epoch, m) = self.p2p_peer(src, "recv")?;
-        let pseq = self.next_recv_seq(src, tag);
         let deadline = self.deadline();
         let mut at = 0usize;
         let mut part = 0u32;
         loop {
-            match self.p2p_wait(src, tag, pseq, epoch, deadline).await? {
+            match self.p2p_wait(&m, tag, pseq, deadline).await? {
                 P2pKind::Inline(body) => {
                     if body.len() != out.len() {
                         return Err(Error::new(
@@ -945,7 +957,7 @@ impl Group {
                             format!("slot {src} sent {total} bytes, {} expected", out.len()),
                         ));
                     }
-                    self.p2p_pull(&m, addr, len).await?;
+                    self.p2p_pull(&m, epoch, addr, len).await?;
                     out[at..at + len as usize].copy_from_slice(region(
                         &self.inner.landing,
                         0,

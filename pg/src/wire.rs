@@ -90,6 +90,10 @@ pub enum Msg {
     Check { epoch: u64, nonce: u64 },
     /// Coordinator to member: yes, at `epoch`.
     Checked { epoch: u64, nonce: u64 },
+    /// Member to coordinator: which slots have a process waiting for activation?
+    Pending { nonce: u64 },
+    /// Coordinator to member: these.
+    PendingSlots { nonce: u64, slots: Vec<u32> },
     /// Member to coordinator: I am closing.
     Leave { epoch: u64 },
     /// Member to member: one step of a collective.

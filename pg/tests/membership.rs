@@ -77,7 +77,17 @@ fn a_rank_killed_during_a_collective_leaves_survivors_in_step() {
     let part = sum(&[0, 2, 3], count, 4);
     for r in survivors(&mut ranks, &[1]) {
         let a = r.answer(60);
-        eprintln!("slot {}: {}", r.slot, if a == full { "full" } else if a == part { "survivors" } else { &a });
+        eprintln!(
+            "slot {}: {}",
+            r.slot,
+            if a == full {
+                "full"
+            } else if a == part {
+                "survivors"
+            } else {
+                &a
+            }
+        );
         assert!(a == full || a == part || a.starts_with("err PeerFailed"), "slot {}: {a}", r.slot);
     }
     // Whatever the interrupted call returned, the next one runs over the survivors on all.

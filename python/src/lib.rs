@@ -23,6 +23,7 @@ mod engine;
 mod errors;
 mod fastpath;
 mod memory;
+mod pg;
 mod runtime;
 mod session;
 mod store;
@@ -49,6 +50,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::TransferEngine>()?;
     m.add_class::<engine::TransferNotify>()?;
     m.add_class::<fastpath::FastPath>()?;
+    m.add_class::<pg::PgGroup>()?;
+    m.add_class::<pg::PgCoordinator>()?;
     m.add_class::<fastpath::FastPathBuffer>()?;
     m.add_function(wrap_pyfunction!(fastpath::fastpath_error, m)?)?;
     let py = m.py();
