@@ -192,6 +192,10 @@ struct State {
     checks: HashMap<u64, Instant>,
     /// The coordinator could not be reached at all: no view can change, no lease is needed.
     coordinator_gone: bool,
+    /// A late joiner running alone until `wait_active` (views that arrive meanwhile wait in
+    /// `held`).
+    solo: bool,
+    held: Option<View>,
     /// Answers to `Pending` queries, by nonce.
     pending_answers: HashMap<u64, Vec<u32>>,
     /// The large send whose last part may still be pulled from the p2p staging.
@@ -268,6 +272,19 @@ impl Group {
     /// this returns once all `world` slots have joined; a later join (a replacement for a
     /// failed slot, or a new slot) returns once the active members activate it.
     pub async fn join(coordinator: &str, slot: u32, world: u32, cfg: PgConfig) -> Result<Group> {
+        Self::join_with(coordinator, slot, world, cfg, true).await
+    }
+
+    /// As [`Group::join`]; with `wait_active` false, a late joiner returns as soon as the
+    /// coordinator has recorded it: until it is activated its operations run over itself
+    /// alone (a group of one, epoch 0), and [`Group::wait_active`] waits for the activation.
+    pub async fn join_with(
+        coordinator: &str,
+        slot: u32,
+        world: u32,
+        cfg: PgConfig,
+        wait_active: bool,
+    ) -> Result<Group> {
         cfg.validate()?;
         let ecfg = EngineConfig {
             listen: cfg.listen,
@@ -328,10 +345,62 @@ impl Group {
                 if let Some(r) = &st.refused {
                     return Some(Err(Error::new(ErrorKind::Refused, "join", r.clone())));
                 }
-                st.view.as_ref().is_some_and(|v| v.member(slot).is_some()).then_some(Ok(()))
+                if st.view.as_ref().is_some_and(|v| v.member(slot).is_some()) {
+                    return Some(Ok(()));
+                }
+                (st.pending && !wait_active).then_some(Ok(()))
             })
             .await?;
+        let solo = {
+            let mut st = group.lock();
+            if st.view.is_none() {
+                st.view = Some(View {
+                    group: cfg.group.clone(),
+                    epoch: 0,
+                    world,
+                    members: vec![group.member_info()],
+                    removed: Vec::new(),
+                    resume: None,
+                    lease_ms: 1,
+                });
+                st.solo = true;
+                true
+            } else {
+                false
+            }
+        };
+        if solo {
+            tracing::info!(
+                slot,
+                "pg: joined pending activation; operations run locally until then"
+            );
+        }
         Ok(group)
+    }
+
+    /// Whether this member is a late joiner that has not taken its activation yet (its
+    /// operations run over itself alone).
+    pub fn is_pending(&self) -> bool {
+        self.lock().solo
+    }
+
+    /// Waits until the active members have activated this late joiner.
+    pub async fn wait_active(&self, timeout: Duration) -> Result<View> {
+        let slot = self.inner.slot;
+        let _op = self.inner.op_lock.lock().await;
+        self.wait(Instant::now() + timeout, "join", |st| {
+            if st.solo
+                && let Some(v) = st.held.take()
+            {
+                st.solo = false;
+                install(st, v);
+            }
+            st.view
+                .as_ref()
+                .filter(|v| v.epoch > 0 && v.member(slot).is_some())
+                .map(|v| Ok(v.clone()))
+        })
+        .await
     }
 
     fn member_info(&self) -> MemberInfo {
@@ -1135,6 +1204,27 @@ async fn dispatch(inner: std::sync::Weak<Inner>, engine: Engine) {
     }
 }
 
+/// Puts a newer view in force.
+fn install(st: &mut State, v: View) {
+    if st.frozen.is_none() {
+        st.finished_at_freeze = Some(st.finished);
+    }
+    if st.frozen.is_some_and(|f| f <= v.epoch) {
+        st.frozen = None;
+    }
+    st.finished = 0;
+    st.steps = 0;
+    st.pending = false;
+    let e = v.epoch;
+    st.mailbox.retain(|k, _| k.0 >= e);
+    let alive: HashSet<String> = v.members.iter().map(|m| m.segment.clone()).collect();
+    st.p2p_in.retain(|k, _| alive.contains(&k.0));
+    st.p2p_done.retain(|k| alive.contains(&k.0));
+    st.p2p_send_seq.retain(|k, _| alive.contains(&k.0));
+    st.p2p_recv_seq.retain(|k, _| alive.contains(&k.0));
+    st.view = Some(v);
+}
+
 /// Applies one message to the state; returns a reply (to the coordinator when `.0`).
 fn file(inner: &Inner, from: &str, msg: Msg) -> Option<(bool, Msg)> {
     let mut st = inner.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -1142,23 +1232,14 @@ fn file(inner: &Inner, from: &str, msg: Msg) -> Option<(bool, Msg)> {
     match msg {
         Msg::View(v) => {
             if v.epoch > epoch && v.group == inner.cfg.group {
-                if st.frozen.is_none() {
-                    st.finished_at_freeze = Some(st.finished);
+                if st.solo {
+                    // A late joiner runs alone until `wait_active` takes the activation.
+                    if st.held.as_ref().is_none_or(|h| h.epoch < v.epoch) {
+                        st.held = Some(v);
+                    }
+                } else {
+                    install(&mut st, v);
                 }
-                if st.frozen.is_some_and(|f| f <= v.epoch) {
-                    st.frozen = None;
-                }
-                st.finished = 0;
-                st.steps = 0;
-                st.pending = false;
-                let e = v.epoch;
-                st.mailbox.retain(|k, _| k.0 >= e);
-                let alive: HashSet<String> = v.members.iter().map(|m| m.segment.clone()).collect();
-                st.p2p_in.retain(|k, _| alive.contains(&k.0));
-                st.p2p_done.retain(|k| alive.contains(&k.0));
-                st.p2p_send_seq.retain(|k, _| alive.contains(&k.0));
-                st.p2p_recv_seq.retain(|k, _| alive.contains(&k.0));
-                st.view = Some(v);
             }
             None
         }

@@ -145,7 +145,7 @@ impl PgGroup {
     /// Joins the group at `coordinator` in `slot` (blocks until the group forms, or until the
     /// active members activate a late joiner).
     #[new]
-    #[pyo3(signature = (coordinator, slot, world, group = "default".to_string(), listen = "127.0.0.1:0".to_string(), staging_bytes = 16 << 20, inline_bytes_max = 32 << 10, op_timeout_ms = 30_000, join_timeout_ms = 60_000, tcp_only = false))]
+    #[pyo3(signature = (coordinator, slot, world, group = "default".to_string(), listen = "127.0.0.1:0".to_string(), staging_bytes = 16 << 20, inline_bytes_max = 32 << 10, op_timeout_ms = 30_000, join_timeout_ms = 60_000, tcp_only = false, wait_active = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -159,6 +159,7 @@ impl PgGroup {
         op_timeout_ms: u64,
         join_timeout_ms: u64,
         tcp_only: bool,
+        wait_active: bool,
     ) -> PyResult<Self> {
         let mut cfg = PgConfig {
             group,
@@ -174,7 +175,7 @@ impl PgGroup {
         if tcp_only {
             cfg.transports = kvfs_transfer::Transports::tcp_only();
         }
-        let g = run(py, Group::join(&coordinator, slot, world, cfg))?;
+        let g = run(py, Group::join_with(&coordinator, slot, world, cfg, wait_active))?;
         Ok(PgGroup { g })
     }
 
@@ -185,6 +186,16 @@ impl PgGroup {
 
     fn view<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         view_dict(py, &self.g.view())
+    }
+
+    fn is_pending(&self) -> bool {
+        self.g.is_pending()
+    }
+
+    /// Waits until the active members activate this late joiner.
+    fn wait_active<'py>(&self, py: Python<'py>, timeout_ms: u64) -> PyResult<Bound<'py, PyDict>> {
+        let v = run(py, self.g.wait_active(std::time::Duration::from_millis(timeout_ms)))?;
+        view_dict(py, &v)
     }
 
     fn is_member(&self) -> bool {

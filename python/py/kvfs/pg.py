@@ -108,9 +108,19 @@ class Group:
 
     def __init__(self, coordinator, slot, world, group="default", listen="127.0.0.1:0",
                  staging_bytes=16 << 20, inline_bytes_max=32 << 10, op_timeout_ms=30_000,
-                 join_timeout_ms=60_000, tcp_only=False):
+                 join_timeout_ms=60_000, tcp_only=False, wait_active=True):
         self._g = _Group(str(coordinator), slot, world, group, listen, staging_bytes,
-                         inline_bytes_max, op_timeout_ms, join_timeout_ms, tcp_only)
+                         inline_bytes_max, op_timeout_ms, join_timeout_ms, tcp_only,
+                         wait_active)
+
+    @property
+    def pending(self):
+        """True for a late joiner not yet activated (its calls run over itself alone)."""
+        return self._g.is_pending()
+
+    def wait_active(self, timeout_s=600):
+        """Waits until the active members activate this late joiner; returns the view."""
+        return self._g.wait_active(int(timeout_s * 1000))
 
     # -- the group ---------------------------------------------------------------------
     @property
@@ -146,7 +156,7 @@ class Group:
         joiners and deactivates members; returns the new view."""
         return self._g.change(list(activate), list(deactivate))
 
-    def pending(self):
+    def waiting_slots(self):
         """Slots with a process waiting at the coordinator for activation."""
         return self._g.pending()
 

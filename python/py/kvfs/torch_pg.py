@@ -168,6 +168,8 @@ class ProcessGroup(dist.ProcessGroup):
         return self._rank
 
     def getSize(self):
+        if self._g.pending:
+            return self._declared
         active = self._g.active
         return max(active) + 1 if active else self._declared
 
@@ -448,8 +450,9 @@ def _create(opts, options=None):
         coord = _pg.Coordinator(world=size, listen=f"{host}:0", max_group_size=max(max_size, 1))
         store.set(key, coord.addr)
     addr = store.get(key).decode()
+    extension = bool(_options_value(options, "is_extension", False))
     group = _pg.Group(addr, rank, size, listen=f"{host}:0", staging_bytes=staging,
-                      op_timeout_ms=timeout_ms)
+                      op_timeout_ms=timeout_ms, wait_active=not extension)
     return ProcessGroup(store, rank, size, group, coord, options)
 
 

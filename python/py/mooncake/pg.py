@@ -4,8 +4,8 @@ under the reference's name) and provides its options class and elastic helpers.
 
 Differences from the reference, by design: a failed rank is always removed automatically
 (``auto_deactivate_on_failure`` and ``auto_sync_on_failure`` are accepted and always on);
-a joining process's ``init_process_group`` returns once the active ranks activate it, so
-``join_group`` has nothing left to do; there is no CUDA backend (``"mooncake"``).
+a replacement's ``init_process_group`` (``is_extension=False``) returns once the active ranks
+activate it; there is no CUDA backend (``"mooncake"``).
 """
 
 import enum
@@ -96,9 +96,9 @@ def get_active_ranks(group=None):
 
 
 def get_peer_state(group, ranks):
-    """Whether each rank has a live process that can be activated (or is active)."""
+    """Whether each rank has a live process waiting at the coordinator to be activated."""
     g = _pg(group)
-    waiting = set(g.kvfs_group.pending()) | set(g.kvfs_group.active)
+    waiting = set(g.kvfs_group.waiting_slots())
     return [int(r) in waiting for r in ranks]
 
 
@@ -135,8 +135,11 @@ def deactivate_ranks(group, ranks):
 
 
 def join_group(group=None):
-    """Nothing left to do: a joining process's init returned once it was activated."""
-    _pg(group)
+    """Waits until the active ranks activate this joining process (an extension's
+    ``init_process_group`` returns at once; its calls run locally until then)."""
+    g = _pg(group)
+    if g.kvfs_group.pending:
+        g.kvfs_group.wait_active()
 
 
 def sync_after_failure(group=None):
