@@ -159,6 +159,21 @@ impl Ctx {
     pub fn slots(&self) -> Vec<u32> {
         self.members.iter().map(|m| m.slot).collect()
     }
+
+    /// The smallest staging half of the members: every rank segments the same way even when
+    /// their settings differ.
+    pub fn staging_min(&self) -> usize {
+        self.members.iter().map(|m| m.staging_bytes).min().unwrap_or(0) as usize
+    }
+
+    /// What every member's landing buffer holds at least (it is 1 MiB over its staging).
+    pub fn landing_min(&self) -> usize {
+        self.staging_min() + (1 << 20)
+    }
+
+    pub fn inbox_min(&self) -> usize {
+        self.members.iter().map(|m| m.inbox_bytes).min().unwrap_or(0) as usize
+    }
 }
 
 type FrameKey = (u64, u64, u32, u32);
@@ -225,7 +240,13 @@ pub(crate) struct Inner {
     coord: SegmentHandle,
     pub staging: [Arc<Buffer>; 2],
     pub landing: Arc<Buffer>,
+    /// Where peers write their blocks for this member's share of an allreduce (two halves).
+    pub inbox: [Arc<Buffer>; 2],
+    /// Local (unshared) memory for a caller's buffer that cannot be registered.
+    pub bounce: Arc<Buffer>,
     pub p2p_staging: Arc<Buffer>,
+    /// Where point-to-point receives land (never the collectives' landing).
+    pub p2p_landing: Arc<Buffer>,
     state: Mutex<State>,
     changed: Notify,
     pub op_lock: tokio::sync::Mutex<()>,
@@ -307,7 +328,17 @@ impl Group {
             alloc(cfg.staging_bytes, "kvfs-pg-staging1")?,
         ];
         let landing = alloc(cfg.staging_bytes + (1 << 20), "kvfs-pg-landing")?;
+        let inbox_len = cfg.staging_bytes + (1 << 20);
+        let inbox = [alloc(inbox_len, "kvfs-pg-inbox0")?, alloc(inbox_len, "kvfs-pg-inbox1")?];
         let p2p_staging = alloc(cfg.staging_bytes, "kvfs-pg-p2p")?;
+        let local = BufferOptions { shareable: false, ..opts("kvfs-pg-local") };
+        let local_buf = |len: usize| -> Result<Arc<Buffer>> {
+            let b = Arc::new(Buffer::new(len, &local).map_err(|e| Error::transfer("join", e))?);
+            engine.register_buffer(b.clone(), false).map_err(|e| Error::transfer("join", e))?;
+            Ok(b)
+        };
+        let bounce = local_buf(cfg.staging_bytes + (1 << 20))?;
+        let p2p_landing = local_buf(cfg.staging_bytes)?;
         let coord = engine.open_segment(coordinator).await.map_err(|e| {
             Error::new(ErrorKind::Closed, "join", format!("coordinator {coordinator}: {e}"))
         })?;
@@ -320,7 +351,10 @@ impl Group {
             coord,
             staging,
             landing,
+            inbox,
+            bounce,
             p2p_staging,
+            p2p_landing,
             state: Mutex::new(State::default()),
             changed: Notify::new(),
             op_lock: tokio::sync::Mutex::new(()),
@@ -410,6 +444,8 @@ impl Group {
             segment: i.engine.name().to_string(),
             staging: [i.staging[0].addr(), i.staging[1].addr()],
             staging_bytes: i.cfg.staging_bytes as u64,
+            inbox: [i.inbox[0].addr(), i.inbox[1].addr()],
+            inbox_bytes: i.inbox[0].len() as u64,
             incarnation: i.incarnation,
         }
     }
@@ -1010,6 +1046,64 @@ impl Group {
         Ok(())
     }
 
+    /// Moves `(rank, local address, remote address, len, write)` items as one batch, to its
+    /// end: the local side may be the caller's own memory (registered for the operation), so
+    /// an item is never abandoned while it may still touch it.
+    pub(crate) async fn move_items(
+        &self,
+        ctx: &Ctx,
+        items: &[(usize, u64, u64, u64, bool)],
+    ) -> StepResult<()> {
+        let mut reqs = Vec::with_capacity(items.len());
+        let mut ranks = Vec::with_capacity(items.len());
+        for &(r, local, remote, len, write) in items {
+            if len == 0 {
+                continue;
+            }
+            reqs.push(TransferRequest {
+                op: if write { TransferOp::Write } else { TransferOp::Read },
+                segment: self.segment(&ctx.members[r]).await?,
+                local_addr: local,
+                remote_addr: remote,
+                len,
+            });
+            ranks.push(r);
+        }
+        if reqs.is_empty() {
+            return Ok(());
+        }
+        let results = match self.inner.engine.transfer(reqs).await {
+            Ok(r) => r,
+            Err(e) => return Err(Error::transfer("transfer", e).into()),
+        };
+        for (r, res) in ranks.into_iter().zip(results) {
+            if let Err(e) = res {
+                let slot = ctx.members[r].slot;
+                return Err(self
+                    .suspect(slot, format!("moving data with slot {slot} failed: {e}"))
+                    .await);
+            }
+        }
+        Ok(())
+    }
+
+    /// Registers the caller's memory `[addr, addr+len)` for this engine's own transfers until
+    /// the guard drops; `None` when it cannot be (then the caller bounces through `bounce`).
+    ///
+    /// # Safety
+    /// The memory must stay valid until the guard drops, and every transfer that uses it must
+    /// have finished by then (`move_items` never abandons one).
+    pub(crate) unsafe fn register_user(&self, addr: u64, len: u64) -> Option<UserMemory<'_>> {
+        if len == 0 {
+            return None;
+        }
+        // SAFETY: this function's contract.
+        match unsafe { self.inner.engine.register_memory(addr, len, false) } {
+            Ok(()) => Some(UserMemory { engine: &self.inner.engine, addr }),
+            Err(_) => None,
+        }
+    }
+
     /// Sends a point-to-point message.
     pub(crate) async fn p2p_notify(
         &self,
@@ -1126,7 +1220,7 @@ impl Group {
         addr: u64,
         len: u64,
     ) -> Result<()> {
-        if len > self.inner.landing.len() as u64 {
+        if len > self.inner.p2p_landing.len() as u64 {
             return Err(Error::new(
                 ErrorKind::Mismatch,
                 "recv",
@@ -1143,7 +1237,7 @@ impl Group {
         let req = TransferRequest {
             op: TransferOp::Read,
             segment: seg,
-            local_addr: self.inner.landing.addr(),
+            local_addr: self.inner.p2p_landing.addr(),
             remote_addr: addr,
             len,
         };
@@ -1153,6 +1247,18 @@ impl Group {
                 Err(self.p2p_failed(from.slot, epoch, format!("slot {}: {e}", from.slot)).await)
             }
         }
+    }
+}
+
+/// The caller's memory registered for one operation (unregistered on drop).
+pub(crate) struct UserMemory<'a> {
+    engine: &'a Engine,
+    pub addr: u64,
+}
+
+impl Drop for UserMemory<'_> {
+    fn drop(&mut self) {
+        let _ = self.engine.unregister(self.addr);
     }
 }
 

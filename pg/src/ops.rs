@@ -107,14 +107,6 @@ impl Group {
         self.inner.cfg.inline_bytes_max
     }
 
-    fn staging_len(&self) -> usize {
-        self.inner.cfg.staging_bytes
-    }
-
-    fn landing_len(&self) -> usize {
-        self.inner.landing.len()
-    }
-
     fn staging(&self, ctx: &Ctx, segment: u64) -> &Buffer {
         &self.inner.staging[ctx.half(segment)]
     }
@@ -153,43 +145,88 @@ impl Group {
             data.copy_from_slice(&out);
             return Ok(0);
         }
-        let es = dt.size();
-        let seg_max = round_down(self.staging_len().min(self.landing_len() - n * es), es);
+        self.allreduce_staged(ctx, data, dt, op, s, &others).await
+    }
+
+    /// Staged allreduce, per segment of at most the staging size: each rank writes block `j`
+    /// of its data straight from the caller's memory into rank `j`'s inbox (reduce-scatter by
+    /// writes), rank `j` folds its block in slot order into its staging, and every rank reads
+    /// the reduced blocks straight into the caller's memory (allgather by reads). The
+    /// caller's buffer is registered with the engine for the call, so neither side copies
+    /// through staging; where it cannot be registered it bounces through local memory.
+    async fn allreduce_staged(
+        &self,
+        ctx: &Ctx,
+        data: &mut [u8],
+        dt: DType,
+        op: ReduceOp,
+        s: u64,
+        others: &[usize],
+    ) -> StepResult<u64> {
+        let (n, es) = (ctx.n(), dt.size());
+        let seg_max = round_down(ctx.staging_min().min(ctx.inbox_min() - n * es), es);
+        // SAFETY: `data` is borrowed for the whole call; `move_items` awaits every transfer.
+        let user = unsafe { self.register_user(data.as_ptr() as u64, data.len() as u64) };
         let mut seg_no = 0u64;
         for (a, len) in segments(data.len(), seg_max) {
+            let half = ctx.half(seg_no);
             let phase = 2 * seg_no as u32;
-            let stage = self.staging(ctx, seg_no);
-            region(stage, 0, len).copy_from_slice(&data[a..a + len]);
-            self.send_many(ctx, others.iter().copied(), phase, s, &[]).await?;
-            self.recv_many(ctx, &others, phase, s, "allreduce").await?;
             let (blk, ranges) = blocks(len, es, n);
             let (mine_at, mine_len) = ranges[ctx.me];
-            let pulls: Vec<_> = others
+            // The segment's source: the caller's memory, or a copy in the bounce buffer.
+            let src = match &user {
+                Some(_) => data[a..].as_ptr() as u64,
+                None => {
+                    region(&self.inner.bounce, 0, len).copy_from_slice(&data[a..a + len]);
+                    self.inner.bounce.addr()
+                }
+            };
+            let pushes: Vec<_> = others
                 .iter()
-                .map(|&j| (j, mine_at as u64, mine_len as u64, (j * blk) as u64))
+                .map(|&j| {
+                    let (at, l) = ranges[j];
+                    let dst = ctx.members[j].inbox[half] + (ctx.me * blk) as u64;
+                    (j, src + at as u64, dst, l as u64, true)
+                })
                 .collect();
-            self.pull(ctx, ctx.half(seg_no), &pulls).await?;
+            self.move_items(ctx, &pushes).await?;
+            self.send_many(ctx, others.iter().copied(), phase, s, &[]).await?;
+            self.recv_many(ctx, others, phase, s, "allreduce").await?;
+            let stage = self.staging(ctx, seg_no);
             if mine_len > 0 {
-                let landing = &self.inner.landing;
-                let own = region(stage, mine_at, mine_len);
+                let inbox = &self.inner.inbox[half];
+                let own: &[u8] = match &user {
+                    Some(_) => &data[a + mine_at..a + mine_at + mine_len],
+                    None => region(&self.inner.bounce, mine_at, mine_len),
+                };
                 let parts: Vec<&[u8]> = (0..n)
-                    .map(|j| if j == ctx.me { &*own } else { &*region(landing, j * blk, mine_len) })
+                    .map(|j| if j == ctx.me { own } else { &*region(inbox, j * blk, mine_len) })
                     .collect();
-                let out = region(landing, ctx.me * blk, mine_len);
-                dtype::reduce(dt, op, &parts, out);
-                own.copy_from_slice(out);
+                dtype::reduce(dt, op, &parts, region(stage, mine_at, mine_len));
             }
             self.send_many(ctx, others.iter().copied(), phase + 1, s, &[]).await?;
-            self.recv_many(ctx, &others, phase + 1, s, "allreduce").await?;
+            self.recv_many(ctx, others, phase + 1, s, "allreduce").await?;
+            self.commit(ctx).await?;
+            let dst = match &user {
+                Some(_) => data[a..].as_mut_ptr() as u64,
+                None => self.inner.bounce.addr(),
+            };
             let pulls: Vec<_> = others
                 .iter()
-                .map(|&j| (j, ranges[j].0 as u64, ranges[j].1 as u64, ranges[j].0 as u64))
+                .map(|&j| {
+                    let (at, l) = ranges[j];
+                    (j, dst + at as u64, ctx.members[j].staging[half] + at as u64, l as u64, false)
+                })
                 .collect();
-            self.pull(ctx, ctx.half(seg_no), &pulls).await?;
-            self.commit(ctx).await?;
-            let landing = region(&self.inner.landing, 0, len);
-            landing[mine_at..mine_at + mine_len].copy_from_slice(region(stage, mine_at, mine_len));
-            data[a..a + len].copy_from_slice(landing);
+            self.move_items(ctx, &pulls).await?;
+            let reduced = region(stage, mine_at, mine_len);
+            data[a + mine_at..a + mine_at + mine_len].copy_from_slice(reduced);
+            if user.is_none() {
+                for &j in others {
+                    let (at, l) = ranges[j];
+                    data[a + at..a + at + l].copy_from_slice(region(&self.inner.bounce, at, l));
+                }
+            }
             seg_no += 1;
         }
         Ok(seg_no)
@@ -223,7 +260,7 @@ impl Group {
             }
             return Ok(0);
         }
-        let seg_max = self.staging_len().min(self.landing_len());
+        let seg_max = ctx.staging_min().min(ctx.landing_min());
         let mut seg_no = 0u64;
         for (a, len) in segments(data.len(), seg_max) {
             let phase = 2 * seg_no as u32;
@@ -282,7 +319,7 @@ impl Group {
             }
             return Ok(0);
         }
-        let seg_max = self.staging_len().min(self.landing_len() / (n - 1));
+        let seg_max = ctx.staging_min().min(ctx.landing_min() / (n - 1));
         let mut seg_no = 0u64;
         for (a, len) in segments(l, seg_max) {
             region(self.staging(ctx, seg_no), 0, len).copy_from_slice(&input[a..a + len]);
@@ -364,7 +401,7 @@ impl Group {
             return Ok(0);
         }
         let es = dt.size();
-        let seg_max = round_down(self.staging_len().min(self.landing_len()) / n, es);
+        let seg_max = round_down(ctx.staging_min().min(ctx.landing_min()) / n, es);
         let mut seg_no = 0u64;
         for (a, len) in segments(l, seg_max) {
             let stage = self.staging(ctx, seg_no);
@@ -436,7 +473,7 @@ impl Group {
             data.copy_from_slice(&out);
             return Ok(0);
         }
-        let seg_max = round_down(self.staging_len().min(self.landing_len() / n), es);
+        let seg_max = round_down(ctx.staging_min().min(ctx.landing_min() / n), es);
         let mut seg_no = 0u64;
         for (a, len) in segments(data.len(), seg_max) {
             let phase = 2 * seg_no as u32;
@@ -502,7 +539,7 @@ impl Group {
                 self.frame(ctx, r, 0, s, input.to_vec()).await?;
                 return Ok(0);
             }
-            let seg_max = self.staging_len().min(self.landing_len() / n);
+            let seg_max = ctx.staging_min().min(ctx.landing_min() / n);
             let mut seg_no = 0u64;
             for (a, len) in segments(l, seg_max) {
                 let phase = 2 * seg_no as u32;
@@ -536,7 +573,7 @@ impl Group {
             }
             return Ok(0);
         }
-        let seg_max = self.staging_len().min(self.landing_len() / n);
+        let seg_max = ctx.staging_min().min(ctx.landing_min() / n);
         let mut seg_no = 0u64;
         for (a, len) in segments(l, seg_max) {
             let phase = 2 * seg_no as u32;
@@ -602,7 +639,7 @@ impl Group {
                         res?;
                     }
                 } else {
-                    let seg_max = self.staging_len() / n;
+                    let seg_max = ctx.staging_min() / n;
                     for (seg_no, (a, len)) in segments(l, seg_max).enumerate() {
                         let stage = self.staging(ctx, seg_no as u64);
                         for j in 0..n {
@@ -628,7 +665,7 @@ impl Group {
             output.copy_from_slice(&got[0]);
             return Ok(0);
         }
-        let seg_max = self.staging_len() / n;
+        let seg_max = ctx.staging_min() / n;
         let mut seg_no = 0u64;
         for (a, len) in segments(l, seg_max) {
             let phase = 2 * seg_no as u32;
@@ -814,7 +851,7 @@ impl Group {
             }
             return Ok(0);
         }
-        let l = (self.staging_len().min(self.landing_len()) / n).max(1);
+        let l = (ctx.staging_min().min(ctx.landing_min()) / n).max(1);
         let rounds = most.div_ceil(l);
         let mut committed = false;
         for round in 0..rounds {
@@ -897,7 +934,7 @@ impl Group {
         let deadline = self.deadline();
         // The previous large send's last part may still be waiting to be pulled.
         self.wait_p2p_staging(deadline).await?;
-        let max = self.staging_len();
+        let max = self.inner.cfg.staging_bytes.min(m.staging_bytes as usize);
         let parts = data.len().div_ceil(max);
         for (part, (a, len)) in segments(data.len(), max).enumerate() {
             if part > 0 {
@@ -959,7 +996,7 @@ impl Group {
                     }
                     self.p2p_pull(&m, epoch, addr, len).await?;
                     out[at..at + len as usize].copy_from_slice(region(
-                        &self.inner.landing,
+                        &self.inner.p2p_landing,
                         0,
                         len as usize,
                     ));

@@ -17,6 +17,10 @@ pub struct MemberInfo {
     /// Addresses of its two staging halves, each `staging_bytes` long.
     pub staging: [u64; 2],
     pub staging_bytes: u64,
+    /// Addresses of its two inbox halves (allreduce's reduce-scatter writes land there),
+    /// each `inbox_bytes` long.
+    pub inbox: [u64; 2],
+    pub inbox_bytes: u64,
     /// Random per process: a replacement in the same slot is a different incarnation.
     pub incarnation: u64,
 }
