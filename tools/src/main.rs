@@ -53,6 +53,15 @@ enum Cmd {
     /// Measure kvfs against the machine's own limits (memcpy, loopback TCP, raw disk).
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// Process groups (collectives on the Transfer Engine).
+    #[command(subcommand)]
+    Pg(PgCmd),
+}
+
+#[derive(Subcommand)]
+enum PgCmd {
+    /// Run a group's coordinator in its own process (prints the address members join).
+    Coordinator(cmd::pg::CoordinatorArgs),
 }
 
 #[derive(Subcommand)]
@@ -87,6 +96,13 @@ enum BenchCmd {
     /// measured in the same run; the fast paths also as a ratio of the FUSE cold read, and the
     /// Python one (`kvfs.fastpath` in a child process of `--python`) as a ratio of the Rust one.
     Fs(FsArgs),
+    /// Collectives of kvfs-pg against torch's gloo, same process layout, same run.
+    ///
+    /// Runs allreduce, allgather, alltoall and broadcast through torch.distributed with the
+    /// `kvfs` and `gloo` backends in N spawned processes each, and prints p50/p99, algbw and
+    /// busbw (nccl-tests definitions), each as a ratio of raw loopback TCP and memcpy measured
+    /// in the same run, and kvfs against gloo. Needs an interpreter with torch and kvfs.
+    Pg(PgBenchArgs),
     /// (internal) The peer process of `kvfs bench store`.
     #[command(hide = true)]
     StorePeer {
@@ -99,6 +115,25 @@ enum BenchCmd {
         #[arg(long, default_value_t = 64 << 20)]
         buffer_bytes: usize,
     },
+}
+
+#[derive(Args)]
+struct PgBenchArgs {
+    /// Python interpreter with torch, numpy and the kvfs package.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// Process counts (comma separated).
+    #[arg(long, default_value = "2,4,8")]
+    procs: String,
+    /// Message sizes (K/M/G binary units).
+    #[arg(long, default_value = "4K,64K,1M,16M,64M,256M")]
+    sizes: String,
+    /// Collectives to run.
+    #[arg(long, default_value = "allreduce,allgather,alltoall,broadcast")]
+    ops: String,
+    /// Backends to compare.
+    #[arg(long, default_value = "kvfs,gloo")]
+    backends: String,
 }
 
 #[derive(Args)]
@@ -269,6 +304,14 @@ fn run() -> anyhow::Result<()> {
                 })
                 .await
             }
+            Cmd::Pg(PgCmd::Coordinator(a)) => cmd::pg::coordinator(a).await,
+            Cmd::Bench(BenchCmd::Pg(a)) => bench::pg::run(bench::pg::PgBench {
+                python: a.python,
+                procs: a.procs,
+                sizes: a.sizes,
+                ops: a.ops,
+                backends: a.backends,
+            }),
             Cmd::Bench(BenchCmd::StorePeer { dram }) => bench::store::serve_peer(dram).await,
             Cmd::Bench(BenchCmd::Tiers(a)) => {
                 bench::tiers::run(bench::tiers::TiersBench {

@@ -3,6 +3,7 @@
 
 pub mod fs;
 pub mod limits;
+pub mod pg;
 pub mod report;
 pub mod store;
 pub mod tiers;

@@ -4,3 +4,4 @@ pub mod cluster;
 pub mod mooncake_flags;
 pub mod mount;
 pub mod objects;
+pub mod pg;
