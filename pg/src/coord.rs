@@ -28,6 +28,9 @@ use kvfs_transfer::{Engine, EngineConfig, SegmentHandle, Transports};
 use crate::wire::{self, MemberInfo, Msg, PROTOCOL, Resume, View};
 use crate::{Error, ErrorKind, Result};
 
+/// The refusal a joiner retries: its slot's holder is still a member.
+pub(crate) const SLOT_ACTIVE: &str = "slot active";
+
 /// Largest `max_group_size` accepted (slots are u32, views are notifications of at most 64 KiB).
 pub const GROUP_SIZE_LIMIT: u32 = 1024;
 
@@ -126,6 +129,8 @@ pub struct Membership {
     reconcile: Option<Reconcile>,
     change: Option<ChangeReq>,
     removed_total: u64,
+    /// Members that left in the current epoch, with the operations they had finished.
+    left: BTreeMap<u32, u64>,
 }
 
 impl Membership {
@@ -143,6 +148,7 @@ impl Membership {
             reconcile: None,
             change: None,
             removed_total: 0,
+            left: BTreeMap::new(),
         }
     }
 
@@ -222,8 +228,13 @@ impl Membership {
             Msg::Change { epoch, activate, deactivate } => {
                 self.change(from, epoch, activate, deactivate)
             }
-            Msg::Leave { .. } => match self.slot_of(from) {
-                Some(slot) => self.fail(slot, "left the group".into(), now),
+            Msg::Leave { epoch, finished } => match self.slot_of(from) {
+                Some(slot) => {
+                    if epoch == self.epoch {
+                        self.left.insert(slot, finished);
+                    }
+                    self.fail(slot, "left the group".into(), now)
+                }
                 None => Vec::new(),
             },
             _ => Vec::new(),
@@ -237,7 +248,7 @@ impl Membership {
         group: String,
         world: u32,
         member: MemberInfo,
-        now: Instant,
+        _now: Instant,
     ) -> Vec<Out> {
         let refuse = |reason: String| vec![(from.to_string(), Msg::JoinRefused { reason })];
         if protocol != PROTOCOL {
@@ -274,8 +285,13 @@ impl Membership {
                 return refuse(format!("slot {} is already taken", member.slot));
             }
             if old.state == State::Active {
-                // A new incarnation of an active slot: the old one is dead or lost.
-                out = self.fail(member.slot, "a new process joined its slot".into(), now);
+                // Never evict a member on a joiner's word (two processes given the same rank
+                // must not kill a healthy one): the joiner retries until the failure of the
+                // slot's holder is detected.
+                return refuse(format!(
+                    "{SLOT_ACTIVE}: slot {} is held by a live member",
+                    member.slot
+                ));
             }
         }
         self.gone.remove(from);
@@ -439,7 +455,9 @@ impl Membership {
             return Vec::new();
         }
         let r = self.reconcile.take().expect("checked");
-        let most = r.reports.values().map(|&(f, _, _)| f).max().unwrap_or(0);
+        let reported = r.reports.values().map(|&(f, _, _)| f).max().unwrap_or(0);
+        let most = reported.max(self.left.values().copied().max().unwrap_or(0));
+        self.left.clear();
         let restart = !r.reports.values().any(|&(f, in_op, dirty)| f == most && in_op && dirty);
         self.epoch = r.epoch;
         self.broadcast_view(Some(Resume { finished: most, restart }), r.removed)

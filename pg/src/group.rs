@@ -115,6 +115,11 @@ impl From<Error> for Stop {
 
 pub(crate) type StepResult<T> = std::result::Result<T, Stop>;
 
+/// The phase of the frame that says "I have finished reading your staging" (see `close`).
+pub(crate) const READ_DONE_PHASE: u32 = u32::MAX;
+/// How long `close` waits for peers still reading this member's staging.
+const CLOSE_DRAIN_MS: u64 = 5_000;
+
 /// What an operation sees of the group while it runs.
 #[derive(Clone)]
 pub(crate) struct Ctx {
@@ -213,6 +218,8 @@ struct State {
     held: Option<View>,
     /// Answers to `Pending` queries, by nonce.
     pending_answers: HashMap<u64, Vec<u32>>,
+    /// The last staged operation whose staging peers may still read: (epoch, seq, slots).
+    last_exposed: Option<(u64, u64, Vec<u32>)>,
     /// The large send whose last part may still be pulled from the p2p staging.
     p2p_outstanding: Option<(String, u32, u64, u32)>,
     closed: bool,
@@ -365,26 +372,40 @@ impl Group {
         let renew = tokio::spawn(renew_lease(Arc::downgrade(&inner)));
         let group = Group { inner, _task: Arc::new(TaskGuard(vec![task, renew])) };
         let me = group.member_info();
-        group
-            .to_coordinator(&Msg::Join {
-                protocol: PROTOCOL,
-                group: cfg.group.clone(),
-                world,
-                member: me,
-            })
-            .await?;
+        let join = Msg::Join { protocol: PROTOCOL, group: cfg.group.clone(), world, member: me };
+        group.to_coordinator(&join).await?;
         let deadline = Instant::now() + Duration::from_millis(cfg.join_timeout_ms);
-        group
-            .wait(deadline, "join", |st| {
-                if let Some(r) = &st.refused {
-                    return Some(Err(Error::new(ErrorKind::Refused, "join", r.clone())));
+        // A slot whose holder is still a member is refused until its failure is detected:
+        // ask again every so often, up to the deadline.
+        loop {
+            let r = group
+                .wait(deadline, "join", |st| {
+                    if let Some(r) = &st.refused {
+                        if r.starts_with(crate::coord::SLOT_ACTIVE) {
+                            return Some(Ok(false));
+                        }
+                        return Some(Err(Error::new(ErrorKind::Refused, "join", r.clone())));
+                    }
+                    if st.view.as_ref().is_some_and(|v| v.member(slot).is_some()) {
+                        return Some(Ok(true));
+                    }
+                    (st.pending && !wait_active).then_some(Ok(true))
+                })
+                .await;
+            match r {
+                Ok(true) => break,
+                Ok(false) => {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    let last = group.lock().refused.take();
+                    if Instant::now() >= deadline {
+                        let reason = last.unwrap_or_default();
+                        return Err(Error::new(ErrorKind::Refused, "join", reason));
+                    }
+                    group.to_coordinator(&join).await?;
                 }
-                if st.view.as_ref().is_some_and(|v| v.member(slot).is_some()) {
-                    return Some(Ok(()));
-                }
-                (st.pending && !wait_active).then_some(Ok(()))
-            })
-            .await?;
+                Err(e) => return Err(e),
+            }
+        }
         let solo = {
             let mut st = group.lock();
             if st.view.is_none() {
@@ -519,8 +540,29 @@ impl Group {
     /// Leaves the group: the coordinator removes this slot (the survivors' next operation runs
     /// without it). The member can no longer take part.
     pub async fn close(&self) {
-        let epoch = self.lock().view.as_ref().map(|v| v.epoch).unwrap_or(0);
-        let _ = self.to_coordinator(&Msg::Leave { epoch }).await;
+        // Peers may still be reading this member's staging for the last operation: wait
+        // (bounded) for their word before the memory goes away with the process.
+        let last = self.lock().last_exposed.clone();
+        if let Some((epoch, seq, slots)) = last {
+            let deadline = Instant::now() + Duration::from_millis(CLOSE_DRAIN_MS);
+            let _ = self
+                .wait(deadline, "close", |st| {
+                    let done = slots
+                        .iter()
+                        .all(|&s| st.mailbox.contains_key(&(epoch, seq, READ_DONE_PHASE, s)));
+                    let moved = st.view.as_ref().is_none_or(|v| v.epoch != epoch);
+                    (done || moved).then_some(Ok(()))
+                })
+                .await;
+        }
+        // And the receiver of the last large send may not have pulled it yet.
+        let drain = Instant::now() + Duration::from_millis(CLOSE_DRAIN_MS);
+        let _ = self.wait_p2p_staging(drain).await;
+        let (epoch, finished) = {
+            let st = self.lock();
+            (st.view.as_ref().map(|v| v.epoch).unwrap_or(0), st.finished)
+        };
+        let _ = self.to_coordinator(&Msg::Leave { epoch, finished }).await;
         self.lock().closed = true;
         self.inner.changed.notify_waiters();
     }
@@ -827,6 +869,39 @@ impl Group {
             .notify(&seg, &wire::encode(&msg))
             .await
             .map_err(|e| Error::transfer("frame", e))
+    }
+
+    /// Tells every peer of a staged operation that this member has finished reading its
+    /// staging (without waiting: it is off the operation's path), and records that peers may
+    /// still be reading this member's, for `close`.
+    pub(crate) fn reads_done(&self, ctx: &Ctx) {
+        let others: Vec<usize> = ctx.others().collect();
+        self.lock().last_exposed =
+            Some((ctx.epoch, ctx.seq, others.iter().map(|&r| ctx.members[r].slot).collect()));
+        let msg = wire::encode(&Msg::Data {
+            epoch: ctx.epoch,
+            seq: ctx.seq,
+            phase: READ_DONE_PHASE,
+            from: self.inner.slot,
+            sig: 0,
+            body: Vec::new(),
+        });
+        for r in others {
+            let Some((_, seg)) = self
+                .inner
+                .peers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&ctx.members[r].slot)
+                .cloned()
+            else {
+                continue;
+            };
+            let (engine, msg) = (self.inner.engine.clone(), msg.clone());
+            tokio::spawn(async move {
+                let _ = engine.notify(&seg, &msg).await;
+            });
+        }
     }
 
     /// Sends one frame of operation `ctx` to rank `to`.

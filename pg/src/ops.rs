@@ -229,6 +229,7 @@ impl Group {
             }
             seg_no += 1;
         }
+        self.reads_done(ctx);
         Ok(seg_no)
     }
 
@@ -342,6 +343,7 @@ impl Group {
             }
             seg_no += 1;
         }
+        self.reads_done(ctx);
         Ok(seg_no)
     }
 
@@ -431,6 +433,7 @@ impl Group {
             output[a..a + len].copy_from_slice(out);
             seg_no += 1;
         }
+        self.reads_done(ctx);
         Ok(seg_no)
     }
 
@@ -889,6 +892,7 @@ impl Group {
                 ));
             }
         }
+        self.reads_done(ctx);
         Ok(rounds as u64)
     }
 

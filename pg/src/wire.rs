@@ -98,8 +98,9 @@ pub enum Msg {
     Pending { nonce: u64 },
     /// Coordinator to member: these.
     PendingSlots { nonce: u64, slots: Vec<u32> },
-    /// Member to coordinator: I am closing.
-    Leave { epoch: u64 },
+    /// Member to coordinator: I am closing, having finished `finished` operations of `epoch`
+    /// (so a survivor still inside one of them fails it rather than running it again alone).
+    Leave { epoch: u64, finished: u64 },
     /// Member to member: one step of a collective.
     Data { epoch: u64, seq: u64, phase: u32, from: u32, sig: u64, body: Vec<u8> },
     /// Member to member: point-to-point traffic.

@@ -30,6 +30,9 @@ Where torch is installed, importing this module registers the ``torch.distribute
 ``"kvfs"`` (see :mod:`kvfs.torch_pg`).
 """
 
+import atexit
+import weakref
+
 from kvfs._native import PgCoordinator as _Coordinator, PgGroup as _Group
 
 __all__ = ["Coordinator", "Group", "PgError", "dtype_name"]
@@ -112,6 +115,8 @@ class Group:
         self._g = _Group(str(coordinator), slot, world, group, listen, staging_bytes,
                          inline_bytes_max, op_timeout_ms, join_timeout_ms, tcp_only,
                          wait_active)
+        self._closed = False
+        _OPEN.add(self)
 
     @property
     def pending(self):
@@ -161,8 +166,18 @@ class Group:
         return self._g.pending()
 
     def close(self):
-        """Leaves the group (the survivors' next call runs without this slot)."""
-        self._g.close()
+        """Leaves the group (the survivors' next call runs without this slot), once the
+        peers have finished reading this process's memory for the last call (at most 5 s).
+        A group dropped or still open at exit is closed the same way."""
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            self._g.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to at collection time
+            pass
 
     # -- collectives -------------------------------------------------------------------
     def allreduce(self, buf, op="sum", dtype=None):
@@ -233,6 +248,19 @@ class Group:
     def recv_posted(self, buf, src, tag, ticket):
         self._g.recv_posted(buf, src, tag, ticket)
         return buf
+
+
+# Groups still open at exit are closed, so peers finish reading this process's memory first.
+_OPEN = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_groups():
+    for g in list(_OPEN):
+        try:
+            g.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
 
 try:  # the torch.distributed backend, where torch is installed

@@ -412,7 +412,7 @@ class ProcessGroup(dist.ProcessGroup):
 
     # -- lifetime ----------------------------------------------------------------------
     def shutdown(self):
-        pass
+        self._g.close()
 
     def abort(self):
         pass
