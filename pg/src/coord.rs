@@ -183,6 +183,7 @@ impl Membership {
                 .collect(),
             removed: Vec::new(),
             resume: None,
+            switch_at: None,
             lease_ms: self.lease_ms,
         }
     }
@@ -229,12 +230,7 @@ impl Membership {
                 self.change(from, epoch, activate, deactivate)
             }
             Msg::Leave { epoch, finished } => match self.slot_of(from) {
-                Some(slot) => {
-                    if epoch == self.epoch {
-                        self.left.insert(slot, finished);
-                    }
-                    self.fail(slot, "left the group".into(), now)
-                }
+                Some(slot) => self.leave(slot, epoch, finished, now),
                 None => Vec::new(),
             },
             _ => Vec::new(),
@@ -404,6 +400,34 @@ impl Membership {
             out.extend(told.into_iter().map(|seg| (seg, v.clone())));
         }
         out
+    }
+
+    /// A member left after finishing `finished` operations of `epoch`: the others finish
+    /// those too and switch to the view without it from the next one (no freeze: nothing of
+    /// the leaver's is missing for the operations it finished). During a reconciliation, or
+    /// for an older epoch, a leave is handled as a failure.
+    fn leave(&mut self, slot: u32, epoch: u64, finished: u64, now: Instant) -> Vec<Out> {
+        let active = self.members.get(&slot).is_some_and(|m| m.state == State::Active);
+        if !active || !self.formed || self.reconcile.is_some() || epoch != self.epoch {
+            if epoch == self.epoch {
+                self.left.insert(slot, finished);
+            }
+            return self.fail(slot, "left the group".into(), now);
+        }
+        let m = self.members.remove(&slot).expect("active");
+        self.gone.insert(m.info.segment, self.epoch);
+        self.removed_total += 1;
+        self.change = None;
+        self.epoch += 1;
+        tracing::info!(slot, finished, epoch = self.epoch, "pg member left");
+        let mut view = self.view();
+        view.removed = vec![(slot, "left the group".into())];
+        view.switch_at = Some(finished);
+        self.members
+            .values()
+            .filter(|m| m.state == State::Active)
+            .map(|m| (m.info.segment.clone(), Msg::View(view.clone())))
+            .collect()
     }
 
     /// Marks `slot` failed (dead, left, or replaced) and starts or extends a reconciliation.

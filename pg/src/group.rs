@@ -212,6 +212,11 @@ struct State {
     checks: HashMap<u64, Instant>,
     /// The coordinator could not be reached at all: no view can change, no lease is needed.
     coordinator_gone: bool,
+    /// Views waiting to take effect, in epoch order (a graceful leave's view waits until
+    /// `finished` reaches its `switch_at` in the epoch before it).
+    deferred: VecDeque<View>,
+    /// Members that left, by slot: messages they sent before leaving stay receivable.
+    departed: HashMap<u32, MemberInfo>,
     /// A late joiner running alone until `wait_active` (views that arrive meanwhile wait in
     /// `held`).
     solo: bool,
@@ -416,6 +421,7 @@ impl Group {
                     members: vec![group.member_info()],
                     removed: Vec::new(),
                     resume: None,
+                    switch_at: None,
                     lease_ms: 1,
                 });
                 st.solo = true;
@@ -491,6 +497,11 @@ impl Group {
 
     pub fn counters(&self) -> Counters {
         self.lock().counters
+    }
+
+    /// The last process that held `slot` before it left the view.
+    pub(crate) fn departed(&self, slot: u32) -> Option<MemberInfo> {
+        self.lock().departed.get(&slot).cloned()
     }
 
     /// Whether this member is still in the group (false once a newer view left it out).
@@ -625,6 +636,7 @@ impl Group {
                     st.finished += 1;
                     st.steps += steps;
                     st.in_op = false;
+                    advance(&mut st);
                     return Ok(true);
                 }
                 Stop::Interrupted
@@ -637,6 +649,7 @@ impl Group {
                 if st.view.as_ref().is_some_and(|v| v.epoch == ctx.epoch) && st.frozen.is_none() {
                     st.finished += 1;
                     st.steps += 2;
+                    advance(&mut st);
                 }
                 st.in_op = false;
                 Err(e)
@@ -1385,8 +1398,42 @@ async fn dispatch(inner: std::sync::Weak<Inner>, engine: Engine) {
     }
 }
 
+/// Puts queued views in force: one without `switch_at` (a failure's or a change's) at once,
+/// with everything queued before it; a graceful leave's once this member is in the epoch
+/// before it and has finished `switch_at` operations there.
+fn advance(st: &mut State) {
+    if let Some(i) = st.deferred.iter().rposition(|d| d.switch_at.is_none()) {
+        let v = st.deferred.drain(..=i).last().expect("non-empty");
+        install(st, v);
+    }
+    while let Some(head) = st.deferred.front() {
+        let epoch = st.view.as_ref().map(|v| v.epoch).unwrap_or(0);
+        if head.epoch <= epoch {
+            st.deferred.pop_front();
+            continue;
+        }
+        let ready = head.epoch == epoch + 1 && head.switch_at.is_some_and(|f| st.finished >= f);
+        if !ready {
+            break;
+        }
+        let v = st.deferred.pop_front().expect("front");
+        install(st, v);
+    }
+}
+
 /// Puts a newer view in force.
 fn install(st: &mut State, v: View) {
+    if let Some(old) = st.view.as_ref() {
+        let gone: Vec<MemberInfo> = old
+            .members
+            .iter()
+            .filter(|m| v.member(m.slot).is_none_or(|n| n.segment != m.segment))
+            .cloned()
+            .collect();
+        for m in gone {
+            st.departed.insert(m.slot, m);
+        }
+    }
     if st.frozen.is_none() {
         st.finished_at_freeze = Some(st.finished);
     }
@@ -1399,10 +1446,8 @@ fn install(st: &mut State, v: View) {
     let e = v.epoch;
     st.mailbox.retain(|k, _| k.0 >= e);
     let alive: HashSet<String> = v.members.iter().map(|m| m.segment.clone()).collect();
-    st.p2p_in.retain(|k, _| alive.contains(&k.0));
     st.p2p_done.retain(|k| alive.contains(&k.0));
     st.p2p_send_seq.retain(|k, _| alive.contains(&k.0));
-    st.p2p_recv_seq.retain(|k, _| alive.contains(&k.0));
     st.view = Some(v);
 }
 
@@ -1419,7 +1464,14 @@ fn file(inner: &Inner, from: &str, msg: Msg) -> Option<(bool, Msg)> {
                         st.held = Some(v);
                     }
                 } else {
-                    install(&mut st, v);
+                    // A graceful leave's view waits until this member finished the operations
+                    // the leaver took part in (`advance`).
+                    if !st.deferred.iter().any(|d| d.epoch == v.epoch) {
+                        let at = st.deferred.iter().position(|d| d.epoch > v.epoch);
+                        let at = at.unwrap_or(st.deferred.len());
+                        st.deferred.insert(at, v);
+                    }
+                    advance(&mut st);
                 }
             }
             None

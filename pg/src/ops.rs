@@ -967,13 +967,23 @@ impl Group {
     /// Reserves the next message from `src` with `tag` (receives match in the order they are
     /// posted, whenever they are waited for); [`Group::recv_posted`] takes it.
     pub fn post_recv(&self, src: u32, tag: u32) -> Result<u64> {
-        let (_, m) = self.p2p_peer(src, "recv")?;
+        let m = match self.p2p_peer(src, "recv") {
+            Ok((_, m)) => m,
+            Err(e) => self.departed(src).ok_or(e)?,
+        };
         Ok(self.next_recv_seq(&m, tag))
     }
 
     /// Receives the message reserved by [`Group::post_recv`] into `out` (sizes must match).
     pub async fn recv_posted(&self, out: &mut [u8], src: u32, tag: u32, pseq: u64) -> Result<()> {
-        let (epoch, m) = self.p2p_peer(src, "recv")?;
+        // A peer that left after sending: what it sent is still receivable.
+        let (epoch, m) = match self.p2p_peer(src, "recv") {
+            Ok(x) => x,
+            Err(e) => match self.departed(src) {
+                Some(m) => (self.epoch(), m),
+                None => return Err(e),
+            },
+        };
         let deadline = self.deadline();
         let mut at = 0usize;
         let mut part = 0u32;

@@ -49,6 +49,10 @@ pub struct View {
     pub removed: Vec<(u32, String)>,
     /// Set when this epoch follows a failure that may have interrupted an operation.
     pub resume: Option<Resume>,
+    /// Set when a member left gracefully after finishing this many operations of the previous
+    /// epoch: members run operations before that index in the previous epoch (the leaver took
+    /// part in them) and the view takes effect from that operation on.
+    pub switch_at: Option<u64>,
     /// How long a member may complete operations after its last confirmed `Check` was sent
     /// (below the coordinator's failure timeout, so a member the coordinator has given up on
     /// has stopped completing operations by then).
