@@ -38,7 +38,16 @@ pub fn run(b: PgBench) -> anyhow::Result<()> {
     std::fs::write(&script, SCRIPT)?;
     let status = Command::new(&b.python)
         .arg(&script)
-        .args(["--procs", &b.procs, "--sizes", &b.sizes, "--ops", &b.ops, "--backends", &b.backends])
+        .args([
+            "--procs",
+            &b.procs,
+            "--sizes",
+            &b.sizes,
+            "--ops",
+            &b.ops,
+            "--backends",
+            &b.backends,
+        ])
         .env("KVFS_LOG", std::env::var("KVFS_LOG").unwrap_or_else(|_| "error".into()))
         .status()
         .with_context(|| format!("cannot run {}", b.python))?;
