@@ -1403,7 +1403,7 @@ async fn dispatch(inner: std::sync::Weak<Inner>, engine: Engine) {
 /// before it and has finished `switch_at` operations there.
 fn advance(st: &mut State) {
     if let Some(i) = st.deferred.iter().rposition(|d| d.switch_at.is_none()) {
-        let v = st.deferred.drain(..=i).last().expect("non-empty");
+        let v = st.deferred.drain(..=i).next_back().expect("non-empty");
         install(st, v);
     }
     while let Some(head) = st.deferred.front() {
