@@ -1080,19 +1080,16 @@ impl Group {
     }
 
     /// Reads, concurrently, `(rank, remote offset in its staging half, len, landing offset)`
-    /// ranges into the landing buffer.
+    /// ranges into the landing buffer (given up if the view starts changing: the landing is
+    /// this member's own memory).
     pub(crate) async fn pull(
         &self,
         ctx: &Ctx,
         half: usize,
         items: &[(usize, u64, u64, u64)],
     ) -> StepResult<()> {
-        let mut reqs = Vec::with_capacity(items.len());
-        let mut ranks = Vec::with_capacity(items.len());
+        let mut moves = Vec::with_capacity(items.len());
         for &(r, off, len, at) in items {
-            if len == 0 {
-                continue;
-            }
             let m = &ctx.members[r];
             if off + len > m.staging_bytes || at + len > self.inner.landing.len() as u64 {
                 return Err(Error::new(
@@ -1107,31 +1104,9 @@ impl Group {
                 )
                 .into());
             }
-            reqs.push(TransferRequest {
-                op: TransferOp::Read,
-                segment: self.segment(m).await?,
-                local_addr: self.inner.landing.addr() + at,
-                remote_addr: m.staging[half] + off,
-                len,
-            });
-            ranks.push(r);
+            moves.push((r, self.inner.landing.addr() + at, m.staging[half] + off, len, false));
         }
-        if reqs.is_empty() {
-            return Ok(());
-        }
-        let results = match self.unless_interrupted(ctx, self.inner.engine.transfer(reqs)).await? {
-            Ok(r) => r,
-            Err(e) => return Err(Error::transfer("pull", e).into()),
-        };
-        for (r, res) in ranks.into_iter().zip(results) {
-            if let Err(e) = res {
-                let slot = ctx.members[r].slot;
-                return Err(self
-                    .suspect(slot, format!("reading from slot {slot} failed: {e}"))
-                    .await);
-            }
-        }
-        Ok(())
+        self.transfer_items(ctx, &moves, true).await
     }
 
     /// Moves `(rank, local address, remote address, len, write)` items as one batch, to its
@@ -1141,6 +1116,17 @@ impl Group {
         &self,
         ctx: &Ctx,
         items: &[(usize, u64, u64, u64, bool)],
+    ) -> StepResult<()> {
+        self.transfer_items(ctx, items, false).await
+    }
+
+    /// One batch of items; `abandonable`: given up when the view starts changing (only when
+    /// the local side is this member's own memory). A failed item reports its peer.
+    async fn transfer_items(
+        &self,
+        ctx: &Ctx,
+        items: &[(usize, u64, u64, u64, bool)],
+        abandonable: bool,
     ) -> StepResult<()> {
         let mut reqs = Vec::with_capacity(items.len());
         let mut ranks = Vec::with_capacity(items.len());
@@ -1160,10 +1146,10 @@ impl Group {
         if reqs.is_empty() {
             return Ok(());
         }
-        let results = match self.inner.engine.transfer(reqs).await {
-            Ok(r) => r,
-            Err(e) => return Err(Error::transfer("transfer", e).into()),
-        };
+        let batch = self.inner.engine.transfer(reqs);
+        let results =
+            if abandonable { self.unless_interrupted(ctx, batch).await? } else { batch.await };
+        let results = results.map_err(|e| Error::transfer("transfer", e))?;
         for (r, res) in ranks.into_iter().zip(results) {
             if let Err(e) = res {
                 let slot = ctx.members[r].slot;

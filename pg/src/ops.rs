@@ -270,15 +270,33 @@ impl Group {
                 self.send_many(ctx, others.iter().copied(), phase, s, &[]).await?;
                 self.recv_many(ctx, &others, phase + 1, s, "broadcast").await?;
             } else {
-                self.recv_many(ctx, &[r], phase, s, "broadcast").await?;
-                self.pull(ctx, ctx.half(seg_no), &[(r, 0, len as u64, 0)]).await?;
-                self.frame(ctx, r, phase + 1, s, Vec::new()).await?;
-                self.commit(ctx).await?;
+                self.pull_from_root(ctx, r, seg_no, 0, len, s, "broadcast").await?;
                 data[a..a + len].copy_from_slice(region(&self.inner.landing, 0, len));
             }
             seg_no += 1;
         }
         Ok(seg_no)
+    }
+
+    /// A reader's step of a rooted operation: waits for the root's announcement of segment
+    /// `seg_no`, pulls `len` bytes at `off` of its staging into the landing, tells the root it
+    /// is done, and commits (the caller copies the landing out).
+    #[allow(clippy::too_many_arguments)]
+    async fn pull_from_root(
+        &self,
+        ctx: &Ctx,
+        root: usize,
+        seg_no: u64,
+        off: usize,
+        len: usize,
+        s: u64,
+        op: &'static str,
+    ) -> StepResult<()> {
+        let phase = 2 * seg_no as u32;
+        self.recv_many(ctx, &[root], phase, s, op).await?;
+        self.pull(ctx, ctx.half(seg_no), &[(root, off as u64, len as u64, 0)]).await?;
+        self.frame(ctx, root, phase + 1, s, Vec::new()).await?;
+        self.commit(ctx).await
     }
 
     /// Allgather: `output` (`n * input.len()` bytes) receives every active rank's `input`, in
@@ -671,11 +689,7 @@ impl Group {
         let seg_max = ctx.staging_min() / n;
         let mut seg_no = 0u64;
         for (a, len) in segments(l, seg_max) {
-            let phase = 2 * seg_no as u32;
-            self.recv_many(ctx, &[r], phase, s, "scatter").await?;
-            self.pull(ctx, ctx.half(seg_no), &[(r, (ctx.me * len) as u64, len as u64, 0)]).await?;
-            self.frame(ctx, r, phase + 1, s, Vec::new()).await?;
-            self.commit(ctx).await?;
+            self.pull_from_root(ctx, r, seg_no, ctx.me * len, len, s, "scatter").await?;
             output[a..a + len].copy_from_slice(region(&self.inner.landing, 0, len));
             seg_no += 1;
         }

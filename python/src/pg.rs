@@ -6,6 +6,8 @@
 //! operation by its own deadline. Errors become `kvfs.pg.PgError` with the kvfs-pg kind name.
 
 use kvfs_pg::{Coordinator, CoordinatorConfig, DType, Group, PgConfig, ReduceOp};
+use std::borrow::Cow;
+
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -74,9 +76,13 @@ fn overlaps(a: &View, b: &View) -> bool {
     a.len() > 0 && b.len() > 0 && a0 < b1 && b0 < a1
 }
 
-/// An input export, copied when it overlaps the output (in-place calls).
-fn input_of(inp: &View, out: &View) -> Vec<u8> {
-    if overlaps(inp, out) { inp.bytes().to_vec() } else { Vec::new() }
+/// An input export's bytes, copied when they overlap the output (in-place calls).
+fn input_of<'a>(inp: &'a View, out: Option<&View>) -> Cow<'a, [u8]> {
+    if out.is_some_and(|o| overlaps(inp, o)) {
+        Cow::Owned(inp.bytes().to_vec())
+    } else {
+        Cow::Borrowed(inp.bytes())
+    }
 }
 
 #[pyclass(module = "kvfs._native", name = "PgCoordinator", frozen)]
@@ -249,9 +255,8 @@ impl PgGroup {
         out: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let (i, o) = (View::new(inp, false)?, View::new(out, true)?);
-        let copy = input_of(&i, &o);
-        let input = if copy.is_empty() { i.bytes() } else { &copy };
-        run(py, self.g.allgather(input, bytes_mut(&o)))
+        let input = input_of(&i, Some(&o));
+        run(py, self.g.allgather(&input, bytes_mut(&o)))
     }
 
     fn reduce_scatter(
@@ -264,9 +269,8 @@ impl PgGroup {
     ) -> PyResult<()> {
         let (dt, op_) = (dtype(py, dtype_name)?, op(py, op_name)?);
         let (i, o) = (View::new(inp, false)?, View::new(out, true)?);
-        let copy = input_of(&i, &o);
-        let input = if copy.is_empty() { i.bytes() } else { &copy };
-        run(py, self.g.reduce_scatter(input, bytes_mut(&o), dt, op_))
+        let input = input_of(&i, Some(&o));
+        run(py, self.g.reduce_scatter(&input, bytes_mut(&o), dt, op_))
     }
 
     #[pyo3(signature = (inp, out, root))]
@@ -279,9 +283,8 @@ impl PgGroup {
     ) -> PyResult<()> {
         let i = View::new(inp, false)?;
         let o = out.map(|o| View::new(o, true)).transpose()?;
-        let copy = o.as_ref().map(|o| input_of(&i, o)).unwrap_or_default();
-        let input = if copy.is_empty() { i.bytes() } else { &copy };
-        run(py, self.g.gather(input, o.as_ref().map(bytes_mut), root))
+        let input = input_of(&i, o.as_ref());
+        run(py, self.g.gather(&input, o.as_ref().map(bytes_mut), root))
     }
 
     #[pyo3(signature = (inp, out, root))]
@@ -294,9 +297,8 @@ impl PgGroup {
     ) -> PyResult<()> {
         let o = View::new(out, true)?;
         let i = inp.map(|i| View::new(i, false)).transpose()?;
-        let copy = i.as_ref().map(|i| input_of(i, &o)).unwrap_or_default();
-        let input = i.as_ref().map(|i| if copy.is_empty() { i.bytes() } else { &copy[..] });
-        run(py, self.g.scatter(input, bytes_mut(&o), root))
+        let input = i.as_ref().map(|i| input_of(i, Some(&o)));
+        run(py, self.g.scatter(input.as_deref(), bytes_mut(&o), root))
     }
 
     fn alltoall(
@@ -306,9 +308,8 @@ impl PgGroup {
         out: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let (i, o) = (View::new(inp, false)?, View::new(out, true)?);
-        let copy = input_of(&i, &o);
-        let input = if copy.is_empty() { i.bytes() } else { &copy };
-        run(py, self.g.alltoall(input, bytes_mut(&o)))
+        let input = input_of(&i, Some(&o));
+        run(py, self.g.alltoall(&input, bytes_mut(&o)))
     }
 
     /// Counts in bytes.
@@ -321,9 +322,8 @@ impl PgGroup {
         recv_counts: Vec<u64>,
     ) -> PyResult<()> {
         let (i, o) = (View::new(inp, false)?, View::new(out, true)?);
-        let copy = input_of(&i, &o);
-        let input = if copy.is_empty() { i.bytes() } else { &copy };
-        run(py, self.g.alltoallv(input, &send_counts, bytes_mut(&o), &recv_counts))
+        let input = input_of(&i, Some(&o));
+        run(py, self.g.alltoallv(&input, &send_counts, bytes_mut(&o), &recv_counts))
     }
 
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
