@@ -178,7 +178,7 @@ def survivor(addr, slot, world, out, go):
     a = np.full(1000, slot + 1, np.int64)
     g.allreduce(a)
     out.put((slot, "first", int(a[0])))
-    go.get(timeout=60)  # one queue per member: a killed member cannot wedge the others' signal
+    go.get(timeout=60)
     b = np.full(100_000, slot + 1, np.int64)
     try:
         g.allreduce(b)
@@ -195,18 +195,21 @@ def test_a_killed_member_leaves_survivors_reducing_over_themselves():
     world = 4
     coord = pg.Coordinator(world=world, failure_timeout_ms=2000)
     ctx = mp.get_context("spawn")
-    q, gos = ctx.Queue(), [ctx.Queue() for _ in range(world)]
-    procs = [ctx.Process(target=survivor, args=(coord.addr, s, world, q, gos[s]), daemon=True)
+    # One queue each way per member: a process killed while it holds a queue's write lock
+    # (its feeder thread between the write and the release) would wedge a shared queue.
+    outs, gos = [ctx.Queue() for _ in range(world)], [ctx.Queue() for _ in range(world)]
+    procs = [ctx.Process(target=survivor, args=(coord.addr, s, world, outs[s], gos[s]),
+                         daemon=True)
              for s in range(world)]
     for p in procs:
         p.start()
-    firsts = [q.get(timeout=120) for _ in procs]
+    firsts = [outs[s].get(timeout=120) for s in range(world)]
     assert all(r[2] == 10 for r in firsts), firsts
     os.kill(procs[2].pid, signal.SIGKILL)
     procs[2].join(10)
     for s in (0, 1, 3):
         gos[s].put("go")
-    rest = [q.get(timeout=120) for _ in range(6)]
+    rest = [outs[s].get(timeout=120) for s in (0, 1, 3) for _ in range(2)]
     seconds = [r[2] for r in rest if r[1] == "second"]
     thirds = [r[2] for r in rest if r[1] == "third"]
     assert 2 not in coord.view()["active"]
