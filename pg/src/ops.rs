@@ -47,6 +47,7 @@ const OP_SCATTER: u64 = 7;
 const OP_ALLTOALL: u64 = 8;
 const OP_ALLTOALLV: u64 = 9;
 const OP_BARRIER: u64 = 10;
+const OP_ALLTOALLV_WITH: u64 = 11;
 
 /// A frame signature: ranks calling with different arguments see different ones.
 fn sig(parts: &[u64]) -> u64 {
@@ -58,6 +59,18 @@ fn sig(parts: &[u64]) -> u64 {
         }
     }
     h
+}
+
+/// Where each of consecutive blocks of `counts` bytes starts.
+fn offsets(counts: &[u64]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0usize, |acc, &x| {
+            let o = *acc;
+            *acc += x as usize;
+            Some(o)
+        })
+        .collect()
 }
 
 fn bad(op: &'static str, detail: String) -> Error {
@@ -755,6 +768,75 @@ impl Group {
         ))
     }
 
+    /// Alltoallv where each rank knows only what it sends: `build` gets the active slots of
+    /// the attempt (it runs again over the survivors when a failure interrupts one) and returns
+    /// the messages for them, consecutive in one buffer, with each one's length. Returns the
+    /// slots the exchange ran over, what each of them sent here (consecutive), and the lengths.
+    pub async fn alltoallv_with(
+        &self,
+        build: impl Fn(&[u32]) -> (Vec<u8>, Vec<u64>),
+    ) -> Result<(Vec<u32>, Vec<u8>, Vec<u64>)> {
+        let s = sig(&[OP_ALLTOALLV_WITH]);
+        let _op = self.inner.op_lock.lock().await;
+        let deadline = self.deadline();
+        loop {
+            let ctx = self.begin("alltoallv", deadline).await?;
+            let slots = ctx.slots();
+            let (input, send) = build(&slots);
+            let mut got = (Vec::new(), Vec::new());
+            let outcome = self.alltoallv_with_step(&ctx, &input, &send, &mut got, s).await;
+            if self.end_step("alltoallv", &ctx, outcome, deadline).await? {
+                return Ok((slots, got.0, got.1));
+            }
+        }
+    }
+
+    async fn alltoallv_with_step(
+        &self,
+        ctx: &Ctx,
+        input: &[u8],
+        send: &[u64],
+        got: &mut (Vec<u8>, Vec<u64>),
+        s: u64,
+    ) -> StepResult<u64> {
+        let n = ctx.n();
+        if send.len() != n || send.iter().sum::<u64>() != input.len() as u64 {
+            return Err(bad(
+                "alltoallv",
+                format!("{} messages of {} bytes for {n} active ranks", send.len(), input.len()),
+            )
+            .into());
+        }
+        let others: Vec<usize> = ctx.others().collect();
+        let mut matrix = vec![vec![0u64; n]; n];
+        matrix[ctx.me] = send.to_vec();
+        if n > 1 {
+            let mine: Vec<u8> = send.iter().flat_map(|c| c.to_le_bytes()).collect();
+            self.send_many(ctx, others.iter().copied(), 0, s, &mine).await?;
+            let bodies = self.recv_many(ctx, &others, 0, s, "alltoallv").await?;
+            for (&j, body) in others.iter().zip(&bodies) {
+                if body.len() != 8 * n {
+                    return Err(Error::new(
+                        ErrorKind::Mismatch,
+                        "alltoallv",
+                        format!("slot {} has another group size", ctx.members[j].slot),
+                    )
+                    .into());
+                }
+                matrix[j] = body
+                    .chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                    .collect();
+            }
+        }
+        let recv: Vec<u64> = (0..n).map(|j| matrix[j][ctx.me]).collect();
+        let mut output = vec![0u8; recv.iter().sum::<u64>() as usize];
+        let steps =
+            self.alltoallv_move(ctx, input, send, &mut output, &recv, &matrix, 1, s).await?;
+        *got = (output, recv);
+        Ok(steps)
+    }
+
     #[allow(clippy::too_many_arguments)]
     async fn alltoallv_step(
         &self,
@@ -775,16 +857,6 @@ impl Group {
             .into());
         }
         let others: Vec<usize> = ctx.others().collect();
-        let offs = |c: &[u64]| -> Vec<usize> {
-            c.iter()
-                .scan(0usize, |acc, &x| {
-                    let o = *acc;
-                    *acc += x as usize;
-                    Some(o)
-                })
-                .collect()
-        };
-        let (soff, roff) = (offs(send), offs(recv));
         // Uneven counts: exchange them first so every rank plans the same rounds.
         let mut matrix = vec![send.to_vec(); n];
         if exchange && n > 1 {
@@ -824,6 +896,26 @@ impl Group {
             return Err(bad("alltoall", "send and receive blocks differ".into()).into());
         }
         let base = if exchange { 1u32 } else { 0 };
+        self.alltoallv_move(ctx, input, send, output, recv, &matrix, base, s).await
+    }
+
+    /// The data movement of an alltoallv whose count matrix (`matrix[j]`: what rank `j` sends
+    /// to each rank) every rank knows, from phase `base` on.
+    #[allow(clippy::too_many_arguments)]
+    async fn alltoallv_move(
+        &self,
+        ctx: &Ctx,
+        input: &[u8],
+        send: &[u64],
+        output: &mut [u8],
+        recv: &[u64],
+        matrix: &[Vec<u64>],
+        base: u32,
+        s: u64,
+    ) -> StepResult<u64> {
+        let n = ctx.n();
+        let others: Vec<usize> = ctx.others().collect();
+        let (soff, roff) = (offsets(send), offsets(recv));
         let most = matrix.iter().flatten().copied().max().unwrap_or(0) as usize;
         if n == 1 || most <= self.inline_max() {
             let mut got = Vec::new();
