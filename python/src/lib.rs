@@ -20,6 +20,7 @@
 
 mod client;
 mod engine;
+mod ep;
 mod errors;
 mod fastpath;
 mod memory;
@@ -52,6 +53,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<fastpath::FastPath>()?;
     m.add_class::<pg::PgGroup>()?;
     m.add_class::<pg::PgCoordinator>()?;
+    m.add_class::<ep::EpHandle>()?;
+    m.add_function(wrap_pyfunction!(ep::ep_dispatch, m)?)?;
+    m.add_function(wrap_pyfunction!(ep::ep_combine, m)?)?;
     m.add_class::<fastpath::FastPathBuffer>()?;
     m.add_function(wrap_pyfunction!(fastpath::fastpath_error, m)?)?;
     let py = m.py();

@@ -30,7 +30,7 @@ fn kind_name(k: kvfs_pg::ErrorKind) -> &'static str {
     }
 }
 
-fn to_pyerr(py: Python<'_>, e: &kvfs_pg::Error) -> PyErr {
+pub(crate) fn to_pyerr(py: Python<'_>, e: &kvfs_pg::Error) -> PyErr {
     let made = py.import("kvfs.pg").and_then(|m| {
         m.getattr("_error")?.call1((kind_name(e.kind()), e.to_string(), e.kind().is_retryable()))
     });
@@ -41,7 +41,7 @@ fn to_pyerr(py: Python<'_>, e: &kvfs_pg::Error) -> PyErr {
 }
 
 /// Runs a kvfs-pg future with the GIL released.
-fn run<T: Send>(
+pub(crate) fn run<T: Send>(
     py: Python<'_>,
     fut: impl std::future::Future<Output = kvfs_pg::Result<T>> + Send,
 ) -> PyResult<T> {
@@ -50,7 +50,7 @@ fn run<T: Send>(
     r.map_err(|e| to_pyerr(py, &e))
 }
 
-fn dtype(py: Python<'_>, name: &str) -> PyResult<DType> {
+pub(crate) fn dtype(py: Python<'_>, name: &str) -> PyResult<DType> {
     DType::parse(name).map_err(|e| to_pyerr(py, &e))
 }
 
@@ -143,7 +143,7 @@ fn view_dict<'py>(py: Python<'py>, v: &kvfs_pg::View) -> PyResult<Bound<'py, PyD
 
 #[pyclass(module = "kvfs._native", name = "PgGroup", frozen)]
 pub struct PgGroup {
-    g: Group,
+    pub(crate) g: Group,
 }
 
 #[pymethods]

@@ -103,6 +103,13 @@ enum BenchCmd {
     /// busbw (nccl-tests definitions), each as a ratio of raw loopback TCP and memcpy measured
     /// in the same run, and kvfs against gloo. Needs an interpreter with torch and kvfs.
     Pg(PgBenchArgs),
+    /// MoE dispatch and combine of kvfs-ep against the all-gather fallback, same run.
+    ///
+    /// N spawned processes route T bfloat16 tokens (H 4096) each to top-4 of 32 experts,
+    /// scale them per expert and combine them back, once with kvfs-ep and once the way the
+    /// reference does without a device fast path (all-gather every token, all-reduce the
+    /// result), and print the step's p50/p99 and the bytes each rank sent for both.
+    Ep(EpBenchArgs),
     /// (internal) The peer process of `kvfs bench store`.
     #[command(hide = true)]
     StorePeer {
@@ -134,6 +141,22 @@ struct PgBenchArgs {
     /// Backends to compare.
     #[arg(long, default_value = "kvfs,gloo")]
     backends: String,
+}
+
+#[derive(Args)]
+struct EpBenchArgs {
+    /// Python interpreter with numpy and the kvfs package.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// Process counts (comma separated; each must divide the 32 experts).
+    #[arg(long, default_value = "2,4,8")]
+    procs: String,
+    /// Tokens per rank (comma separated).
+    #[arg(long, default_value = "128,512")]
+    tokens: String,
+    /// Timed steps per configuration.
+    #[arg(long, default_value_t = 30)]
+    iters: u32,
 }
 
 #[derive(Args)]
@@ -311,6 +334,12 @@ fn run() -> anyhow::Result<()> {
                 sizes: a.sizes,
                 ops: a.ops,
                 backends: a.backends,
+            }),
+            Cmd::Bench(BenchCmd::Ep(a)) => bench::ep::run(bench::ep::EpBench {
+                python: a.python,
+                procs: a.procs,
+                tokens: a.tokens,
+                iters: a.iters,
             }),
             Cmd::Bench(BenchCmd::StorePeer { dram }) => bench::store::serve_peer(dram).await,
             Cmd::Bench(BenchCmd::Tiers(a)) => {

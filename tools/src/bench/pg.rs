@@ -21,39 +21,43 @@ pub struct PgBench {
 }
 
 pub fn run(b: PgBench) -> anyhow::Result<()> {
-    let check = Command::new(&b.python)
-        .args(["-c", "import torch, numpy, kvfs.pg"])
+    let args =
+        ["--procs", &b.procs, "--sizes", &b.sizes, "--ops", &b.ops, "--backends", &b.backends];
+    run_script(&b.python, "pg", SCRIPT, "torch, numpy, kvfs.pg", &args)
+}
+
+/// Runs an embedded bench script `bench_<name>.py` with `python`, after checking that it
+/// imports `imports`.
+pub fn run_script(
+    python: &str,
+    name: &str,
+    script: &str,
+    imports: &str,
+    args: &[&str],
+) -> anyhow::Result<()> {
+    let check = Command::new(python)
+        .args(["-c", &format!("import {imports}")])
         .output()
-        .with_context(|| format!("cannot run {}", b.python))?;
+        .with_context(|| format!("cannot run {python}"))?;
     if !check.status.success() {
         bail!(
-            "{} cannot import torch, numpy and kvfs.pg (install torch and `pip install ./python` into it): {}",
-            b.python,
+            "{python} cannot import {imports} (install what is missing; the kvfs package with `pip install ./python`): {}",
             String::from_utf8_lossy(&check.stderr).lines().last().unwrap_or("")
         );
     }
-    let dir = std::env::temp_dir().join(format!("kvfs-bench-pg-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("kvfs-bench-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let script = dir.join("bench_pg.py");
-    std::fs::write(&script, SCRIPT)?;
-    let status = Command::new(&b.python)
-        .arg(&script)
-        .args([
-            "--procs",
-            &b.procs,
-            "--sizes",
-            &b.sizes,
-            "--ops",
-            &b.ops,
-            "--backends",
-            &b.backends,
-        ])
+    let path = dir.join(format!("bench_{name}.py"));
+    std::fs::write(&path, script)?;
+    let status = Command::new(python)
+        .arg(&path)
+        .args(args)
         .env("KVFS_LOG", std::env::var("KVFS_LOG").unwrap_or_else(|_| "error".into()))
         .status()
-        .with_context(|| format!("cannot run {}", b.python))?;
+        .with_context(|| format!("cannot run {python}"));
     let _ = std::fs::remove_dir_all(&dir);
-    if !status.success() {
-        bail!("the pg bench failed ({status})");
+    if !status?.success() {
+        bail!("the {name} bench failed");
     }
     Ok(())
 }

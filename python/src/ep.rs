@@ -1,0 +1,115 @@
+//! `kvfs.ep`'s native half: kvfs-ep's dispatch and combine on a `PgGroup`, taking
+//! buffer-protocol objects (numpy arrays; torch CPU tensors through `.numpy()`).
+
+use kvfs_ep::{EpConfig, Handle};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::memory::View;
+use crate::pg::{PgGroup, dtype, run};
+
+#[pyclass(module = "kvfs._native", name = "EpHandle", frozen)]
+pub struct EpHandle {
+    h: Handle,
+}
+
+#[pymethods]
+impl EpHandle {
+    /// The PG epoch the dispatch ran at.
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.h.epoch
+    }
+
+    /// The active slots the dispatch exchanged with.
+    #[getter]
+    fn slots(&self) -> Vec<u32> {
+        self.h.slots.clone()
+    }
+
+    /// Tokens this rank dispatched.
+    #[getter]
+    fn tokens(&self) -> usize {
+        self.h.tokens
+    }
+
+    /// Per local expert, the (source slot, source token) of each filled row.
+    #[getter]
+    fn layout(&self) -> Vec<Vec<(u32, u32)>> {
+        self.h.layout.clone()
+    }
+
+    /// Bytes this rank put on the wire for the dispatch and its combine.
+    fn wire_bytes(&self, me: u32) -> u64 {
+        kvfs_ep::wire_bytes(&self.h, me)
+    }
+}
+
+/// A dispatch's rows, counts per local expert, handle and updated mask.
+type Dispatched<'py> = (Bound<'py, PyBytes>, Vec<u32>, EpHandle, Vec<bool>);
+
+fn i64s(v: &View) -> PyResult<Vec<i64>> {
+    if !v.len().is_multiple_of(8) {
+        return Err(pyo3::exceptions::PyValueError::new_err("topk_idx must be int64"));
+    }
+    Ok(v.bytes().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8"))).collect())
+}
+
+/// Dispatches `x` (`[T, H]` rows of `dtype_name`) to the experts `topk_idx` (`[T, K]`
+/// int64, -1 masks) chooses. Returns (the `[E_local, R*M, H]` rows as bytes, counts per local
+/// expert, the handle, the updated active mask).
+#[pyfunction]
+#[pyo3(signature = (group, x, topk_idx, dtype_name, num_experts, num_ranks, hidden, topk, max_tokens, active))]
+#[allow(clippy::too_many_arguments)]
+pub fn ep_dispatch<'py>(
+    py: Python<'py>,
+    group: &PgGroup,
+    x: &Bound<'_, PyAny>,
+    topk_idx: &Bound<'_, PyAny>,
+    dtype_name: &str,
+    num_experts: u32,
+    num_ranks: u32,
+    hidden: usize,
+    topk: usize,
+    max_tokens: usize,
+    mut active: Vec<bool>,
+) -> PyResult<Dispatched<'py>> {
+    let cfg = EpConfig {
+        num_experts,
+        num_ranks,
+        hidden,
+        topk,
+        max_tokens,
+        dtype: dtype(py, dtype_name)?,
+    };
+    let xv = View::new(x, false)?;
+    let idx = i64s(&View::new(topk_idx, false)?)?;
+    let g = group.g.clone();
+    let d = run(py, async { kvfs_ep::dispatch(&g, &cfg, xv.bytes(), &idx, &mut active).await })?;
+    Ok((PyBytes::new(py, &d.x), d.counts, EpHandle { h: d.handle }, active))
+}
+
+/// Combines the experts' outputs `y` (the dispatch's layout) with `weights` (`[T, K]`
+/// float32) into this rank's `[T, H]` rows (bytes of the dispatch's dtype); returns them
+/// and the updated active mask.
+#[pyfunction]
+pub fn ep_combine<'py>(
+    py: Python<'py>,
+    group: &PgGroup,
+    y: &Bound<'_, PyAny>,
+    weights: &Bound<'_, PyAny>,
+    handle: &EpHandle,
+    mut active: Vec<bool>,
+) -> PyResult<(Bound<'py, PyBytes>, Vec<bool>)> {
+    let yv = View::new(y, false)?;
+    let wv = View::new(weights, false)?;
+    if !wv.len().is_multiple_of(4) {
+        return Err(pyo3::exceptions::PyValueError::new_err("topk_weights must be float32"));
+    }
+    let w: Vec<f32> =
+        wv.bytes().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
+    let g = group.g.clone();
+    let h = &handle.h;
+    let out = run(py, async { kvfs_ep::combine(&g, yv.bytes(), &w, &mut active, h).await })?;
+    Ok((PyBytes::new(py, &out), active))
+}
