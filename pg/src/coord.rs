@@ -131,6 +131,9 @@ pub struct Membership {
     removed_total: u64,
     /// Members that left in the current epoch, with the operations they had finished.
     left: BTreeMap<u32, u64>,
+    /// Views made by graceful leaves, by epoch, with their `switch_at` (a run of them since
+    /// the last other view; see `leave`).
+    graceful: BTreeMap<u64, u64>,
 }
 
 impl Membership {
@@ -149,6 +152,7 @@ impl Membership {
             change: None,
             removed_total: 0,
             left: BTreeMap::new(),
+            graceful: BTreeMap::new(),
         }
     }
 
@@ -407,6 +411,14 @@ impl Membership {
     /// the leaver's is missing for the operations it finished). During a reconciliation, or
     /// for an older epoch, a leave is handled as a failure.
     fn leave(&mut self, slot: u32, epoch: u64, finished: u64, now: Instant) -> Vec<Out> {
+        // A leaver that had not yet learned of other graceful leaves is still graceful when it
+        // finished exactly the operations before each switch: in the newer epoch it has
+        // finished none (two ranks that end their last call and exit together).
+        let (mut epoch, mut finished) = (epoch, finished);
+        while epoch < self.epoch && self.graceful.get(&(epoch + 1)) == Some(&finished) {
+            epoch += 1;
+            finished = 0;
+        }
         let active = self.members.get(&slot).is_some_and(|m| m.state == State::Active);
         if !active || !self.formed || self.reconcile.is_some() || epoch != self.epoch {
             if epoch == self.epoch {
@@ -419,6 +431,10 @@ impl Membership {
         self.removed_total += 1;
         self.change = None;
         self.epoch += 1;
+        if self.graceful.len() >= 64 {
+            self.graceful.pop_first();
+        }
+        self.graceful.insert(self.epoch, finished);
         tracing::info!(slot, finished, epoch = self.epoch, "pg member left");
         let mut view = self.view();
         view.removed = vec![(slot, "left the group".into())];
@@ -503,6 +519,7 @@ impl Membership {
     }
 
     fn broadcast_view(&mut self, resume: Option<Resume>, removed: Vec<(u32, String)>) -> Vec<Out> {
+        self.graceful.clear();
         let mut view = self.view();
         view.resume = resume;
         view.removed = removed;
@@ -655,5 +672,62 @@ async fn serve(engine: Engine, state: Arc<Mutex<Membership>>, cfg: CoordinatorCo
                 send_all(&engine, out).await;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(slot: u32) -> MemberInfo {
+        MemberInfo {
+            slot,
+            segment: format!("127.0.0.1:{}", 1000 + slot),
+            staging: [0, 0],
+            staging_bytes: 1 << 16,
+            inbox: [0, 0],
+            inbox_bytes: 1 << 16,
+            incarnation: slot as u64 + 1,
+        }
+    }
+
+    fn formed(world: u32) -> (Membership, Instant) {
+        let mut m = Membership::new(&CoordinatorConfig::new("g", world));
+        let now = Instant::now();
+        for s in 0..world {
+            let info = member(s);
+            let seg = info.segment.clone();
+            m.on_msg(
+                &seg,
+                Msg::Join { protocol: PROTOCOL, group: "g".into(), world, member: info },
+                now,
+            );
+        }
+        assert_eq!(m.epoch(), 1);
+        (m, now)
+    }
+
+    fn views(out: &[Out]) -> Vec<View> {
+        out.iter()
+            .filter_map(|(_, m)| if let Msg::View(v) = m { Some(v.clone()) } else { None })
+            .collect()
+    }
+
+    #[test]
+    fn ranks_leaving_together_after_their_last_call_leave_gracefully() {
+        let (mut m, now) = formed(4);
+        // Slot 2 leaves after one operation: epoch 2, switch after 1.
+        let out = m.on_msg(&member(2).segment, Msg::Leave { epoch: 1, finished: 1 }, now);
+        assert_eq!(views(&out)[0].switch_at, Some(1));
+        // Slot 1 finished the same operation and leaves before it heard of epoch 2: still a
+        // graceful leave (no freeze), switching at once in epoch 2.
+        let out = m.on_msg(&member(1).segment, Msg::Leave { epoch: 1, finished: 1 }, now);
+        assert!(out.iter().all(|(_, msg)| !matches!(msg, Msg::Freeze { .. })), "{out:?}");
+        let v = views(&out);
+        assert_eq!((v[0].epoch, v[0].switch_at), (3, Some(0)));
+        assert_eq!(v[0].slots(), vec![0, 3]);
+        // A leaver that had not finished what the others switch after is a failure.
+        let out = m.on_msg(&member(3).segment, Msg::Leave { epoch: 1, finished: 0 }, now);
+        assert!(out.iter().any(|(_, msg)| matches!(msg, Msg::Freeze { .. })), "{out:?}");
     }
 }
