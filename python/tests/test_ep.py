@@ -216,3 +216,68 @@ def test_bad_shapes_are_refused_before_any_exchange():
     out = ep.combine(g, recv, np.ones((3, K), np.float32), h)
     assert np.array_equal(out, 3 * x)
     g.close()
+
+
+def one_case(g, slot, world, seed, dtype):
+    x, idx, w = inputs(seed, slot, dtype)
+    mask = np.ones(world, np.int32)
+    recv, counts, h = ep.dispatch(g, x, idx, E, M, active_ranks=mask, dtype=dtype)
+    res = ep.combine(g, experts(recv, slot, world, dtype), w, h, active_ranks=mask)
+    return list(mask), check(slot, world, seed, dtype, recv, counts, res, mask)
+
+
+def survivor_then_rejoin(addr, slot, world, out, go):
+    try:
+        g = pg.Group(addr, slot, world, **SETTINGS)
+        g.barrier()
+        out.put("formed")
+        go.get(timeout=60)
+        out.put(one_case(g, slot, world, 7, "float32"))
+        go.get(timeout=60)
+        import time
+        deadline = time.monotonic() + 60
+        while g.waiting_slots() != [1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        g.change(activate=[1])
+        out.put(one_case(g, slot, world, 8, "bfloat16"))
+        g.close()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.put(("error", repr(e)))
+
+
+def replacement(addr, slot, world, out):
+    try:
+        g = pg.Group(addr, slot, world, **SETTINGS)  # returns once the survivors activate it
+        out.put(one_case(g, slot, world, 8, "bfloat16"))
+        g.close()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.put(("error", repr(e)))
+
+
+def test_a_replacement_takes_part_again_once_the_survivors_activate_it():
+    world = 4
+    coord = pg.Coordinator(world=world, failure_timeout_ms=2000)
+    ctx = mp.get_context("spawn")
+    outs = [ctx.Queue() for _ in range(world)]
+    gos = [ctx.Queue() for _ in range(world)]
+    procs = [ctx.Process(target=survivor_then_rejoin, args=(coord.addr, s, world, outs[s], gos[s]),
+                         daemon=True) for s in range(world)]
+    for p in procs:
+        p.start()
+    assert [outs[s].get(timeout=120) for s in range(world)] == ["formed"] * world
+    os.kill(procs[1].pid, signal.SIGKILL)
+    procs[1].join(10)
+    live = [0, 2, 3]
+    for s in live:
+        gos[s].put("go")
+    for s in live:
+        assert outs[s].get(timeout=120) == ([1, 0, 1, 1], []), s
+    outs[1] = ctx.Queue()
+    rep = ctx.Process(target=replacement, args=(coord.addr, 1, world, outs[1]), daemon=True)
+    rep.start()
+    for s in live:
+        gos[s].put("go")
+    for s in range(world):
+        assert outs[s].get(timeout=120) == ([1, 1, 1, 1], []), s
+    for p in procs + [rep]:
+        p.join(30)
