@@ -162,6 +162,25 @@ class ProcessGroup(dist.ProcessGroup):
         self._g, self._coord, self.options = group, coordinator, options
         self._name = ""
         self._desc = ""
+        # The reference's auto_deactivate_on_failure=False: kvfs still runs every call over the
+        # live ranks, but a failed rank stays listed as active, and every call reports it
+        # (local_success False, failed_ranks) until the program deactivates it by hand.
+        self._manual = not _options_value(options, "auto_deactivate_on_failure", True)
+        self._known = set(group.active) if self._manual and not group.pending else set()
+
+    def _listed(self):
+        """Active ranks as the program sees them (with manual deactivation: the failed ranks
+        it has not deactivated yet too)."""
+        active = set(self._g.active)
+        if not self._manual:
+            return active
+        if not self._g.pending:
+            self._known |= active
+        return self._known | active
+
+    def _unacked(self):
+        """Failed ranks the program has not deactivated yet (manual deactivation only)."""
+        return sorted(self._listed() - set(self._g.active)) if self._manual else []
 
     # -- identity ----------------------------------------------------------------------
     def getRank(self):
@@ -170,7 +189,7 @@ class ProcessGroup(dist.ProcessGroup):
     def getSize(self):
         if self._g.pending:
             return self._declared
-        active = self._g.active
+        active = self._listed()
         return max(active) + 1 if active else self._declared
 
     def getBackendName(self):
@@ -202,6 +221,10 @@ class ProcessGroup(dist.ProcessGroup):
     def _work(self, fn, result, peer=None):
         w = Work(fn, result, self, peer)
         w._run()
+        lost = self._unacked()
+        if lost:
+            w.local_success = False
+            w.failed_ranks = sorted(set(w.failed_ranks) | set(lost))
         return w
 
     # -- collectives -------------------------------------------------------------------
@@ -255,15 +278,25 @@ class ProcessGroup(dist.ProcessGroup):
 
         return self._work(run, output_lists)
 
+    def _settle(self, blocks):
+        """The caller sized its buffers for ``blocks`` ranks, fewer than this view has active:
+        a rank may have died unnoticed (the caller saw it go), so a barrier settles the view
+        first (a dead rank fails it and the survivors finish it without it)."""
+        if blocks < len(self._g.active):
+            self._g._g.barrier()
+
     def all_gather_single(self, output, input, opts=None):
         def run():
-            n = self.getSize()
-            outs = list(output.reshape(n, -1).unbind(0)) if output.numel() else []
-            if output.is_contiguous() and self._g.active == list(range(n)):
+            blocks = output.numel() // max(input.numel(), 1)
+            self._settle(blocks)
+            if output.is_contiguous() and blocks == len(self._g.active):
+                # One block per active rank, in slot order (all ranks, or the survivors).
                 with _Contig(input) as c:
                     self._g._g.allgather(_bytes(c), _bytes(output))
-            else:
-                self._gather_into(input.reshape(-1), outs)
+                return
+            n = self.getSize()
+            outs = list(output.reshape(n, -1).unbind(0)) if output.numel() else []
+            self._gather_into(input.reshape(-1), outs)
 
         return self._work(run, [output])
 
@@ -326,10 +359,13 @@ class ProcessGroup(dist.ProcessGroup):
         op = _op_name(opts.reduceOp)
 
         def run():
-            n = self.getSize()
-            blocks = input.reshape(n, -1)
+            count = input.numel() // max(output.numel(), 1)
+            self._settle(count)
             active = self._g.active
-            flat = blocks if active == list(range(n)) else blocks[active]
+            if count == len(active):
+                flat = input  # one block per active rank, in slot order
+            else:
+                flat = input.reshape(self.getSize(), -1)[active]
             flat = flat.contiguous()
             with _Contig(output) as c:
                 ob, dt = _np(c.reshape(-1))

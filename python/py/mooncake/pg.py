@@ -2,8 +2,11 @@
 ``torch.distributed`` backend ``"mooncake-cpu"`` (the kvfs backend, :mod:`kvfs.torch_pg`,
 under the reference's name) and provides its options class and elastic helpers.
 
-Differences from the reference, by design: a failed rank is always removed automatically
-(``auto_deactivate_on_failure`` and ``auto_sync_on_failure`` are accepted and always on);
+Differences from the reference, by design: calls always run over the live ranks. With
+``auto_deactivate_on_failure=False`` a failed rank stays listed in ``get_active_ranks`` and
+every call reports it (``get_local_success`` false, ``get_failed_ranks_hint``) until
+``deactivate_ranks`` names it, as in the reference, but the calls' results are already the
+live ranks' (the reference's are too); ``sync_after_failure`` has nothing to wait for;
 a replacement's ``init_process_group`` (``is_extension=False``) returns once the active ranks
 activate it; there is no CUDA backend (``"mooncake"``).
 """
@@ -89,7 +92,7 @@ def _max_size(g):
 def get_active_ranks(group=None):
     g = _pg(group)
     t = torch.zeros(_max_size(g), dtype=torch.int32)
-    for s in g.kvfs_group.active:
+    for s in g._listed():
         if s < t.numel():
             t[s] = 1
     return t
@@ -131,7 +134,13 @@ def deactivate_ranks(group, ranks):
         epoch = g.kvfs_group.epoch
         g.kvfs_group.close()
         return ProposeViewUpdateResponse(ProposalStatus.Applied, epoch + 1)
-    return _change(group, deactivate=ranks)
+    # Failed ranks kvfs already runs without (manual deactivation): the program acknowledges.
+    gone = [r for r in ranks if r in g._unacked()]
+    g._known -= set(gone)
+    rest = [r for r in ranks if r not in gone]
+    if not rest:
+        return ProposeViewUpdateResponse(ProposalStatus.Applied, g.kvfs_group.epoch)
+    return _change(group, deactivate=rest)
 
 
 def join_group(group=None):
