@@ -811,22 +811,8 @@ impl Group {
         let mut matrix = vec![vec![0u64; n]; n];
         matrix[ctx.me] = send.to_vec();
         if n > 1 {
-            let mine: Vec<u8> = send.iter().flat_map(|c| c.to_le_bytes()).collect();
-            self.send_many(ctx, others.iter().copied(), 0, s, &mine).await?;
-            let bodies = self.recv_many(ctx, &others, 0, s, "alltoallv").await?;
-            for (&j, body) in others.iter().zip(&bodies) {
-                if body.len() != 8 * n {
-                    return Err(Error::new(
-                        ErrorKind::Mismatch,
-                        "alltoallv",
-                        format!("slot {} has another group size", ctx.members[j].slot),
-                    )
-                    .into());
-                }
-                matrix[j] = body
-                    .chunks_exact(8)
-                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-                    .collect();
+            for (j, theirs) in self.exchange_counts(ctx, &others, send, s).await? {
+                matrix[j] = theirs;
             }
         }
         let recv: Vec<u64> = (0..n).map(|j| matrix[j][ctx.me]).collect();
@@ -835,6 +821,37 @@ impl Group {
             self.alltoallv_move(ctx, input, send, &mut output, &recv, &matrix, 1, s).await?;
         *got = (output, recv);
         Ok(steps)
+    }
+
+    /// Round 0 of an alltoallv: sends `mine` to every other rank and returns each one's list
+    /// (of the same length, or `Mismatch`), by rank.
+    async fn exchange_counts(
+        &self,
+        ctx: &Ctx,
+        others: &[usize],
+        mine: &[u64],
+        s: u64,
+    ) -> StepResult<Vec<(usize, Vec<u64>)>> {
+        let bytes: Vec<u8> = mine.iter().flat_map(|c| c.to_le_bytes()).collect();
+        self.send_many(ctx, others.iter().copied(), 0, s, &bytes).await?;
+        let bodies = self.recv_many(ctx, others, 0, s, "alltoallv").await?;
+        let mut out = Vec::with_capacity(others.len());
+        for (&j, body) in others.iter().zip(&bodies) {
+            if body.len() != bytes.len() {
+                return Err(Error::new(
+                    ErrorKind::Mismatch,
+                    "alltoallv",
+                    format!("slot {} has another group size", ctx.members[j].slot),
+                )
+                .into());
+            }
+            let theirs = body
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8")))
+                .collect();
+            out.push((j, theirs));
+        }
+        Ok(out)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -860,25 +877,8 @@ impl Group {
         // Uneven counts: exchange them first so every rank plans the same rounds.
         let mut matrix = vec![send.to_vec(); n];
         if exchange && n > 1 {
-            let mut mine = Vec::with_capacity(16 * n);
-            for c in send.iter().chain(recv) {
-                mine.extend_from_slice(&c.to_le_bytes());
-            }
-            self.send_many(ctx, others.iter().copied(), 0, s, &mine).await?;
-            let got = self.recv_many(ctx, &others, 0, s, "alltoallv").await?;
-            for (&j, body) in others.iter().zip(&got) {
-                if body.len() != 16 * n {
-                    return Err(Error::new(
-                        ErrorKind::Mismatch,
-                        "alltoallv",
-                        format!("slot {} has another group size", ctx.members[j].slot),
-                    )
-                    .into());
-                }
-                let theirs: Vec<u64> = body
-                    .chunks_exact(8)
-                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-                    .collect();
+            let mine: Vec<u64> = send.iter().chain(recv).copied().collect();
+            for (j, theirs) in self.exchange_counts(ctx, &others, &mine, s).await? {
                 if theirs[ctx.me] != recv[j] || theirs[n + ctx.me] != send[j] {
                     return Err(Error::new(
                         ErrorKind::Mismatch,
