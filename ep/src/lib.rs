@@ -163,7 +163,30 @@ pub async fn dispatch(
     topk: &[i64],
     active: &mut [bool],
 ) -> Result<Dispatched> {
+    let mut out = vec![0u8; cfg.recv_bytes()];
+    let (counts, handle) = dispatch_into(group, cfg, x, topk, active, &mut out).await?;
+    Ok(Dispatched { x: out, counts, handle })
+}
+
+/// As [`dispatch`], into `out` (`EpConfig::recv_bytes` long, zeroed by the caller: only the
+/// rows received are written, so fresh zeroed memory is touched only where tokens land).
+/// Returns the counts per local expert and the handle.
+pub async fn dispatch_into(
+    group: &Group,
+    cfg: &EpConfig,
+    x: &[u8],
+    topk: &[i64],
+    active: &mut [bool],
+    out: &mut [u8],
+) -> Result<(Vec<u32>, Handle)> {
     let t = check_inputs(cfg, x.len(), topk, active)?;
+    if out.len() != cfg.recv_bytes() {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            "dispatch",
+            format!("the output holds {} bytes, {} needed", out.len(), cfg.recv_bytes()),
+        ));
+    }
     let (k, rb) = (cfg.topk, cfg.row_bytes());
     // Too many tokens: the exchange still runs (with the count alone), so the peers fail at
     // once with `Mismatch` instead of waiting for this rank into their deadline.
@@ -257,7 +280,7 @@ pub async fn dispatch(
                     })
                     .collect();
                 refresh_mask(active, &slots);
-                return place(cfg, group.epoch(), slots, got, sent, t);
+                return place(cfg, group.epoch(), slots, got, sent, t, out);
             }
             Err(e) if group.epoch() != before && e.kind() != ErrorKind::InvalidArgument => {
                 last = Some(e);
@@ -292,10 +315,10 @@ fn place(
     got: Vec<&[u8]>,
     sent: Vec<Vec<(u32, Vec<u8>)>>,
     tokens: usize,
-) -> Result<Dispatched> {
+    x: &mut [u8],
+) -> Result<(Vec<u32>, Handle)> {
     let (k, rb, el, m) = (cfg.topk, cfg.row_bytes(), cfg.local_experts(), cfg.max_tokens);
     let block = cfg.num_ranks as usize * m * rb;
-    let mut x = vec![0u8; el * block];
     let mut counts = vec![0u32; el];
     let mut layout = vec![Vec::new(); el];
     let mut recv = Vec::with_capacity(slots.len());
@@ -356,11 +379,7 @@ fn place(
         }
         recv.push(from);
     }
-    Ok(Dispatched {
-        x,
-        counts,
-        handle: Handle { cfg: *cfg, epoch, slots, tokens, layout, sent, recv },
-    })
+    Ok((counts, Handle { cfg: *cfg, epoch, slots, tokens, layout, sent, recv }))
 }
 
 fn load(dtype: DType, b: &[u8], i: usize) -> f32 {

@@ -56,9 +56,11 @@ def worker(addr, rank, nprocs, tokens, iters, out):
 
         def step_ep():
             recv, counts, h = ep.dispatch(g, x, idx, E, t, dtype="bfloat16")
-            local = f[rank * el:(rank + 1) * el][:, None, None]
-            y = to_bf16(from_bf16(recv) * local)
-            return ep.combine(g, y, w, h), h
+            # Each expert works on the rows it received, as a real one does.
+            for le, rows in enumerate(h.rows(t)):
+                if rows:
+                    recv[le, rows] = to_bf16(from_bf16(recv[le, rows]) * f[rank * el + le])
+            return ep.combine(g, recv, w, h), h
 
         def step_fallback():
             xs = np.empty((nprocs * t, H), np.uint16)

@@ -45,8 +45,8 @@ impl EpHandle {
     }
 }
 
-/// A dispatch's rows, counts per local expert, handle and updated mask.
-type Dispatched<'py> = (Bound<'py, PyBytes>, Vec<u32>, EpHandle, Vec<bool>);
+/// A dispatch's counts per local expert, handle and updated mask.
+type Dispatched = (Vec<u32>, EpHandle, Vec<bool>);
 
 fn i64s(v: &View) -> PyResult<Vec<i64>> {
     if !v.len().is_multiple_of(8) {
@@ -56,10 +56,10 @@ fn i64s(v: &View) -> PyResult<Vec<i64>> {
 }
 
 /// Dispatches `x` (`[T, H]` rows of `dtype_name`) to the experts `topk_idx` (`[T, K]`
-/// int64, -1 masks) chooses. Returns (the `[E_local, R*M, H]` rows as bytes, counts per local
-/// expert, the handle, the updated active mask).
+/// int64, -1 masks) chooses, into `out` (the `[E_local, R*M, H]` rows, zeroed, writable).
+/// Returns (counts per local expert, the handle, the updated active mask).
 #[pyfunction]
-#[pyo3(signature = (group, x, topk_idx, dtype_name, num_experts, num_ranks, hidden, topk, max_tokens, active))]
+#[pyo3(signature = (group, x, topk_idx, dtype_name, num_experts, num_ranks, hidden, topk, max_tokens, active, out))]
 #[allow(clippy::too_many_arguments)]
 pub fn ep_dispatch<'py>(
     py: Python<'py>,
@@ -73,7 +73,8 @@ pub fn ep_dispatch<'py>(
     topk: usize,
     max_tokens: usize,
     mut active: Vec<bool>,
-) -> PyResult<Dispatched<'py>> {
+    out: &Bound<'_, PyAny>,
+) -> PyResult<Dispatched> {
     let cfg = EpConfig {
         num_experts,
         num_ranks,
@@ -85,8 +86,12 @@ pub fn ep_dispatch<'py>(
     let xv = View::new(x, false)?;
     let idx = i64s(&View::new(topk_idx, false)?)?;
     let g = group.g.clone();
-    let d = run(py, async { kvfs_ep::dispatch(&g, &cfg, xv.bytes(), &idx, &mut active).await })?;
-    Ok((PyBytes::new(py, &d.x), d.counts, EpHandle { h: d.handle }, active))
+    let ov = View::new(out, true)?;
+    let dst = crate::pg::bytes_mut(&ov);
+    let (counts, h) = run(py, async {
+        kvfs_ep::dispatch_into(&g, &cfg, xv.bytes(), &idx, &mut active, dst).await
+    })?;
+    Ok((counts, EpHandle { h }, active))
 }
 
 /// Combines the experts' outputs `y` (the dispatch's layout) with `weights` (`[T, K]`

@@ -60,7 +60,7 @@ fn op(py: Python<'_>, name: &str) -> PyResult<ReduceOp> {
 
 /// The bytes of a writable export.
 #[allow(clippy::mut_from_ref)] // the export, not the View, owns the memory (see SAFETY)
-fn bytes_mut(v: &View) -> &mut [u8] {
+pub(crate) fn bytes_mut(v: &View) -> &mut [u8] {
     if v.len() == 0 {
         return &mut [];
     }

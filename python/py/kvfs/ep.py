@@ -39,6 +39,19 @@ class Handle:
     def slots(self):
         return self._h.slots
 
+    def rows(self, max_tokens):
+        """Per local expert, the indices of its filled rows (``max_tokens`` as dispatched)."""
+        out = []
+        for entries in self._h.layout:
+            seen = {}
+            idx = []
+            for src, _ in entries:
+                i = seen.get(src, 0)
+                seen[src] = i + 1
+                idx.append(src * max_tokens + i)
+            out.append(idx)
+        return out
+
     def wire_bytes(self, me):
         """Bytes this rank sent for the dispatch and its combine (rows and routing)."""
         return self._h.wire_bytes(me)
@@ -113,12 +126,18 @@ def dispatch(group, x, topk_idx, num_experts, max_tokens, active_ranks=None, num
         len(active_ranks) if active_ranks is not None else group.view()["world"])
     mask = _mask(active_ranks, r)
     h, k = xa.shape[1], idx.shape[1]
-    raw, counts, native, mask = _native.ep_dispatch(
-        group._g, xa, idx, dt, int(num_experts), int(r), int(h), int(k), int(max_tokens), mask)
-    _write_mask(active_ranks, mask)
-    e_local = int(num_experts) // int(r)
+    e_local = int(num_experts) // max(int(r), 1)
     shape = (e_local, int(r) * int(max_tokens), h)
-    recv_x = _out(raw, shape, dt, was_torch)
+    # Zeroed (calloc'd) memory: only the pages rows land on are touched.
+    recv_x = np.zeros(shape, dtype=np.uint16 if dt == "bfloat16" else np.dtype(dt))
+    counts, native, mask = _native.ep_dispatch(
+        group._g, xa, idx, dt, int(num_experts), int(r), int(h), int(k), int(max_tokens), mask,
+        recv_x)
+    _write_mask(active_ranks, mask)
+    if was_torch:
+        torch = _torch()
+        recv_x = torch.from_numpy(recv_x.view(np.int16)).view(torch.bfloat16) \
+            if dt == "bfloat16" else torch.from_numpy(recv_x)
     counts = np.asarray(counts, dtype=np.int64)
     if was_torch:
         counts = _torch().from_numpy(counts)
