@@ -1,0 +1,23 @@
+//! kvfs-reshard: moving model weights between parallel placements.
+//!
+//! - `placement`: tensors, fragments and placements (TP/EP splits, PP ownership, DP and
+//!   unsplit-axis replicas), validated closed; built from a `Parallel` layout or listed.
+//! - `plan`: the planner, source placement -> target placement, as strided byte regions
+//!   within limits.
+//! - `exec`: holders of registered buffers with generations, bindings, and the executor that
+//!   runs a bound plan as Transfer Engine reads and commits it over a kvfs-pg group.
+//! - `pool`: weights stored once in the kvfs pool and loaded into any placement.
+
+#![forbid(unsafe_code)]
+
+mod error;
+pub mod exec;
+pub mod placement;
+pub mod plan;
+pub mod pool;
+pub mod testing;
+
+pub use error::{Error, ErrorKind, Result};
+pub use exec::{Binding, BoundPlan, Holder, Report, State, commit, execute};
+pub use placement::{DIMS_MAX, Fragment, Parallel, Placement, Rule, TensorDesc, TensorPlacement};
+pub use plan::{Limits, Plan, Region, plan};
