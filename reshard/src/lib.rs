@@ -7,6 +7,7 @@
 //! - `exec`: holders of registered buffers with generations, bindings, and the executor that
 //!   runs a bound plan as Transfer Engine reads and commits it over a kvfs-pg group.
 //! - `pool`: weights stored once in the kvfs pool and loaded into any placement.
+//! - `rank`: one participant of a multi-process reshard (tests and `kvfs bench reshard`).
 
 #![forbid(unsafe_code)]
 
@@ -15,9 +16,13 @@ pub mod exec;
 pub mod placement;
 pub mod plan;
 pub mod pool;
+pub mod rank;
 pub mod testing;
 
 pub use error::{Error, ErrorKind, Result};
 pub use exec::{Binding, BoundPlan, Holder, Report, State, commit, execute};
-pub use placement::{DIMS_MAX, Fragment, Parallel, Placement, Rule, TensorDesc, TensorPlacement};
+pub use placement::{
+    DIMS_MAX, Fragment, ModelSpec, Parallel, Placement, Rule, TensorDesc, TensorPlacement,
+    TensorSpec,
+};
 pub use plan::{Limits, Plan, Region, plan};

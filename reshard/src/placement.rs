@@ -418,3 +418,65 @@ mod tests {
         assert_eq!(Parallel::parse("xx2").unwrap_err().kind(), ErrorKind::InvalidArgument);
     }
 }
+
+/// A model as `kvfs reshard` reads it: its tensors and how each is laid out.
+///
+/// ```json
+/// {"tensors": [{"name": "l0.qkv", "shape": [4096, 12288], "dtype": "bfloat16", "itemsize": 2,
+///               "tp_dim": 1, "layer": [0, 32]}]}
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    pub tensors: Vec<TensorSpec>,
+}
+
+/// One tensor of a [`ModelSpec`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub dtype: String,
+    pub itemsize: u32,
+    #[serde(default)]
+    pub tp_dim: Option<usize>,
+    #[serde(default)]
+    pub ep_dim: Option<usize>,
+    /// (layer, layers): the PP stage owning the layer holds it.
+    #[serde(default)]
+    pub layer: Option<(u32, u32)>,
+}
+
+impl ModelSpec {
+    pub fn from_json(s: &str) -> Result<ModelSpec> {
+        let m: ModelSpec = serde_json::from_str(s)
+            .map_err(|e| Error::new(ErrorKind::InvalidArgument, "model spec", e.to_string()))?;
+        for t in &m.tensors {
+            if t.name.is_empty() || t.name.contains(['/', '\0']) {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    "model spec",
+                    format!("tensor name {:?} (non-empty, no '/')", t.name),
+                ));
+            }
+        }
+        Ok(m)
+    }
+
+    pub fn rules(&self) -> Vec<(TensorDesc, Rule)> {
+        self.tensors
+            .iter()
+            .map(|t| {
+                (
+                    TensorDesc::new(&t.name, &t.shape, &t.dtype, t.itemsize),
+                    Rule { tp_dim: t.tp_dim, ep_dim: t.ep_dim, layer: t.layer },
+                )
+            })
+            .collect()
+    }
+
+    /// The placement of this model under `layout` (`tp4/pp2`).
+    pub fn placement(&self, layout: &str) -> Result<Placement> {
+        Parallel::parse(layout)?.placement(&self.rules())
+    }
+}

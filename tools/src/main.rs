@@ -56,6 +56,9 @@ enum Cmd {
     /// Process groups (collectives on the Transfer Engine).
     #[command(subcommand)]
     Pg(PgCmd),
+    /// Model weights between parallel layouts (TP/PP/EP/DP): plan, store once, load any.
+    #[command(subcommand)]
+    Reshard(cmd::reshard::ReshardCmd),
 }
 
 #[derive(Subcommand)]
@@ -328,6 +331,7 @@ fn run() -> anyhow::Result<()> {
                 .await
             }
             Cmd::Pg(PgCmd::Coordinator(a)) => cmd::pg::coordinator(a).await,
+            Cmd::Reshard(c) => cmd::reshard::run(&master, c).await,
             Cmd::Bench(BenchCmd::Pg(a)) => bench::pg::run(bench::pg::PgBench {
                 python: a.python,
                 procs: a.procs,

@@ -13,7 +13,7 @@ fn kvfs(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn every_command_explains_itself() {
-    for cmd in ["up", "master", "node", "put", "get", "ls", "stat", "rm", "bench"] {
+    for cmd in ["up", "master", "node", "put", "get", "ls", "stat", "rm", "bench", "reshard"] {
         let out = kvfs(&[cmd, "--help"]);
         assert!(out.status.success(), "kvfs {cmd} --help failed");
         let text = String::from_utf8_lossy(&out.stdout);

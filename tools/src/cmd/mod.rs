@@ -5,3 +5,4 @@ pub mod mooncake_flags;
 pub mod mount;
 pub mod objects;
 pub mod pg;
+pub mod reshard;
