@@ -10,7 +10,9 @@
 //! reads, then `done committed=.. state=.. verified=.. bytes=.. exec_us=.. err=..`.
 //! Settings: `hold_ms=N` (wait between reading and the commit: a test kills the rank there),
 //! `stale=1` (re-allocate the target after binding: the plan's generation is stale),
-//! `tcp_only=1`, `op_timeout_ms=N`, `iters=N` (execute N times, printing `exec_us` of each).
+//! `tcp_only=1`, `op_timeout_ms=N`, `iters=N` (execute N times after a barrier each, printing
+//! each one's time on this rank as `exec_us`), `dst_offset=K` (slot `s` is target participant
+//! `s-K`: with sources on slots below K every byte crosses processes).
 
 use std::time::{Duration, Instant};
 
@@ -66,8 +68,8 @@ pub fn main(args: &[String]) -> i32 {
     }
     let slot: u32 = args[2].parse().expect("SLOT");
     let world: u32 = args[3].parse().expect("WORLD");
-    let (mut model_spec, mut hold_ms, mut stale, mut iters) =
-        ("mixed".to_string(), 0u64, false, 1usize);
+    let (mut model_spec, mut hold_ms, mut stale, mut iters, mut off) =
+        ("mixed".to_string(), 0u64, false, 1usize, 0u32);
     let mut pg = PgConfig::default();
     let mut ec = EngineConfig { name: None, ..EngineConfig::default() };
     for kv in &args[6..] {
@@ -77,6 +79,7 @@ pub fn main(args: &[String]) -> i32 {
             "hold_ms" => hold_ms = v.parse().expect("hold_ms"),
             "stale" => stale = v == "1",
             "iters" => iters = v.parse().expect("iters"),
+            "dst_offset" => off = v.parse().expect("dst_offset"),
             "tcp_only" if v == "1" => {
                 pg.transports = Transports::tcp_only();
                 ec.transports = Transports::tcp_only();
@@ -96,7 +99,7 @@ pub fn main(args: &[String]) -> i32 {
         .enable_all()
         .build()
         .expect("runtime");
-    rt.block_on(run(slot, world, &args[1], src, dst, pg, ec, hold_ms, stale, iters))
+    rt.block_on(run(slot, world, &args[1], src, dst, pg, ec, hold_ms, stale, iters, off))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -111,6 +114,7 @@ async fn run(
     hold_ms: u64,
     stale: bool,
     iters: usize,
+    off: u32,
 ) -> i32 {
     let group = match Group::join(coord, slot, world, pg).await {
         Ok(g) => g,
@@ -122,8 +126,8 @@ async fn run(
     let engine = Engine::start(ec).await.expect("engine");
     let mut source = (slot < src.participants)
         .then(|| Holder::new(engine.clone(), &src, slot).expect("source holder"));
-    let mut target = (slot < dst.participants)
-        .then(|| Holder::new(engine.clone(), &dst, slot).expect("target holder"));
+    let mut target = (slot >= off && slot - off < dst.participants)
+        .then(|| Holder::new(engine.clone(), &dst, slot - off).expect("target holder"));
     if let Some(h) = source.as_mut() {
         h.allocate().expect("allocate source");
         for (t, f, b) in h.buffers() {
@@ -171,9 +175,8 @@ async fn run(
             Some(h) => Some(crate::execute(h, &bound).await),
             None => None,
         };
-        // Everyone's reads are done when the slowest rank's are.
-        let _ = group.barrier().await;
         exec_us.push(t0.elapsed().as_micros());
+        let _ = group.barrier().await;
         last = Some(report);
     }
     let report = last.expect("one iteration");

@@ -113,6 +113,20 @@ enum BenchCmd {
     /// reference does without a device fast path (all-gather every token, all-reduce the
     /// result), and print the step's p50/p99 and the bytes each rank sent for both.
     Ep(EpBenchArgs),
+    /// Weights moved between processes by kvfs-reshard, and the planner on a large model.
+    ///
+    /// Runs one process per participant (sources first, targets after, so every byte crosses
+    /// processes) resharding one f32 matrix per size, tp1->tp1 and tp2->tp4, over shm and
+    /// tcp: GB/s from the p50 of the slowest target's execution, as a ratio of memcpy (shm) or
+    /// raw loopback TCP (tcp) measured in the same run; then the time to plan 1,000 tensors
+    /// from 64 ranks to 64 others.
+    Reshard(ReshardBenchArgs),
+    /// (internal) One participant of `kvfs bench reshard` (see `kvfs_reshard::rank`).
+    #[command(hide = true)]
+    ReshardRank {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// (internal) The peer process of `kvfs bench store`.
     #[command(hide = true)]
     StorePeer {
@@ -160,6 +174,22 @@ struct EpBenchArgs {
     /// Timed steps per configuration.
     #[arg(long, default_value_t = 30)]
     iters: u32,
+}
+
+#[derive(Args)]
+struct ReshardBenchArgs {
+    /// Matrix sizes (comma separated; whole MiB).
+    #[arg(long, value_delimiter = ',', default_value = "16M,64M,256M", value_parser = parse_bytes)]
+    sizes: Vec<u64>,
+    /// Transports: shm (same host), tcp (loopback sockets).
+    #[arg(long, value_delimiter = ',', default_value = "shm,tcp")]
+    transports: Vec<String>,
+    /// Timed executions per case.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Print one JSON object per figure instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -293,6 +323,10 @@ fn run() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse_from(cmd::mooncake_flags::translate(std::env::args_os().collect())?);
+    if let Cmd::Bench(BenchCmd::ReshardRank { args }) = &cli.cmd {
+        // It runs its own runtime (two workers, as the test ranks do).
+        std::process::exit(kvfs_reshard::rank::main(args));
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let master = cli.master;
@@ -345,6 +379,18 @@ fn run() -> anyhow::Result<()> {
                 tokens: a.tokens,
                 iters: a.iters,
             }),
+            Cmd::Bench(BenchCmd::Reshard(a)) => {
+                bench::reshard::run(bench::reshard::ReshardBench {
+                    sizes: a.sizes,
+                    transports: a.transports,
+                    iters: a.iters,
+                    json: a.json,
+                })
+                .await
+            }
+            Cmd::Bench(BenchCmd::ReshardRank { .. }) => {
+                unreachable!("run before the runtime starts")
+            }
             Cmd::Bench(BenchCmd::StorePeer { dram }) => bench::store::serve_peer(dram).await,
             Cmd::Bench(BenchCmd::Tiers(a)) => {
                 bench::tiers::run(bench::tiers::TiersBench {

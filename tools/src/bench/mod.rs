@@ -6,6 +6,7 @@ pub mod fs;
 pub mod limits;
 pub mod pg;
 pub mod report;
+pub mod reshard;
 pub mod store;
 pub mod tiers;
 pub mod transfer;

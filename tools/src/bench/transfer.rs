@@ -64,14 +64,14 @@ pub async fn serve_peer(buffer_bytes: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-struct PeerProc {
+pub(crate) struct PeerProc {
     _child: tokio::process::Child,
     segment: String,
     buf_addr: u64,
-    raw_addr: std::net::SocketAddr,
+    pub(crate) raw_addr: std::net::SocketAddr,
 }
 
-async fn start_peer() -> anyhow::Result<PeerProc> {
+pub(crate) async fn start_peer() -> anyhow::Result<PeerProc> {
     let exe = std::env::current_exe().context("locating the kvfs binary")?;
     let mut child = tokio::process::Command::new(exe)
         .args(["bench", "transfer-peer", "--buffer-bytes", &BUF_BYTES.to_string()])
