@@ -24,7 +24,9 @@ use kvfs_pg::{DType, Error, ErrorKind, Group, Result};
 pub const ATTEMPTS: usize = 4;
 
 const MAGIC: u32 = 0x5045_564b; // "KVEP"
-const HEADER: usize = 28;
+const HEADER: usize = 32;
+/// Header flag: each token's top-k weights follow its choices.
+const WITH_WEIGHTS: u32 = 1;
 
 /// The shape of a dispatch, the same on every rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,8 +98,14 @@ pub struct Handle {
     /// there, in message order.
     sent: Vec<Vec<(u32, Vec<u8>)>>,
     /// Per rank index of `slots`: the tokens received from there: per token, (local expert,
-    /// row) of each choice, in the sender's top-k order.
-    recv: Vec<Vec<Vec<(u16, u32)>>>,
+    /// row, weight) of each choice, in the sender's top-k order (weights 0 when the dispatch
+    /// carried none).
+    recv: Vec<Vec<Vec<(u16, u32, f32)>>>,
+    /// The `[T, K]` weights the dispatch carried, if it did: a combine with the same weights
+    /// needs no round to carry them.
+    weights: Option<Vec<f32>>,
+    /// Whether every source of the exchange (this rank too) sent its weights.
+    all_weighted: bool,
 }
 
 /// A dispatch's result.
@@ -155,16 +163,19 @@ fn check_inputs(cfg: &EpConfig, x_len: usize, topk: &[i64], active: &[bool]) -> 
 
 /// Routes this rank's tokens `x` (`[T, H]`) to the experts `topk` (`[T, K]`, -1 masks a
 /// choice) names, over the group's active slots that `active` (`[R]`) allows; `active` is
-/// updated with the slots the exchange could not include.
+/// updated with the slots the exchange could not include. `weights` (`[T, K]`, optional, as
+/// DeepEP's normal dispatch takes them) travel with the tokens, 4 bytes a choice, so the
+/// combine that uses the same weights skips the round that would carry them.
 pub async fn dispatch(
     group: &Group,
     cfg: &EpConfig,
     x: &[u8],
     topk: &[i64],
+    weights: Option<&[f32]>,
     active: &mut [bool],
 ) -> Result<Dispatched> {
     let mut out = vec![0u8; cfg.recv_bytes()];
-    let (counts, handle) = dispatch_into(group, cfg, x, topk, active, &mut out).await?;
+    let (counts, handle) = dispatch_into(group, cfg, x, topk, weights, active, &mut out).await?;
     Ok(Dispatched { x: out, counts, handle })
 }
 
@@ -176,10 +187,21 @@ pub async fn dispatch_into(
     cfg: &EpConfig,
     x: &[u8],
     topk: &[i64],
+    weights: Option<&[f32]>,
     active: &mut [bool],
     out: &mut [u8],
 ) -> Result<(Vec<u32>, Handle)> {
     let t = check_inputs(cfg, x.len(), topk, active)?;
+    if let Some(w) = weights
+        && w.len() != topk.len()
+    {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            "dispatch",
+            format!("{} weights for {} top-k choices", w.len(), topk.len()),
+        ));
+    }
+    let flags = if weights.is_some() { WITH_WEIGHTS } else { 0 };
     if out.len() != cfg.recv_bytes() {
         return Err(Error::new(
             ErrorKind::InvalidArgument,
@@ -220,7 +242,8 @@ pub async fn dispatch_into(
                             chosen.push((tok as u32, here));
                         }
                     }
-                    m.reserve(HEADER + chosen.len() * (4 + 4 * k + rb));
+                    let wb = if weights.is_some() { 4 * k } else { 0 };
+                    m.reserve(HEADER + chosen.len() * (4 + 4 * k + wb + rb));
                     for v in [
                         MAGIC,
                         cfg.max_tokens as u32,
@@ -229,6 +252,7 @@ pub async fn dispatch_into(
                         cfg.num_experts,
                         cfg.num_ranks,
                         if over { t as u32 } else { chosen.len() as u32 },
+                        flags,
                     ] {
                         m.extend_from_slice(&v.to_le_bytes());
                     }
@@ -236,6 +260,12 @@ pub async fn dispatch_into(
                         m.extend_from_slice(&tok.to_le_bytes());
                         for h in here {
                             m.extend_from_slice(&h.to_le_bytes());
+                        }
+                        if let Some(w) = weights {
+                            let at = *tok as usize * k;
+                            for v in &w[at..at + k] {
+                                m.extend_from_slice(&v.to_le_bytes());
+                            }
                         }
                     }
                     for (tok, _) in &chosen {
@@ -280,7 +310,9 @@ pub async fn dispatch_into(
                     })
                     .collect();
                 refresh_mask(active, &slots);
-                return place(cfg, group.epoch(), slots, got, sent, t, out);
+                let (counts, mut h) = place(cfg, group.epoch(), slots, got, sent, t, out)?;
+                h.weights = weights.map(<[f32]>::to_vec);
+                return Ok((counts, h));
             }
             Err(e) if group.epoch() != before && e.kind() != ErrorKind::InvalidArgument => {
                 last = Some(e);
@@ -322,6 +354,7 @@ fn place(
     let mut counts = vec![0u32; el];
     let mut layout = vec![Vec::new(); el];
     let mut recv = Vec::with_capacity(slots.len());
+    let mut all_weighted = true;
     for (&src, msg) in slots.iter().zip(&got) {
         let mismatch = |d: String| Error::new(ErrorKind::Mismatch, "dispatch", d);
         if msg.len() < HEADER || u32_at(msg, 0) != MAGIC {
@@ -330,7 +363,7 @@ fn place(
                 msg.len()
             )));
         }
-        let theirs: Vec<u32> = (1..7).map(|i| u32_at(msg, 4 * i)).collect();
+        let theirs: Vec<u32> = (1..8).map(|i| u32_at(msg, 4 * i)).collect();
         let mine =
             [cfg.max_tokens as u32, cfg.hidden as u32, k as u32, cfg.num_experts, cfg.num_ranks];
         if theirs[..5] != mine {
@@ -340,7 +373,9 @@ fn place(
             )));
         }
         let n = theirs[5] as usize;
-        let meta = 4 + 4 * k;
+        let with_weights = theirs[6] & WITH_WEIGHTS != 0;
+        all_weighted &= with_weights;
+        let meta = 4 + 4 * k + if with_weights { 4 * k } else { 0 };
         if n > m {
             return Err(mismatch(format!(
                 "slot {src} dispatches {n} tokens, more than max_tokens {m}"
@@ -358,6 +393,11 @@ fn place(
             let mut places = Vec::new();
             for j in 0..k {
                 let le = u32_at(msg, at + 4 + 4 * j) as i32;
+                let w = if with_weights {
+                    f32::from_bits(u32_at(msg, at + 4 + 4 * k + 4 * j))
+                } else {
+                    0.0
+                };
                 if le < 0 {
                     continue;
                 }
@@ -370,7 +410,7 @@ fn place(
                 let dst = le * block + row * rb;
                 x[dst..dst + rb].copy_from_slice(&msg[rows + i * rb..rows + (i + 1) * rb]);
                 layout[le].push((src, tok));
-                places.push((le as u16, row as u32));
+                places.push((le as u16, row as u32, w));
             }
             from.push(places);
         }
@@ -379,30 +419,59 @@ fn place(
         }
         recv.push(from);
     }
-    Ok((counts, Handle { cfg: *cfg, epoch, slots, tokens, layout, sent, recv }))
+    Ok((
+        counts,
+        Handle { cfg: *cfg, epoch, slots, tokens, layout, sent, recv, weights: None, all_weighted },
+    ))
 }
 
-fn load(dtype: DType, b: &[u8], i: usize) -> f32 {
+/// `acc[e] += w * row[e]` for a row of `dtype` (one match per row, a loop the compiler
+/// vectorises).
+fn axpy(dtype: DType, acc: &mut [f32], row: &[u8], w: f32) {
     match dtype {
-        DType::BF16 => bf16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),
-        _ => f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes")),
+        DType::BF16 => {
+            for (a, c) in acc.iter_mut().zip(row.chunks_exact(2)) {
+                *a += w * f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+            }
+        }
+        _ => {
+            for (a, c) in acc.iter_mut().zip(row.chunks_exact(4)) {
+                *a += w * f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
     }
 }
 
-fn store(dtype: DType, out: &mut Vec<u8>, v: f32) {
+/// Appends `acc` as a row of `dtype`.
+fn store_row(dtype: DType, out: &mut Vec<u8>, acc: &[f32]) {
+    let start = out.len();
+    out.resize(start + acc.len() * dtype.size(), 0);
+    let dst = &mut out[start..];
     match dtype {
-        DType::BF16 => out.extend_from_slice(&bf16::from_f32(v).to_le_bytes()),
-        _ => out.extend_from_slice(&v.to_le_bytes()),
+        DType::BF16 => {
+            for (c, &a) in dst.chunks_exact_mut(2).zip(acc) {
+                c.copy_from_slice(&bf16::from_f32(a).to_le_bytes());
+            }
+        }
+        _ => {
+            for (c, &a) in dst.chunks_exact_mut(4).zip(acc) {
+                c.copy_from_slice(&a.to_le_bytes());
+            }
+        }
     }
 }
 
 /// Weighs and sums the experts' outputs `y` (`[E_local, R*M, H]`, the dispatch's layout) back
 /// into this rank's tokens: returns `[T, H]` where token `t` is the sum over its choices `k`
 /// on slots still active of `weights[t, k] * y(expert, row)`. `weights` is `[T, K]` f32.
+///
+/// When every rank's dispatch carried its weights, the combine uses those and runs one round
+/// instead of two; `weights` may then be `None`, and weights that differ from the dispatched
+/// ones fail the call with `InvalidArgument` (after it took part, so the peers' results stand).
 pub async fn combine(
     group: &Group,
     y: &[u8],
-    weights: &[f32],
+    weights: Option<&[f32]>,
     active: &mut [bool],
     handle: &Handle,
 ) -> Result<Vec<u8>> {
@@ -416,9 +485,18 @@ pub async fn combine(
             cfg.recv_bytes()
         ));
     }
-    if weights.len() != handle.tokens * k {
-        return bad(format!("{} weights for {} tokens of top-{k}", weights.len(), handle.tokens));
-    }
+    let carried = handle.all_weighted.then_some(handle.weights.as_deref()).flatten();
+    let (weights, differ) = match (weights, carried) {
+        (Some(w), _) if w.len() != handle.tokens * k => {
+            return bad(format!("{} weights for {} tokens of top-{k}", w.len(), handle.tokens));
+        }
+        (Some(w), Some(d)) => (d, w.iter().zip(d).any(|(a, b)| a.to_bits() != b.to_bits())),
+        (Some(w), None) => (w, false),
+        (None, Some(d)) => (d, false),
+        (None, None) => {
+            return bad("no weights: pass them to combine, or to every rank's dispatch".into());
+        }
+    };
     if active.len() != cfg.num_ranks as usize {
         return bad(format!(
             "active_ranks has {} entries for {} ranks",
@@ -451,7 +529,13 @@ pub async fn combine(
             }
             (m, lens)
         };
-        let (slots, ws) = match group.alltoallv_with(wbuild).await {
+        let exchanged = if carried.is_some() {
+            // Every choice's weight came with its token.
+            Ok((handle.slots.clone(), Vec::new(), vec![0; handle.slots.len()]))
+        } else {
+            group.alltoallv_with(wbuild).await
+        };
+        let (slots, ws) = match exchanged {
             Ok((slots, data, lens)) => {
                 let ws: Vec<Vec<u8>> =
                     split(&data, &lens).into_iter().map(<[u8]>::to_vec).collect();
@@ -470,7 +554,7 @@ pub async fn combine(
             if let Some(&j) = index.get(src) {
                 let toks = &handle.recv[j];
                 let choices: usize = toks.iter().map(Vec::len).sum();
-                if w.len() != 4 * choices {
+                if carried.is_none() && w.len() != 4 * choices {
                     return Err(Error::new(
                         ErrorKind::Mismatch,
                         "combine",
@@ -481,18 +565,18 @@ pub async fn combine(
                 let mut acc = vec![0f32; h];
                 for places in toks {
                     acc.iter_mut().for_each(|a| *a = 0.0);
-                    for &(le, row) in places {
-                        let wt = f32::from_le_bytes(w[4 * wi..4 * wi + 4].try_into().expect("4"));
+                    for &(le, row, carried_wt) in places {
+                        let wt = match carried {
+                            Some(_) => carried_wt,
+                            None => {
+                                f32::from_le_bytes(w[4 * wi..4 * wi + 4].try_into().expect("4"))
+                            }
+                        };
                         wi += 1;
                         let at = le as usize * block + row as usize * rb;
-                        let src_row = &y[at..at + rb];
-                        for (e, a) in acc.iter_mut().enumerate() {
-                            *a += wt * load(cfg.dtype, src_row, e);
-                        }
+                        axpy(cfg.dtype, &mut acc, &y[at..at + rb], wt);
                     }
-                    for &a in &acc {
-                        store(cfg.dtype, &mut m, a);
-                    }
+                    store_row(cfg.dtype, &mut m, &acc);
                 }
             }
             partial.push(m);
@@ -539,16 +623,14 @@ pub async fn combine(
             }
             for (i, (tok, _)) in sent.iter().enumerate() {
                 let row = &body[i * rb..(i + 1) * rb];
-                let out = &mut acc[*tok as usize * h..(*tok as usize + 1) * h];
-                for (e, a) in out.iter_mut().enumerate() {
-                    *a += load(cfg.dtype, row, e);
-                }
+                axpy(cfg.dtype, &mut acc[*tok as usize * h..(*tok as usize + 1) * h], row, 1.0);
             }
         }
-        let mut out = Vec::with_capacity(handle.tokens * rb);
-        for a in acc {
-            store(cfg.dtype, &mut out, a);
+        if differ {
+            return bad("the weights differ from the ones the dispatch carried".into());
         }
+        let mut out = Vec::with_capacity(handle.tokens * rb);
+        store_row(cfg.dtype, &mut out, &acc);
         return Ok(out);
     }
     Err(last.unwrap_or_else(|| Error::new(ErrorKind::PeerFailed, "combine", "no attempt ran")))
@@ -565,7 +647,9 @@ pub fn wire_bytes(handle: &Handle, me: u32) -> u64 {
         }
         let sent = &handle.sent[j];
         let choices: usize = sent.iter().map(|(_, ks)| ks.len()).sum();
-        b += (HEADER + sent.len() * (4 + 4 * cfg.topk + cfg.row_bytes()) + 4 * choices) as u64;
+        let carried = if handle.weights.is_some() { 4 * cfg.topk } else { 0 };
+        let round = if handle.all_weighted { 0 } else { 4 * choices };
+        b += (HEADER + sent.len() * (4 + 4 * cfg.topk + carried + cfg.row_bytes()) + round) as u64;
         b += (handle.recv[j].len() * cfg.row_bytes()) as u64;
     }
     b

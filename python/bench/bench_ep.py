@@ -54,20 +54,25 @@ def worker(addr, rank, nprocs, tokens, iters, out):
         idx = np.stack([rng.permutation(E)[:K] for _ in range(t)]).astype(np.int64)
         w = rng.random((t, K)).astype(np.float32)
 
+        # Both sides keep their buffers from step to step, as an engine does.
+        recv_buf = np.zeros((el, nprocs * t, H), np.uint16)
+        xs = np.empty((nprocs * t, H), np.uint16)
+        ids = np.empty((nprocs * t, K), np.int64)
+        ws = np.empty((nprocs * t, K), np.float32)
+
         def step_ep():
-            recv, counts, h = ep.dispatch(g, x, idx, E, t, dtype="bfloat16")
+            # The router's weights travel with the tokens (DeepEP's normal dispatch takes them).
+            recv, counts, h = ep.dispatch(g, x, idx, E, t, dtype="bfloat16", out=recv_buf,
+                                          topk_weights=w)
             # Each expert works on the rows it received, as a real one does.
             for le, rows in enumerate(h.rows(t)):
                 if rows:
                     recv[le, rows] = to_bf16(from_bf16(recv[le, rows]) * f[rank * el + le])
-            return ep.combine(g, recv, w, h), h
+            return ep.combine(g, recv, None, h), h
 
         def step_fallback():
-            xs = np.empty((nprocs * t, H), np.uint16)
             g.allgather(x, xs)
-            ids = np.empty((nprocs * t, K), np.int64)
             g.allgather(idx, ids)
-            ws = np.empty((nprocs * t, K), np.float32)
             g.allgather(w, ws)
             mine = (ids >= rank * el) & (ids < (rank + 1) * el)
             scale = (ws * np.where(mine, f[np.clip(ids, 0, E - 1)], 0)).sum(axis=1)

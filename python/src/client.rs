@@ -110,6 +110,13 @@ fn put_options(
     })
 }
 
+impl PyClient {
+    /// The live session, or the not-connected error.
+    pub(crate) fn session(&self, py: Python<'_>) -> PyResult<Arc<Session>> {
+        live(&self.slot).map_err(|f| f.to_pyerr(py))
+    }
+}
+
 fn raise<T>(py: Python<'_>, r: Result<T, Failure>) -> PyResult<T> {
     r.map_err(|f| f.to_pyerr(py))
 }

@@ -59,7 +59,7 @@ fn i64s(v: &View) -> PyResult<Vec<i64>> {
 /// int64, -1 masks) chooses, into `out` (the `[E_local, R*M, H]` rows, zeroed, writable).
 /// Returns (counts per local expert, the handle, the updated active mask).
 #[pyfunction]
-#[pyo3(signature = (group, x, topk_idx, dtype_name, num_experts, num_ranks, hidden, topk, max_tokens, active, out))]
+#[pyo3(signature = (group, x, topk_idx, dtype_name, num_experts, num_ranks, hidden, topk, max_tokens, active, out, weights=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn ep_dispatch<'py>(
     py: Python<'py>,
@@ -74,6 +74,7 @@ pub fn ep_dispatch<'py>(
     max_tokens: usize,
     mut active: Vec<bool>,
     out: &Bound<'_, PyAny>,
+    weights: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Dispatched> {
     let cfg = EpConfig {
         num_experts,
@@ -85,36 +86,41 @@ pub fn ep_dispatch<'py>(
     };
     let xv = View::new(x, false)?;
     let idx = i64s(&View::new(topk_idx, false)?)?;
+    let w = weights.map(|w| f32s(&View::new(w, false)?)).transpose()?;
     let g = group.g.clone();
     let ov = View::new(out, true)?;
     let dst = crate::pg::bytes_mut(&ov);
     let (counts, h) = run(py, async {
-        kvfs_ep::dispatch_into(&g, &cfg, xv.bytes(), &idx, &mut active, dst).await
+        kvfs_ep::dispatch_into(&g, &cfg, xv.bytes(), &idx, w.as_deref(), &mut active, dst).await
     })?;
     Ok((counts, EpHandle { h }, active))
 }
 
+fn f32s(v: &View) -> PyResult<Vec<f32>> {
+    if !v.len().is_multiple_of(4) {
+        return Err(pyo3::exceptions::PyValueError::new_err("topk_weights must be float32"));
+    }
+    Ok(v.bytes().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect())
+}
+
 /// Combines the experts' outputs `y` (the dispatch's layout) with `weights` (`[T, K]`
-/// float32) into this rank's `[T, H]` rows (bytes of the dispatch's dtype); returns them
-/// and the updated active mask.
+/// float32; `None` when the dispatch carried them) into this rank's `[T, H]` rows (bytes of
+/// the dispatch's dtype); returns them and the updated active mask.
 #[pyfunction]
+#[pyo3(signature = (group, y, weights, handle, active))]
 pub fn ep_combine<'py>(
     py: Python<'py>,
     group: &PgGroup,
     y: &Bound<'_, PyAny>,
-    weights: &Bound<'_, PyAny>,
+    weights: Option<&Bound<'_, PyAny>>,
     handle: &EpHandle,
     mut active: Vec<bool>,
 ) -> PyResult<(Bound<'py, PyBytes>, Vec<bool>)> {
     let yv = View::new(y, false)?;
-    let wv = View::new(weights, false)?;
-    if !wv.len().is_multiple_of(4) {
-        return Err(pyo3::exceptions::PyValueError::new_err("topk_weights must be float32"));
-    }
-    let w: Vec<f32> =
-        wv.bytes().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
+    let w = weights.map(|w| f32s(&View::new(w, false)?)).transpose()?;
     let g = group.g.clone();
     let h = &handle.h;
-    let out = run(py, async { kvfs_ep::combine(&g, yv.bytes(), &w, &mut active, h).await })?;
+    let out =
+        run(py, async { kvfs_ep::combine(&g, yv.bytes(), w.as_deref(), &mut active, h).await })?;
     Ok((PyBytes::new(py, &out), active))
 }

@@ -52,8 +52,9 @@ def rows_f32(x, dtype):
     return from_bf16(x) if dtype == "bfloat16" else x
 
 
-def check(slot, world, seed, dtype, recv, counts, out, mask):
-    """Errors found in this rank's results, as strings (empty: all right)."""
+def check(slot, world, seed, dtype, recv, counts, out, mask, fill=0):
+    """Errors found in this rank's results, as strings (empty: all right). ``fill``: what
+    the rows nothing landed on hold (0 for a fresh buffer, the caller's for ``out=``)."""
     errs = []
     r = world
     el = E // r
@@ -69,8 +70,8 @@ def check(slot, world, seed, dtype, recv, counts, out, mask):
             want = xs[toks] if toks else xs[:0]
             if not np.array_equal(got, want):
                 errs.append(f"expert {e} rows from slot {s} differ")
-            if np.any(recv[le, s * M + len(toks):(s + 1) * M] != 0):
-                errs.append(f"expert {e} rows past slot {s}'s tokens are not zero")
+            if np.any(recv[le, s * M + len(toks):(s + 1) * M] != fill):
+                errs.append(f"expert {e} rows past slot {s}'s tokens are not {fill}")
             n += len(toks)
         if counts[le] != n:
             errs.append(f"expert {e}: count {counts[le]}, want {n}")
@@ -105,14 +106,25 @@ def worker(addr, slot, world, out, cases, go=None):
             g.barrier()
             out.put((slot, "formed"))
             go.get(timeout=60)
-        for seed, dtype in cases:
+        for seed, dtype, *opts in cases:
             x, idx, w = inputs(seed, slot, dtype)
             mask = np.ones(world, np.int32)
-            recv, counts, h = ep.dispatch(g, x, idx, E, M, active_ranks=mask, dtype=dtype)
+            keep, fill = None, 0
+            if "reuse" in opts:
+                # A caller-kept receive buffer: rows nothing lands on keep their bytes.
+                fill = 77
+                keep = np.full((E // world, world * M, H), fill,
+                               np.uint16 if dtype == "bfloat16" else np.float32)
+            # "carry": the weights travel with the dispatch; the combine takes none.
+            carry = "carry" in opts
+            recv, counts, h = ep.dispatch(g, x, idx, E, M, active_ranks=mask, dtype=dtype,
+                                          out=keep, topk_weights=w if carry else None)
+            if keep is not None and recv is not keep:
+                raise AssertionError("dispatch did not receive into out=")
             y = experts(recv, slot, world, dtype)
-            res = ep.combine(g, y, w, h, active_ranks=mask)
+            res = ep.combine(g, y, None if carry else w, h, active_ranks=mask)
             out.put((slot, seed, dtype, list(mask),
-                     check(slot, world, seed, dtype, recv, counts, res, mask)))
+                     check(slot, world, seed, dtype, recv, counts, res, mask, fill)))
         g.close()
     except Exception as e:  # noqa: BLE001 - reported to the test
         out.put((slot, "error", repr(e)))
@@ -146,7 +158,8 @@ def run(world, cases, kill=None):
 
 def test_dispatch_and_combine_match_the_oracle_for_float32_and_bfloat16():
     world = 4
-    cases = [(1, "float32"), (2, "bfloat16"), (3, "float32")]
+    cases = [(1, "float32"), (2, "bfloat16"), (3, "float32"), (4, "bfloat16", "reuse"),
+             (5, "float32", "reuse", "carry"), (6, "bfloat16", "carry")]
     results = run(world, cases)
     for s, rows in results.items():
         for row in rows:
@@ -215,6 +228,16 @@ def test_bad_shapes_are_refused_before_any_exchange():
     assert e.value.kind == "invalid_argument"
     out = ep.combine(g, recv, np.ones((3, K), np.float32), h)
     assert np.array_equal(out, 3 * x)
+    with pytest.raises(pg.PgError) as e:
+        ep.combine(g, recv, None, h)  # no weights anywhere
+    assert e.value.kind == "invalid_argument"
+    w = np.full((3, K), 0.5, np.float32)
+    recv, counts, h = ep.dispatch(g, x, np.zeros((3, K), np.int64), E, M, topk_weights=w)
+    with pytest.raises(pg.PgError) as e:
+        ep.combine(g, recv, np.ones((3, K), np.float32), h)  # not the dispatched weights
+    assert e.value.kind == "invalid_argument"
+    assert np.array_equal(ep.combine(g, recv, None, h), 1.5 * x)
+    assert np.array_equal(ep.combine(g, recv, w, h), 1.5 * x)
     g.close()
 
 

@@ -12,7 +12,8 @@
 //! `stale=1` (re-allocate the target after binding: the plan's generation is stale),
 //! `tcp_only=1`, `op_timeout_ms=N`, `iters=N` (execute N times after a barrier each, printing
 //! each one's time on this rank as `exec_us`), `dst_offset=K` (slot `s` is target participant
-//! `s-K`: with sources on slots below K every byte crosses processes).
+//! `s-K`: with sources on slots below K every byte crosses processes), `slice_bytes=N` and
+//! `tcp_conns=N` (the Transfer Engine's tcp slicing and connections per peer).
 
 use std::time::{Duration, Instant};
 
@@ -80,6 +81,8 @@ pub fn main(args: &[String]) -> i32 {
             "stale" => stale = v == "1",
             "iters" => iters = v.parse().expect("iters"),
             "dst_offset" => off = v.parse().expect("dst_offset"),
+            "slice_bytes" => ec.slice_bytes = v.parse().expect("slice_bytes"),
+            "tcp_conns" => ec.tcp_conns_per_peer = v.parse().expect("tcp_conns"),
             "tcp_only" if v == "1" => {
                 pg.transports = Transports::tcp_only();
                 ec.transports = Transports::tcp_only();

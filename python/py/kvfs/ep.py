@@ -109,11 +109,20 @@ def _write_mask(active_ranks, mask):
 
 
 def dispatch(group, x, topk_idx, num_experts, max_tokens, active_ranks=None, num_ranks=None,
-             dtype=None):
+             dtype=None, out=None, topk_weights=None):
     """Routes ``x`` (``[T, H]``) to the experts ``topk_idx`` (``[T, K]``, -1 masks) names.
 
     Returns ``(recv_x, counts, handle)``: ``recv_x`` is ``[E_local, R*M, H]``, ``counts`` the
     rows received per local expert. ``active_ranks`` is updated in place when given.
+
+    ``out``: a ``[E_local, R*M, H]`` array (or CPU tensor) of the dtype to receive into, kept
+    from call to call as DeepEP keeps its receive buffer: only the rows received are written
+    (``handle.rows`` and ``counts`` say which); the others keep what they held. Without it a
+    fresh zeroed array is returned.
+
+    ``topk_weights`` (``[T, K]`` float32, as DeepEP's normal dispatch takes them): they travel
+    with the tokens (4 bytes a choice), and when every rank passed them the combine skips the
+    round that would carry them (its ``topk_weights`` may then be ``None``).
     """
     xa, dt, was_torch = _as_np(x, dtype)
     if xa.ndim != 2:
@@ -128,13 +137,29 @@ def dispatch(group, x, topk_idx, num_experts, max_tokens, active_ranks=None, num
     h, k = xa.shape[1], idx.shape[1]
     e_local = int(num_experts) // max(int(r), 1)
     shape = (e_local, int(r) * int(max_tokens), h)
-    # Zeroed (calloc'd) memory: only the pages rows land on are touched.
-    recv_x = np.zeros(shape, dtype=np.uint16 if dt == "bfloat16" else np.dtype(dt))
+    if out is not None:
+        contiguous = out.is_contiguous() if hasattr(out, "is_contiguous") else \
+            isinstance(out, np.ndarray) and out.flags.c_contiguous
+        if not contiguous:
+            raise PgError("out must be a C-contiguous array or tensor", "invalid_argument")
+        recv_x, odt, out_torch = _as_np(out, dt)
+        if tuple(recv_x.shape) != shape or odt != dt or not recv_x.flags.writeable:
+            raise PgError(f"out must be a writable {shape} array of {dt}, got "
+                          f"{tuple(recv_x.shape)} of {odt}", "invalid_argument")
+    else:
+        # Zeroed (calloc'd) memory: only the pages rows land on are touched.
+        recv_x = np.zeros(shape, dtype=np.uint16 if dt == "bfloat16" else np.dtype(dt))
+    wts = None
+    if topk_weights is not None:
+        wts, _, _ = _as_np(topk_weights)
+        wts = np.ascontiguousarray(wts, dtype=np.float32)
     counts, native, mask = _native.ep_dispatch(
         group._g, xa, idx, dt, int(num_experts), int(r), int(h), int(k), int(max_tokens), mask,
-        recv_x)
+        recv_x, wts)
     _write_mask(active_ranks, mask)
-    if was_torch:
+    if out is not None and out_torch:
+        recv_x = out
+    elif was_torch:
         torch = _torch()
         recv_x = torch.from_numpy(recv_x.view(np.int16)).view(torch.bfloat16) \
             if dt == "bfloat16" else torch.from_numpy(recv_x)
@@ -146,14 +171,19 @@ def dispatch(group, x, topk_idx, num_experts, max_tokens, active_ranks=None, num
 
 def combine(group, y, topk_weights, handle, active_ranks=None):
     """Returns ``[T, H]``: each token's sum of ``topk_weights[t, k]`` times its chosen
-    (active) experts' rows of ``y`` (the dispatch's ``[E_local, R*M, H]`` layout)."""
+    (active) experts' rows of ``y`` (the dispatch's ``[E_local, R*M, H]`` layout).
+
+    ``topk_weights`` may be ``None`` when every rank's dispatch carried them; weights that
+    differ from the dispatched ones raise ``invalid_argument`` (the peers' results stand)."""
     (shape, dt, k, r) = handle._shape
     ya, ydt, was_torch = _as_np(y, dt)
     if tuple(ya.shape) != tuple(shape) or ydt != dt:
         raise PgError(f"y must be {shape} of {dt}, got {tuple(ya.shape)} of {ydt}",
                       "invalid_argument")
-    w, _, _ = _as_np(topk_weights)
-    w = np.ascontiguousarray(w, dtype=np.float32)
+    w = None
+    if topk_weights is not None:
+        w, _, _ = _as_np(topk_weights)
+        w = np.ascontiguousarray(w, dtype=np.float32)
     mask = _mask(active_ranks, r)
     raw, mask = _native.ep_combine(group._g, ya, w, handle._h, mask)
     _write_mask(active_ranks, mask)

@@ -119,6 +119,12 @@ async fn run_case(
         if tcp_only {
             args.push("tcp_only=1".into());
         }
+        args.extend(
+            std::env::var("KVFS_RESHARD_RANK_ARGS")
+                .unwrap_or_default()
+                .split_whitespace()
+                .map(String::from),
+        );
         let mut child = tokio::process::Command::new(&exe)
             .args(&args)
             .stdout(Stdio::piped())
