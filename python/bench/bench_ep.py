@@ -6,9 +6,12 @@ weighted rows back. Two ways, timed back to back on the same data:
 
 - ep: kvfs.ep.dispatch + combine (each token crosses once per destination rank);
 - fallback: what the reference does without a device fast path: all-gather every rank's
-  tokens, choices and weights, compute every expert's share of every token locally, and
-  all-reduce the [R*T, H] result (kvfs-pg's allgather and allreduce, so both sides run on the
-  same transport).
+  tokens, choices and weights, run each local expert on the tokens (of every rank) that chose
+  it, and all-reduce the [R*T, H] weighted sums (kvfs-pg's allgather and allreduce, so both
+  sides run on the same transport).
+
+Both sides keep their buffers from step to step, and both run each expert on exactly the
+rows routed to it (ep on its contiguous row blocks, the fallback on the gathered tokens).
 
 Rank 0 reports p50/p99 of the whole step and the bytes it sent: ep's from the handle (rows and
 routing), the fallback's from its algorithm (allgather: its blocks to every peer; allreduce:
@@ -64,19 +67,27 @@ def worker(addr, rank, nprocs, tokens, iters, out):
             # The router's weights travel with the tokens (DeepEP's normal dispatch takes them).
             recv, counts, h = ep.dispatch(g, x, idx, E, t, dtype="bfloat16", out=recv_buf,
                                           topk_weights=w)
-            # Each expert works on the rows it received, as a real one does.
-            for le, rows in enumerate(h.rows(t)):
-                if rows:
-                    recv[le, rows] = to_bf16(from_bf16(recv[le, rows]) * f[rank * el + le])
+            # Each expert works on the row blocks it received, as a real one's GEMM does.
+            for le, blocks in enumerate(h.blocks(t)):
+                for a, b in blocks:
+                    blk = recv[le, a:b]
+                    blk[:] = to_bf16(from_bf16(blk) * f[rank * el + le])
             return ep.combine(g, recv, None, h), h
 
         def step_fallback():
             g.allgather(x, xs)
             g.allgather(idx, ids)
             g.allgather(w, ws)
-            mine = (ids >= rank * el) & (ids < (rank + 1) * el)
-            scale = (ws * np.where(mine, f[np.clip(ids, 0, E - 1)], 0)).sum(axis=1)
-            part = to_bf16(from_bf16(xs) * scale[:, None])
+            # Each local expert runs on the tokens (of every rank) that chose it and adds its
+            # weighted output to theirs; the all-reduce sums the experts of every rank.
+            xf = from_bf16(xs)
+            acc = np.zeros((nprocs * t, H), np.float32)
+            for le in range(el):
+                e = rank * el + le
+                tok, kk = np.nonzero(ids == e)
+                if len(tok):
+                    acc[tok] += (ws[tok, kk] * f[e])[:, None] * xf[tok]
+            part = to_bf16(acc)
             g.allreduce(part, "sum", dtype="bfloat16")
             return part[rank * t:(rank + 1) * t]
 

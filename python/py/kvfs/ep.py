@@ -52,6 +52,18 @@ class Handle:
             out.append(idx)
         return out
 
+    def blocks(self, max_tokens):
+        """Per local expert, the ``(start, stop)`` row ranges it filled, one per source slot
+        that sent it tokens (slot ``s``'s rows start at ``s*max_tokens``): what an expert's
+        GEMM runs over, without gathering rows."""
+        out = []
+        for entries in self._h.layout:
+            n = {}
+            for src, _ in entries:
+                n[src] = n.get(src, 0) + 1
+            out.append([(s * max_tokens, s * max_tokens + c) for s, c in sorted(n.items())])
+        return out
+
     def wire_bytes(self, me):
         """Bytes this rank sent for the dispatch and its combine (rows and routing)."""
         return self._h.wire_bytes(me)
