@@ -13,7 +13,8 @@
 //! `tcp_only=1`, `op_timeout_ms=N`, `iters=N` (execute N times after a barrier each, printing
 //! each one's time on this rank as `exec_us`), `dst_offset=K` (slot `s` is target participant
 //! `s-K`: with sources on slots below K every byte crosses processes), `slice_bytes=N` and
-//! `tcp_conns=N` (the Transfer Engine's tcp slicing and connections per peer).
+//! `tcp_conns=N`, `socket_buffer_bytes=N` (the Transfer Engine's tcp slicing, connections per
+//! peer and socket buffers).
 
 use std::time::{Duration, Instant};
 
@@ -83,6 +84,9 @@ pub fn main(args: &[String]) -> i32 {
             "dst_offset" => off = v.parse().expect("dst_offset"),
             "slice_bytes" => ec.slice_bytes = v.parse().expect("slice_bytes"),
             "tcp_conns" => ec.tcp_conns_per_peer = v.parse().expect("tcp_conns"),
+            "socket_buffer_bytes" => {
+                ec.socket_buffer_bytes = v.parse().expect("socket_buffer_bytes")
+            }
             "tcp_only" if v == "1" => {
                 pg.transports = Transports::tcp_only();
                 ec.transports = Transports::tcp_only();
