@@ -9,7 +9,8 @@
 //! linear indices; the rank prints `bound` once bindings are exchanged, `executing` before it
 //! reads, then `done committed=.. state=.. verified=.. bytes=.. exec_us=.. err=..`.
 //! Settings: `hold_ms=N` (wait between reading and the commit: a test kills the rank there),
-//! `stale=1` (re-allocate the target after binding: the plan's generation is stale),
+//! `stale=target` or `stale=source` (re-allocate this rank's target, or its source, refilled
+//! and active again, after binding: the plan's generation is stale),
 //! `tcp_only=1`, `op_timeout_ms=N`, `iters=N` (execute N times after a barrier each, printing
 //! each one's time on this rank as `exec_us`), `dst_offset=K` (slot `s` is target participant
 //! `s-K`: with sources on slots below K every byte crosses processes), `slice_bytes=N` and
@@ -71,7 +72,7 @@ pub fn main(args: &[String]) -> i32 {
     let slot: u32 = args[2].parse().expect("SLOT");
     let world: u32 = args[3].parse().expect("WORLD");
     let (mut model_spec, mut hold_ms, mut stale, mut iters, mut off) =
-        ("mixed".to_string(), 0u64, false, 1usize, 0u32);
+        ("mixed".to_string(), 0u64, String::new(), 1usize, 0u32);
     let mut pg = PgConfig::default();
     let mut ec = EngineConfig { name: None, ..EngineConfig::default() };
     for kv in &args[6..] {
@@ -79,7 +80,7 @@ pub fn main(args: &[String]) -> i32 {
         match k {
             "model" => model_spec = v.to_string(),
             "hold_ms" => hold_ms = v.parse().expect("hold_ms"),
-            "stale" => stale = v == "1",
+            "stale" => stale = v.to_string(),
             "iters" => iters = v.parse().expect("iters"),
             "dst_offset" => off = v.parse().expect("dst_offset"),
             "slice_bytes" => ec.slice_bytes = v.parse().expect("slice_bytes"),
@@ -106,7 +107,7 @@ pub fn main(args: &[String]) -> i32 {
         .enable_all()
         .build()
         .expect("runtime");
-    rt.block_on(run(slot, world, &args[1], src, dst, pg, ec, hold_ms, stale, iters, off))
+    rt.block_on(run(slot, world, &args[1], src, dst, pg, ec, hold_ms, &stale, iters, off))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -119,7 +120,7 @@ async fn run(
     pg: PgConfig,
     ec: EngineConfig,
     hold_ms: u64,
-    stale: bool,
+    stale: &str,
     iters: usize,
     off: u32,
 ) -> i32 {
@@ -167,8 +168,21 @@ async fn run(
     let plan = crate::plan(&src, &dst, &Limits::default()).expect("plan");
     let bound = BoundPlan::new(plan, &src, &dst, &sb, &db).expect("bind");
     println!("bound");
-    if stale && let Some(h) = target.as_mut() {
+    if stale == "target"
+        && let Some(h) = target.as_mut()
+    {
         h.allocate().expect("re-allocate");
+    }
+    if stale == "source"
+        && let Some(h) = source.as_mut()
+    {
+        // The same weights in a new allocation: a plan bound to the old one must not read it.
+        h.allocate().expect("re-allocate");
+        for (t, f, b) in h.buffers() {
+            let tp = &src.tensors[t as usize];
+            b.write_at(0, &linear_fragment(&tp.desc, &tp.fragments[f as usize])).expect("fill");
+        }
+        h.activate().expect("activate");
     }
     let mut last = None;
     let mut exec_us = Vec::new();

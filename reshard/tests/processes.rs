@@ -123,7 +123,7 @@ fn pp2_ep2_tp2_to_tp4_dp2_across_processes() {
 
 #[test]
 fn a_stale_target_generation_is_refused_and_nothing_commits() {
-    let (ranks, _rt, _c) = reshard("tp2", "tp2/dp2", 4, &[(3, "stale=1")]);
+    let (ranks, _rt, _c) = reshard("tp2", "tp2/dp2", 4, &[(3, "stale=target")]);
     for r in &ranks {
         let done = r.wait_for("done", 90);
         assert!(done.contains("committed=false"), "slot {}: {done}", r.slot);
@@ -132,6 +132,24 @@ fn a_stale_target_generation_is_refused_and_nothing_commits() {
             assert!(done.contains("err=StaleGeneration"), "{done}");
         }
     }
+}
+
+#[test]
+fn a_source_in_another_allocation_is_not_read_and_nothing_commits() {
+    // Slot 1 holds source participant 1: it moves its weights into new buffers after binding.
+    let (ranks, _rt, _c) = reshard("tp2", "tp4", 4, &[(1, "stale=source")]);
+    let mut refused = Vec::new();
+    for r in &ranks {
+        let done = r.wait_for("done", 90);
+        assert!(done.contains("committed=false state=Some(Inactive)"), "slot {}: {done}", r.slot);
+        if done.contains("err=StaleGeneration") {
+            refused.push(r.slot);
+        }
+    }
+    // The targets that read from participant 1 refuse its regions: tp4 ranks 2 and 3 (its
+    // rows) and 1 (its own copy of the replicated norms, read locally); rank 0 reads only
+    // participant 0 and fails in the vote alone.
+    assert_eq!(refused, vec![1, 2, 3]);
 }
 
 #[test]
