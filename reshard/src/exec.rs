@@ -284,13 +284,8 @@ impl BoundPlan {
         let mut bases = Vec::with_capacity(plan.regions.len());
         for r in &plan.regions {
             let dt = &dst_placement.tensors[r.tensor as usize];
-            let st = src_placement.tensor(&dt.desc.name).expect("the plan's tensor");
+            let (si, st) = (r.src_tensor, &src_placement.tensors[r.src_tensor as usize]);
             let item = dt.desc.itemsize as u64;
-            let si = src_placement
-                .tensors
-                .iter()
-                .position(|t| t.desc.name == dt.desc.name)
-                .expect("tensor") as u32;
             let want = |side: &str,
                         m: &HashMap<u32, Binding>,
                         p: u32,

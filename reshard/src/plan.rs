@@ -42,6 +42,8 @@ impl Default for Limits {
 pub struct Region {
     /// Index of the tensor in the target placement.
     pub tensor: u32,
+    /// Index of the same tensor in the source placement.
+    pub src_tensor: u32,
     /// Index of the fragment in the source tensor's fragments.
     pub src_fragment: u32,
     /// Index of the fragment in the target tensor's fragments.
@@ -136,10 +138,13 @@ pub fn plan(src: &Placement, dst: &Placement, limits: &Limits) -> Result<Plan> {
     dst.validate()?;
     let mut regions = Vec::new();
     let mut segments = 0u64;
+    let by_name: std::collections::HashMap<&str, usize> =
+        src.tensors.iter().enumerate().map(|(i, t)| (t.desc.name.as_str(), i)).collect();
     for (ti, t) in dst.tensors.iter().enumerate() {
-        let Some(s) = src.tensor(&t.desc.name) else {
+        let Some(&si) = by_name.get(t.desc.name.as_str()) else {
             return Err(mismatch(format!("{} is not in the source placement", t.desc.name)));
         };
+        let s = &src.tensors[si];
         let (a, b) = (&s.desc, &t.desc);
         if a.shape != b.shape
             || a.dtype != b.dtype
@@ -159,7 +164,7 @@ pub fn plan(src: &Placement, dst: &Placement, limits: &Limits) -> Result<Plan> {
                 b.layout
             )));
         }
-        plan_tensor(ti as u32, s, t, &mut |r| {
+        plan_tensor((ti as u32, si as u32), s, t, &mut |r| {
             segments += r.segments();
             regions.push(r);
             if regions.len() > limits.regions_max || segments > limits.segments_max {
@@ -179,7 +184,7 @@ pub fn plan(src: &Placement, dst: &Placement, limits: &Limits) -> Result<Plan> {
 }
 
 fn plan_tensor(
-    ti: u32,
+    (ti, sti): (u32, u32),
     s: &TensorPlacement,
     t: &TensorPlacement,
     emit: &mut dyn FnMut(Region) -> Result<()>,
@@ -195,7 +200,7 @@ fn plan_tensor(
         let replica = local.unwrap_or(replicas[d.replica as usize % replicas.len()]);
         for (si, f) in s.fragments.iter().enumerate().filter(|(_, f)| f.replica == replica) {
             if let Some((offset, shape)) = f.intersect(d) {
-                emit(lower(ti, si as u32, di as u32, f, d, offset, shape, item))?;
+                emit(lower((ti, sti), si as u32, di as u32, f, d, offset, shape, item))?;
             }
         }
     }
@@ -212,7 +217,7 @@ fn row_strides(shape: &[u64], item: u64) -> Vec<u64> {
 
 #[allow(clippy::too_many_arguments)]
 fn lower(
-    tensor: u32,
+    (tensor, src_tensor): (u32, u32),
     src_fragment: u32,
     dst_fragment: u32,
     s: &Fragment,
@@ -258,6 +263,7 @@ fn lower(
     }
     Region {
         tensor,
+        src_tensor,
         src_fragment,
         dst_fragment,
         src_participant: s.participant,

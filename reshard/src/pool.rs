@@ -171,7 +171,7 @@ pub async fn load(
         let name = &target.tensors[r.tensor as usize].desc.name;
         let sk = (name.clone(), r.src_fragment);
         if let std::collections::btree_map::Entry::Vacant(v) = need.entry(sk) {
-            let st = stored.tensor(name).expect("planned tensor");
+            let st = &stored.tensors[r.src_tensor as usize];
             v.insert(keys.len());
             keys.push(fragment_key(model, name, &st.fragments[r.src_fragment as usize]));
         }
@@ -183,7 +183,7 @@ pub async fn load(
     }
     for r in regions {
         let t = &target.tensors[r.tensor as usize];
-        let st = stored.tensor(&t.desc.name).expect("planned tensor");
+        let st = &stored.tensors[r.src_tensor as usize];
         let src = &bufs[need[&(t.desc.name.clone(), r.src_fragment)]];
         let want = st.fragments[r.src_fragment as usize].elements() * t.desc.itemsize as u64;
         if src.len() as u64 != want {
