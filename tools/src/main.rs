@@ -59,6 +59,9 @@ enum Cmd {
     /// Model weights between parallel layouts (TP/PP/EP/DP): plan, store once, load any.
     #[command(subcommand)]
     Reshard(cmd::reshard::ReshardCmd),
+    /// The prefix-cache index fed by the engines' KV events (vLLM, SGLang) and the pool, with
+    /// the reference conductor's HTTP API.
+    Conductor(cmd::conductor::ConductorArgs),
 }
 
 #[derive(Subcommand)]
@@ -121,6 +124,15 @@ enum BenchCmd {
     /// raw loopback TCP (tcp) measured in the same run; then the time to plan 1,000 tensors
     /// from 64 ranks to 64 others.
     Reshard(ReshardBenchArgs),
+    /// Hit rate of a simulated prefix cache against its capacity, replaying request traces.
+    ///
+    /// Replays each trace (JSON lines of `timestamp`, `input_length`, `output_length` and
+    /// prefix-chained 512-token block `hash_ids`, as the FAST'25 Mooncake traces) in timestamp
+    /// order through a cache of each capacity, for plain LRU and for kvfs's policy (leaf-first
+    /// eviction, LRFU ranks and an admission filter switched by set dueling; see
+    /// `kvfs_conductor::trace`), and prints the token hit rate of both and their difference per
+    /// capacity; `unbounded` is the trace's ceiling. `--plot` draws the curves.
+    Trace(bench::trace::TraceArgs),
     /// (internal) One participant of `kvfs bench reshard` (see `kvfs_reshard::rank`).
     #[command(hide = true)]
     ReshardRank {
@@ -366,6 +378,11 @@ fn run() -> anyhow::Result<()> {
             }
             Cmd::Pg(PgCmd::Coordinator(a)) => cmd::pg::coordinator(a).await,
             Cmd::Reshard(c) => cmd::reshard::run(&master, c).await,
+            Cmd::Conductor(a) => {
+                let given = std::env::args().any(|x| x.starts_with("--listen"))
+                    || std::env::var_os("KVFS_CONDUCTOR_LISTEN").is_some();
+                cmd::conductor::run(a, given).await
+            }
             Cmd::Bench(BenchCmd::Pg(a)) => bench::pg::run(bench::pg::PgBench {
                 python: a.python,
                 procs: a.procs,
@@ -388,6 +405,7 @@ fn run() -> anyhow::Result<()> {
                 })
                 .await
             }
+            Cmd::Bench(BenchCmd::Trace(a)) => bench::trace::run(a),
             Cmd::Bench(BenchCmd::ReshardRank { .. }) => {
                 unreachable!("run before the runtime starts")
             }

@@ -9,4 +9,5 @@ pub mod report;
 pub mod reshard;
 pub mod store;
 pub mod tiers;
+pub mod trace;
 pub mod transfer;

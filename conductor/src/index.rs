@@ -1,0 +1,621 @@
+//! The prefix-cache index: which owner holds which block of which context, on which medium,
+//! and how long a prefix of a prompt's blocks each owner can serve.
+//!
+//! Model. A *context* is (tenant, model, LoRA, block size): block hashes are only comparable
+//! within one. An *owner* is one engine instance's data-parallel rank (its GPU cache and its
+//! own offload media), or a *shared* holder (the kvfs pool, a reference store), whose blocks
+//! every instance can load. Each block entry keeps, per medium, the sorted ids of the local
+//! owners holding it and of the shared holders holding it.
+//!
+//! Query (the reference conductor's semantics, made exact): for each owner, walk the prompt's
+//! blocks in order; the GPU cursor extends while the block is in that owner's GPU; from there
+//! the CPU cursor extends while the block is in the owner's own CPU or in any shared holder's
+//! CPU; the disk cursor extends likewise with disk (or faster) media. The first miss stops each cursor, so `gpu <= cpu <= disk` (cumulative
+//! block counts). One walk over the blocks serves every owner: the GPU phase intersects the
+//! set of owners still matching with each block's GPU owners (equal sets, the common case of
+//! a chain held whole, cost one slice comparison), and the later phases use run lengths of
+//! the shared media computed once per query; only an owner with its own CPU or disk blocks in
+//! the context walks those phases alone.
+//!
+//! Bounds. At most `entries_max` block entries; past it the least recently used entries (by
+//! store and query) are dropped, which only makes later answers shorter, never wrong about a
+//! block that is there. Events are idempotent (storing a held block or removing a missing one
+//! changes nothing), so a replayed batch applied twice leaves the index as applied once.
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+
+use hashbrown::HashMap;
+
+use crate::event::{Event, Medium};
+
+/// Block hashes are already uniformly distributed; hashing them again is wasted work.
+#[derive(Default, Clone, Copy)]
+pub struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+type BlockMap = HashMap<u64, Entry, std::hash::BuildHasherDefault<IdHasher>>;
+
+/// The key of a context.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct ContextKey {
+    pub tenant: String,
+    pub model: String,
+    /// Empty without LoRA.
+    pub lora: String,
+    pub block_size: u32,
+}
+
+/// Who holds blocks.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct OwnerKey {
+    pub instance: String,
+    pub dp_rank: u32,
+}
+
+pub type OwnerId = u32;
+type CtxId = u32;
+
+#[derive(Default)]
+struct Entry {
+    /// Sorted ids of the local owners holding the block, per medium.
+    local: [Vec<OwnerId>; 3],
+    /// Sorted ids of the shared holders holding the block, per medium.
+    shared: [Vec<OwnerId>; 3],
+    stamp: Cell<u64>,
+}
+
+impl Entry {
+    fn is_empty(&self) -> bool {
+        self.local.iter().all(Vec::is_empty) && self.shared.iter().all(Vec::is_empty)
+    }
+
+    /// The fastest medium a shared holder has the block on (3: none).
+    fn shared_best(&self) -> usize {
+        (0..3).find(|&m| !self.shared[m].is_empty()).unwrap_or(3)
+    }
+}
+
+struct Context {
+    key: ContextKey,
+    blocks: BlockMap,
+    /// Owners that stored in this context, with their local non-GPU block count here.
+    owners: HashMap<OwnerId, u64>,
+}
+
+struct Owner {
+    key: OwnerKey,
+    shared: bool,
+    /// Contexts the owner stored in.
+    contexts: Vec<CtxId>,
+    /// Clock of the owner's last event.
+    last_event: u64,
+}
+
+/// How far one owner can serve a prompt, in blocks (cumulative: `gpu <= cpu <= disk`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct OwnerMatch {
+    pub owner: OwnerKey,
+    pub gpu: usize,
+    pub cpu: usize,
+    pub disk: usize,
+}
+
+/// Figures for `/metrics` and `/global_view`.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct IndexStats {
+    pub contexts: usize,
+    pub owners: usize,
+    pub entries: usize,
+    pub evicted: u64,
+}
+
+pub struct Index {
+    entries_max: usize,
+    contexts: Vec<Context>,
+    context_ids: HashMap<ContextKey, CtxId>,
+    owners: Vec<Option<Owner>>,
+    owner_ids: HashMap<OwnerKey, OwnerId>,
+    entries: usize,
+    clock: u64,
+    /// (stamp, context, hash) in stamp order; stale when the entry's stamp moved on.
+    lru: VecDeque<(u64, CtxId, u64)>,
+    evicted: u64,
+}
+
+fn insert_sorted(v: &mut Vec<OwnerId>, id: OwnerId) -> bool {
+    match v.binary_search(&id) {
+        Ok(_) => false,
+        Err(at) => {
+            v.insert(at, id);
+            true
+        }
+    }
+}
+
+fn remove_sorted(v: &mut Vec<OwnerId>, id: OwnerId) -> bool {
+    match v.binary_search(&id) {
+        Ok(at) => {
+            v.remove(at);
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+impl Index {
+    pub fn new(entries_max: usize) -> Index {
+        Index {
+            entries_max: entries_max.max(1),
+            contexts: Vec::new(),
+            context_ids: HashMap::new(),
+            owners: Vec::new(),
+            owner_ids: HashMap::new(),
+            entries: 0,
+            clock: 0,
+            lru: VecDeque::new(),
+            evicted: 0,
+        }
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        IndexStats {
+            contexts: self.contexts.len(),
+            owners: self.owner_ids.len(),
+            entries: self.entries,
+            evicted: self.evicted,
+        }
+    }
+
+    /// The id of an owner, made on first use. `shared` marks a pool (every instance can load
+    /// its blocks); it is fixed when the owner is first made.
+    pub fn owner(&mut self, key: &OwnerKey, shared: bool) -> OwnerId {
+        if let Some(&id) = self.owner_ids.get(key) {
+            return id;
+        }
+        let id = self.owners.len() as OwnerId;
+        self.owners.push(Some(Owner {
+            key: key.clone(),
+            shared,
+            contexts: Vec::new(),
+            last_event: self.clock,
+        }));
+        self.owner_ids.insert(key.clone(), id);
+        id
+    }
+
+    fn context(&mut self, key: &ContextKey) -> CtxId {
+        if let Some(&id) = self.context_ids.get(key) {
+            return id;
+        }
+        let id = self.contexts.len() as CtxId;
+        self.contexts.push(Context {
+            key: key.clone(),
+            blocks: BlockMap::default(),
+            owners: HashMap::new(),
+        });
+        self.context_ids.insert(key.clone(), id);
+        id
+    }
+
+    /// Makes `owner` a member of `ctx` (a registration names its model and block size before
+    /// any event), so a query reports what the shared holders give it even before it stored.
+    pub fn join(&mut self, owner: OwnerId, ctx: &ContextKey) {
+        let c = self.context(ctx);
+        let Some(o) = self.owners.get_mut(owner as usize).and_then(Option::as_mut) else {
+            return;
+        };
+        if !o.contexts.contains(&c) {
+            o.contexts.push(c);
+        }
+        self.contexts[c as usize].owners.entry(owner).or_insert(0);
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Applies one event of `owner` whose blocks belong to `ctx` (for stores; removals and
+    /// clears apply to every context the owner stored in).
+    pub fn apply(&mut self, owner: OwnerId, ctx: &ContextKey, event: &Event) {
+        let now = self.tick();
+        let Some(o) = self.owners.get_mut(owner as usize).and_then(Option::as_mut) else {
+            return;
+        };
+        o.last_event = now;
+        let shared = o.shared;
+        match event {
+            Event::Stored { hashes, medium, .. } => {
+                let medium = if shared && *medium == Medium::Gpu { Medium::Cpu } else { *medium };
+                let c = self.context(ctx);
+                if let Some(o) = self.owners[owner as usize].as_mut()
+                    && !o.contexts.contains(&c)
+                {
+                    o.contexts.push(c);
+                }
+                let cx = &mut self.contexts[c as usize];
+                let local_cold = cx.owners.entry(owner).or_insert(0);
+                for &h in hashes {
+                    let e = cx.blocks.entry(h).or_insert_with(|| {
+                        self.entries += 1;
+                        Entry::default()
+                    });
+                    let list = if shared {
+                        &mut e.shared[medium.index()]
+                    } else {
+                        &mut e.local[medium.index()]
+                    };
+                    if insert_sorted(list, owner) && !shared && medium != Medium::Gpu {
+                        *local_cold += 1;
+                    }
+                    e.stamp.set(now);
+                    self.lru.push_back((now, c, h));
+                }
+                self.bound();
+            }
+            Event::Removed { hashes, medium } => {
+                let medium = if shared && *medium == Medium::Gpu { Medium::Cpu } else { *medium };
+                let ctxs = self.owners[owner as usize]
+                    .as_ref()
+                    .map(|o| o.contexts.clone())
+                    .unwrap_or_default();
+                for c in ctxs {
+                    for &h in hashes {
+                        self.drop_holding(c, h, owner, shared, Some(medium));
+                    }
+                }
+            }
+            Event::Cleared => self.clear_owner(owner),
+        }
+    }
+
+    /// Removes `owner`'s holding of block `h` in context `c` (on `medium`, or every medium).
+    fn drop_holding(
+        &mut self,
+        c: CtxId,
+        h: u64,
+        owner: OwnerId,
+        shared: bool,
+        medium: Option<Medium>,
+    ) {
+        let cx = &mut self.contexts[c as usize];
+        let Some(e) = cx.blocks.get_mut(&h) else { return };
+        for m in Medium::ALL {
+            if medium.is_some_and(|x| x != m) {
+                continue;
+            }
+            let list = if shared { &mut e.shared[m.index()] } else { &mut e.local[m.index()] };
+            if remove_sorted(list, owner)
+                && !shared
+                && m != Medium::Gpu
+                && let Some(n) = cx.owners.get_mut(&owner)
+            {
+                *n = n.saturating_sub(1);
+            }
+        }
+        if e.is_empty() {
+            cx.blocks.remove(&h);
+            self.entries -= 1;
+        }
+    }
+
+    /// Forgets every block of `owner` (its engine restarted, cleared its cache, or lost events
+    /// that cannot be replayed).
+    pub fn clear_owner(&mut self, owner: OwnerId) {
+        let Some(o) = self.owners.get(owner as usize).and_then(Option::as_ref) else { return };
+        let (shared, ctxs) = (o.shared, o.contexts.clone());
+        for c in ctxs {
+            let cx = &mut self.contexts[c as usize];
+            let before = cx.blocks.len();
+            cx.blocks.retain(|_, e| {
+                for m in 0..3 {
+                    let list = if shared { &mut e.shared[m] } else { &mut e.local[m] };
+                    remove_sorted(list, owner);
+                }
+                !e.is_empty()
+            });
+            self.entries -= before - cx.blocks.len();
+            if let Some(n) = cx.owners.get_mut(&owner) {
+                *n = 0;
+            }
+        }
+    }
+
+    /// Forgets `owner` entirely (unregistered or expired).
+    pub fn remove_owner(&mut self, owner: OwnerId) {
+        self.clear_owner(owner);
+        if let Some(o) = self.owners.get_mut(owner as usize).and_then(Option::take) {
+            for c in &o.contexts {
+                self.contexts[*c as usize].owners.remove(&owner);
+            }
+            self.owner_ids.remove(&o.key);
+        }
+    }
+
+    /// The index clock (one tick per event or query) at the owner's last event.
+    pub fn last_event(&self, owner: OwnerId) -> Option<u64> {
+        self.owners.get(owner as usize)?.as_ref().map(|o| o.last_event)
+    }
+
+    /// Drops the least recently used entries while over the bound.
+    fn bound(&mut self) {
+        while self.entries > self.entries_max {
+            let Some((stamp, c, h)) = self.lru.pop_front() else { break };
+            let cx = &mut self.contexts[c as usize];
+            let live = cx.blocks.get(&h).is_some_and(|e| e.stamp.get() == stamp);
+            if !live {
+                continue;
+            }
+            if let Some(e) = cx.blocks.remove(&h) {
+                for m in 1..3 {
+                    for &o in &e.local[m] {
+                        if let Some(n) = cx.owners.get_mut(&o) {
+                            *n = n.saturating_sub(1);
+                        }
+                    }
+                }
+                self.entries -= 1;
+                self.evicted += 1;
+            }
+        }
+        // Stale records pile up when entries are touched often: compact past twice the live.
+        if self.lru.len() > 2 * self.entries_max.max(self.entries) + 1024 {
+            let contexts = &self.contexts;
+            self.lru.retain(|&(stamp, c, h)| {
+                contexts[c as usize].blocks.get(&h).is_some_and(|e| e.stamp.get() == stamp)
+            });
+        }
+    }
+
+    /// The contexts known, with their owners (for `/global_view`).
+    pub fn contexts(&self) -> Vec<(ContextKey, usize, Vec<OwnerKey>)> {
+        self.contexts
+            .iter()
+            .map(|cx| {
+                let mut owners: Vec<OwnerKey> = cx
+                    .owners
+                    .keys()
+                    .filter_map(|&o| self.owners.get(o as usize)?.as_ref().map(|o| o.key.clone()))
+                    .collect();
+                owners.sort();
+                (cx.key.clone(), cx.blocks.len(), owners)
+            })
+            .collect()
+    }
+
+    /// How far each owner of `ctx` can serve the blocks `hashes` (in chain order); owners
+    /// with nothing to offer are left out. Marks the matched entries as recently used.
+    pub fn query(&mut self, ctx: &ContextKey, hashes: &[u64]) -> Vec<OwnerMatch> {
+        let Some(&c) = self.context_ids.get(ctx) else { return Vec::new() };
+        let now = self.tick();
+        let cx = &self.contexts[c as usize];
+        let mut found: Vec<&Entry> = Vec::with_capacity(hashes.len());
+        for h in hashes {
+            match cx.blocks.get(h) {
+                Some(e) => {
+                    e.stamp.set(now);
+                    found.push(e);
+                }
+                None => break,
+            }
+        }
+        let n = found.len();
+        // run[m][i]: the first block at or after i that no shared holder has on medium m or
+        // faster (m = 1 cpu, 2 disk).
+        let mut run = [vec![n; n + 1], vec![n; n + 1]];
+        for i in (0..n).rev() {
+            let best = found[i].shared_best();
+            for (k, m) in [(0usize, 1usize), (1, 2)] {
+                run[k][i] = if best <= m { run[k][i + 1] } else { i };
+            }
+        }
+        // GPU phase: one walk, intersecting the owners still matching.
+        let mut gpu: HashMap<OwnerId, usize> = HashMap::new();
+        if n > 0 {
+            let mut alive: Vec<OwnerId> = found[0].local[0].clone();
+            let mut i = 1;
+            while i < n && !alive.is_empty() {
+                let next = &found[i].local[0];
+                if *next != alive {
+                    let mut kept = Vec::with_capacity(alive.len().min(next.len()));
+                    let mut j = 0;
+                    for &o in &alive {
+                        while j < next.len() && next[j] < o {
+                            j += 1;
+                        }
+                        if j < next.len() && next[j] == o {
+                            kept.push(o);
+                        } else {
+                            gpu.insert(o, i);
+                        }
+                    }
+                    alive = kept;
+                }
+                i += 1;
+            }
+            for o in alive {
+                gpu.insert(o, i);
+            }
+        }
+        let mut out = Vec::new();
+        for (&o, &cold) in &cx.owners {
+            let Some(Some(owner)) = self.owners.get(o as usize) else { continue };
+            if owner.shared {
+                continue;
+            }
+            let g = gpu.get(&o).copied().unwrap_or(0);
+            let (cpu, disk) = if cold == 0 {
+                let cpu = run[0][g];
+                (cpu, run[1][cpu])
+            } else {
+                // The owner's own CPU/disk blocks count too: walk its later phases alone.
+                let has = |i: usize, m: usize| {
+                    found[i].shared_best() <= m
+                        || (1..=m).any(|k| found[i].local[k].binary_search(&o).is_ok())
+                };
+                let mut cpu = g;
+                while cpu < n && has(cpu, 1) {
+                    cpu += 1;
+                }
+                let mut disk = cpu;
+                while disk < n && has(disk, 2) {
+                    disk += 1;
+                }
+                (cpu, disk)
+            };
+            if disk > 0 {
+                out.push(OwnerMatch { owner: owner.key.clone(), gpu: g, cpu, disk });
+            }
+        }
+        out.sort_by(|a, b| a.owner.cmp(&b.owner));
+        for h in &hashes[..n] {
+            self.lru.push_back((now, c, *h));
+        }
+        self.bound();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ctx() -> ContextKey {
+        ContextKey { tenant: "t".into(), model: "m".into(), lora: String::new(), block_size: 16 }
+    }
+
+    fn stored(hashes: &[u64], medium: Medium) -> Event {
+        Event::Stored {
+            hashes: hashes.to_vec(),
+            parent: None,
+            block_size: Some(16),
+            medium,
+            lora_name: None,
+        }
+    }
+
+    fn key(i: &str, r: u32) -> OwnerKey {
+        OwnerKey { instance: i.into(), dp_rank: r }
+    }
+
+    #[test]
+    fn cursors_follow_gpu_then_pool_media() {
+        let mut ix = Index::new(1000);
+        let a = ix.owner(&key("a", 0), false);
+        let b = ix.owner(&key("b", 1), false);
+        let pool = ix.owner(&key("pool", 0), true);
+        ix.apply(a, &ctx(), &stored(&[1, 2, 3], Medium::Gpu));
+        ix.apply(b, &ctx(), &stored(&[1], Medium::Gpu));
+        ix.apply(pool, &ctx(), &stored(&[1, 2, 3, 4], Medium::Cpu));
+        ix.apply(pool, &ctx(), &stored(&[5], Medium::Disk));
+        let r = ix.query(&ctx(), &[1, 2, 3, 4, 5, 6]);
+        assert_eq!(
+            r,
+            vec![
+                OwnerMatch { owner: key("a", 0), gpu: 3, cpu: 4, disk: 5 },
+                OwnerMatch { owner: key("b", 1), gpu: 1, cpu: 4, disk: 5 },
+            ]
+        );
+        ix.apply(pool, &ctx(), &Event::Removed { hashes: vec![4], medium: Medium::Cpu });
+        let r = ix.query(&ctx(), &[1, 2, 3, 4, 5]);
+        assert_eq!(r[0], OwnerMatch { owner: key("a", 0), gpu: 3, cpu: 3, disk: 3 });
+        ix.apply(a, &ctx(), &Event::Cleared);
+        let r = ix.query(&ctx(), &[1, 2, 3]);
+        assert_eq!(r[0], OwnerMatch { owner: key("a", 0), gpu: 0, cpu: 3, disk: 3 });
+    }
+
+    #[test]
+    fn the_bound_drops_least_recently_used_entries() {
+        let mut ix = Index::new(4);
+        let a = ix.owner(&key("a", 0), false);
+        ix.apply(a, &ctx(), &stored(&[1, 2, 3, 4], Medium::Gpu));
+        ix.query(&ctx(), &[1, 2]);
+        ix.apply(a, &ctx(), &stored(&[9, 10], Medium::Gpu));
+        assert_eq!(ix.stats().entries, 4);
+        assert_eq!(ix.stats().evicted, 2);
+        assert_eq!(ix.query(&ctx(), &[1, 2, 3])[0].gpu, 2);
+        assert_eq!(ix.query(&ctx(), &[9, 10])[0].gpu, 2);
+    }
+
+    /// Brute force: per owner, walk the blocks with set lookups.
+    fn brute(
+        held: &std::collections::BTreeMap<(u32, u64, usize), ()>,
+        owners: &[(u32, bool)],
+        q: &[u64],
+    ) -> Vec<(u32, usize, usize, usize)> {
+        let has = |o: u32, h: u64, m: usize| held.contains_key(&(o, h, m));
+        let shared_at =
+            |h: u64, m: usize| owners.iter().any(|&(o, s)| s && (0..=m).any(|k| has(o, h, k)));
+        let mut out = Vec::new();
+        for &(o, s) in owners {
+            if s {
+                continue;
+            }
+            let mut g = 0;
+            while g < q.len() && has(o, q[g], 0) {
+                g += 1;
+            }
+            let ok = |i: usize, m: usize| shared_at(q[i], m) || (1..=m).any(|k| has(o, q[i], k));
+            let mut c = g;
+            while c < q.len() && ok(c, 1) {
+                c += 1;
+            }
+            let mut d = c;
+            while d < q.len() && ok(d, 2) {
+                d += 1;
+            }
+            if d > 0 {
+                out.push((o, g, c, d));
+            }
+        }
+        out
+    }
+
+    proptest! {
+        #[test]
+        fn queries_match_a_brute_force_walk(
+            ops in proptest::collection::vec((0u32..5, 0u8..3, 0usize..3, proptest::collection::vec(0u64..12, 1..6)), 1..60),
+            q in proptest::collection::vec(0u64..12, 0..10),
+        ) {
+            let mut ix = Index::new(1 << 20);
+            let owners: Vec<(u32, bool)> = (0..5).map(|o| (o, o == 4)).collect();
+            let ids: Vec<OwnerId> = owners.iter().map(|&(o, s)| ix.owner(&key(&format!("i{o}"), 0), s)).collect();
+            for &id in &ids {
+                ix.join(id, &ctx());
+            }
+            let mut held = std::collections::BTreeMap::new();
+            for (o, kind, m, hs) in ops {
+                let medium = Medium::ALL[m];
+                let shared = owners[o as usize].1;
+                let eff = if shared && m == 0 { 1 } else { m };
+                let ev = match kind {
+                    0 | 1 => { for &h in &hs { held.insert((o, h, eff), ()); } stored(&hs, medium) }
+                    _ => { for &h in &hs { held.remove(&(o, h, eff)); } Event::Removed { hashes: hs.clone(), medium } }
+                };
+                ix.apply(ids[o as usize], &ctx(), &ev);
+            }
+            // The index stops at the first block nobody holds at all; so does the brute force
+            // (every cursor stops there).
+            let got: Vec<(u32, usize, usize, usize)> = ix.query(&ctx(), &q).into_iter()
+                .map(|m| (m.owner.instance[1..].parse().unwrap(), m.gpu, m.cpu, m.disk)).collect();
+            let mut want = brute(&held, &owners, &q);
+            want.sort();
+            prop_assert_eq!(got, want);
+        }
+    }
+}

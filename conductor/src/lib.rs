@@ -1,0 +1,9 @@
+//! kvfs-conductor: which instance holds which prefix of a prompt's KV cache, fed by the
+//! engines' and the pool's KV events, and where to send a request.
+
+pub mod event;
+pub mod hash;
+pub mod index;
+pub mod service;
+pub mod source;
+pub mod trace;

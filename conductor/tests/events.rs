@@ -1,0 +1,250 @@
+//! The conductor fed by real publishers: Python processes publishing over ZeroMQ exactly as
+//! vLLM's and SGLang's `ZmqEventPublisher` do (tests/publisher.py), the conductor's HTTP API
+//! on a real socket. Covers both vLLM formats and SGLang's, a dropped batch replayed, a
+//! publisher restart, the pool as a shared medium, token queries hashed as vLLM hashes, and
+//! unregistering.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvfs_conductor::service::{Config, Shared};
+use serde_json::{Value, json};
+
+fn python() -> String {
+    let venv = std::env::var("KVFS_VENV").unwrap_or_else(|_| "/opt/kvfs-venv".into());
+    format!("{venv}/bin/python")
+}
+
+struct Publisher {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    endpoint: String,
+    replay: String,
+}
+
+impl Publisher {
+    fn start(format: &str, dp_rank: u32, ports: Option<(&str, &str)>) -> Publisher {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/publisher.py");
+        let mut cmd = Command::new(python());
+        cmd.arg(script).args(["--format", format, "--dp-rank", &dp_rank.to_string()]);
+        if let Some((p, r)) = ports {
+            let port = |e: &str| e.rsplit(':').next().unwrap().to_string();
+            cmd.args(["--pub-port", &port(p), "--replay-port", &port(r)]);
+        }
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {} (set KVFS_VENV): {e}", python()));
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(
+            parts.first(),
+            Some(&"ready"),
+            "publisher did not start: {line:?} (needs pyzmq, msgpack, cbor2, xxhash in {})",
+            python()
+        );
+        Publisher {
+            endpoint: parts[1].to_string(),
+            replay: parts[2].to_string(),
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    fn send(&mut self, events: Value, live: bool) -> u64 {
+        let line = json!({"events": events, "live": live}).to_string();
+        writeln!(self.stdin, "{line}").unwrap();
+        let mut out = String::new();
+        self.stdout.read_line(&mut out).unwrap();
+        out.trim().strip_prefix("ok ").expect("publisher answer").parse().unwrap()
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection; returns (status, body).
+fn http(addr: &str, method: &str, path: &str, body: Option<&Value>) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+fn query(addr: &str, hashes: &[u64]) -> Value {
+    let (code, body) = http(
+        addr,
+        "POST",
+        "/query_by_hash",
+        Some(&json!({"model": "m", "block_size": 16, "seq_hashes": hashes})),
+    );
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Polls until `f` holds (events cross a real socket and a subscriber's connect).
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(20), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn gpu(v: &Value, instance: &str) -> u64 {
+    v["instances"][instance]["gpu"].as_u64().unwrap_or(0)
+}
+
+fn register(addr: &str, p: &Publisher, instance: &str, kind: &str, dp_rank: u32) {
+    let (code, body) = http(
+        addr,
+        "POST",
+        "/register",
+        Some(&json!({"endpoint": p.endpoint, "replay_endpoint": p.replay, "type": kind,
+            "modelname": "m", "instance_id": instance, "block_size": 16, "dp_rank": dp_rank})),
+    );
+    assert_eq!(code, 200, "{body}");
+}
+
+fn metric(addr: &str, name: &str) -> u64 {
+    let (_, body) = http(addr, "GET", "/metrics", None);
+    body.lines()
+        .find_map(|l| l.strip_prefix(&format!("kvfs_conductor_{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no metric {name}"))
+}
+
+#[test]
+fn engines_events_feed_the_index() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let shared = Shared::new(&Config::default());
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    rt.spawn(kvfs_conductor::service::serve(listener, shared.clone()));
+    let addr = addr.as_str();
+
+    // Newer vLLM: tagged maps. Batches sent before the subscriber connects are recovered by
+    // the replay it asks for on first contact.
+    let mut a = Publisher::start("tagged", 0, None);
+    a.send(json!([{"type": "stored", "hashes": [1, 2], "medium": "GPU"}]), true);
+    register(addr, &a, "a", "vLLM", 0);
+    a.send(json!([{"type": "stored", "hashes": [3]}]), true);
+    eventually("a's blocks", || gpu(&query(addr, &[1, 2, 3, 4]), "a") == 48);
+
+    // A batch the subscriber never sees live is replayed when the next one shows the gap.
+    a.send(json!([{"type": "stored", "hashes": [4]}]), false);
+    a.send(json!([{"type": "stored", "hashes": [5]}]), true);
+    eventually("the replayed block", || gpu(&query(addr, &[1, 2, 3, 4, 5]), "a") == 80);
+    assert!(metric(addr, "gaps_total") >= 1);
+    assert!(metric(addr, "replayed_batches_total") >= 2);
+
+    // Older vLLM / SGLang: positional arrays, DP rank 1 carried in the batch.
+    let mut b = Publisher::start("array", 1, None);
+    register(addr, &b, "b", "vLLM", 1);
+    b.send(json!([{"type": "stored", "hashes": [1, 2]}]), true);
+    eventually("b's blocks", || gpu(&query(addr, &[1, 2, 3]), "b") == 32);
+    let v = query(addr, &[1, 2, 3]);
+    assert_eq!(v["instances"]["b"]["dp"]["1"], 32);
+    b.send(json!([{"type": "removed", "hashes": [2]}]), true);
+    eventually("b's removal", || gpu(&query(addr, &[1, 2, 3]), "b") == 16);
+
+    // SGLang's tagged events with its own medium names, and a shared pool: every instance
+    // can continue its prefix from the pool's CPU copy.
+    let mut pool = Publisher::start("sglang", 0, None);
+    register(addr, &pool, "pool", "kvfs", 0);
+    pool.send(
+        json!([{"type": "stored", "hashes": [1, 2, 3, 4, 5, 6], "medium": "CPU_PINNED"}]),
+        true,
+    );
+    eventually("the pool's blocks", || {
+        let v = query(addr, &[1, 2, 3, 4, 5, 6, 7]);
+        v["instances"]["b"]["cpu"] == 96 && v["instances"]["a"]["cpu"] == 96
+    });
+    let v = query(addr, &[1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(v["instances"]["a"]["gpu"], 80);
+    assert_eq!(v["instances"]["a"]["longest_matched"], 96);
+    assert!(v["instances"].get("pool").is_none(), "{v}");
+
+    // A publisher restart: same endpoints, sequence back to 0; the old process's blocks go.
+    let (ep, rp) = (a.endpoint.clone(), a.replay.clone());
+    drop(a);
+    let mut a2 = Publisher::start("tagged", 0, Some((&ep, &rp)));
+    a2.send(json!([{"type": "stored", "hashes": [9]}]), true);
+    a2.send(json!([{"type": "stored", "hashes": [10]}]), true);
+    eventually("the restarted publisher's blocks", || {
+        gpu(&query(addr, &[9, 10]), "a") == 32 && gpu(&query(addr, &[1, 2]), "a") == 0
+    });
+    assert!(metric(addr, "publisher_restarts_total") >= 1);
+
+    // Token queries hash as vLLM does (sha256_cbor, default root) and find the same blocks.
+    let tokens: Vec<u32> = (0..40).map(|i| i * 7 + 1).collect();
+    a2.send(
+        json!([{"type": "stored_tokens", "tokens": tokens, "block_size": 16,
+                "algorithm": "sha256_cbor", "seed": null}]),
+        true,
+    );
+    eventually("blocks stored by token hash", || {
+        let (code, body) = http(
+            addr,
+            "POST",
+            "/query",
+            Some(&json!({"model": "m", "block_size": 16, "token_ids": tokens})),
+        );
+        assert_eq!(code, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        gpu(&v, "a") == 32
+    });
+
+    // Views and bad input.
+    let (code, body) = http(addr, "GET", "/global_view", None);
+    assert_eq!(code, 200);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["context_count"], 1, "{v}");
+    let (_, body) = http(addr, "GET", "/services", None);
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["count"], 3);
+    let (code, _) = http(addr, "POST", "/register", Some(&json!({"endpoint": "x"})));
+    assert_eq!(code, 400);
+    let (code, body) = http(
+        addr,
+        "POST",
+        "/register",
+        Some(&json!({"endpoint": "tcp://127.0.0.1:1", "type": "Nope", "modelname": "m",
+            "instance_id": "z", "block_size": 16})),
+    );
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("unknown type"), "{body}");
+    let (code, _) = http(addr, "POST", "/query", Some(&json!({"model": "m", "block_size": 0})));
+    assert_eq!(code, 400);
+    let (code, _) = http(addr, "GET", "/query", None);
+    assert_eq!(code, 405);
+
+    // Unregistering forgets the instance.
+    let (code, body) =
+        http(addr, "POST", "/unregister", Some(&json!({"instance_id": "b", "dp_rank": 1})));
+    assert_eq!(code, 200, "{body}");
+    assert!(query(addr, &[1]).get("instances").unwrap().get("b").is_none());
+    let (code, _) = http(addr, "POST", "/unregister", Some(&json!({"instance_id": "b"})));
+    assert_eq!(code, 404);
+    drop((b, pool, a2));
+}

@@ -1,0 +1,68 @@
+//! `kvfs conductor`: the prefix-cache index and its HTTP API, fed by the engines' KV events.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use kvfs_conductor::hash::{Algorithm, HashProfile};
+use kvfs_conductor::service::{Config, Registration, Shared};
+
+#[derive(clap::Args, Debug)]
+pub struct ConductorArgs {
+    /// HTTP address of the API (`/register`, `/query`, `/query_by_hash`, `/global_view`,
+    /// `/services`, `/metrics`).
+    #[arg(long, default_value = "127.0.0.1:13333", env = "KVFS_CONDUCTOR_LISTEN")]
+    pub listen: SocketAddr,
+    /// Static registrations, the reference conductor's `conductor_config.json`:
+    /// `{"http_server_port": P, "kvevent_instance": {"<id>": {endpoint, replay_endpoint, type,
+    /// modelname, block_size, dp_rank, ...}}}` (`http_server_port` is used when `--listen` is
+    /// not given).
+    #[arg(long, env = "CONDUCTOR_CONFIG_PATH")]
+    pub config: Option<PathBuf>,
+    /// Most block entries the index keeps (least recently used ones go first past it).
+    #[arg(long, default_value_t = 10_000_000)]
+    pub entries_max: usize,
+    /// How token queries hash prompts when a registration does not say: vLLM's
+    /// `--prefix-caching-hash-algo` (sha256, sha256_cbor, xxhash, xxhash_cbor).
+    #[arg(long, default_value = "sha256_cbor")]
+    pub hash_algorithm: String,
+    /// The engines' PYTHONHASHSEED (vLLM derives its root hash from it).
+    #[arg(long, env = "KVFS_CONDUCTOR_PYTHON_HASH_SEED")]
+    pub python_hash_seed: Option<String>,
+}
+
+pub async fn run(a: ConductorArgs, listen_given: bool) -> anyhow::Result<()> {
+    let algorithm: Algorithm = a.hash_algorithm.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let cfg = Config {
+        entries_max: a.entries_max,
+        default_profile: HashProfile { algorithm, python_hash_seed: a.python_hash_seed.clone() },
+    };
+    let shared = Shared::new(&cfg);
+    let mut listen = a.listen;
+    if let Some(path) = &a.config {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let sc: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        if let (Some(p), false) = (sc["http_server_port"].as_u64(), listen_given) {
+            listen.set_port(u16::try_from(p).context("http_server_port out of range")?);
+        }
+        let instances = sc["kvevent_instance"].as_object().cloned().unwrap_or_default();
+        for (id, mut v) in instances {
+            if let Some(o) = v.as_object_mut() {
+                o.entry("instance_id").or_insert(serde_json::Value::String(id.clone()));
+            }
+            let reg: Registration = serde_json::from_value(v)
+                .with_context(|| format!("{}: instance {id}", path.display()))?;
+            shared.register(reg).map_err(|e| anyhow::anyhow!("instance {id}: {e}"))?;
+        }
+    }
+    let listener =
+        tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+    eprintln!("kvfs conductor: serving http://{}", listener.local_addr()?);
+    tokio::select! {
+        r = kvfs_conductor::service::serve(listener, shared) => r.context("http server")?,
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    Ok(())
+}
