@@ -174,15 +174,30 @@ struct Fields<'a> {
 fn fields(v: &Value) -> Result<Fields<'_>, DecodeError> {
     match v {
         Value::Map(m) => {
-            let tag = m
-                .iter()
-                .find(|(k, _)| k.as_str() == Some("type"))
-                .and_then(|(_, v)| v.as_str())
-                .ok_or_else(|| bad("event map without a \"type\" string"))?;
+            let field = |name: &str| m.iter().find(|(k, _)| k.as_str() == Some(name));
+            // The reference store's contract (RFC 1527) names the kind `event_type`
+            // (stored/removed/cleared) and the hashes `seq_hashes`; its legacy aliases are the
+            // engines' `type` and `block_hashes`.
+            let tag = match field("type").and_then(|(_, v)| v.as_str()) {
+                Some(t) => t,
+                None => match field("event_type").and_then(|(_, v)| v.as_str()) {
+                    Some("stored") => "BlockStored",
+                    Some("removed") => "BlockRemoved",
+                    Some("cleared") => "AllBlocksCleared",
+                    Some(other) => other,
+                    None => return Err(bad("event map without a \"type\" or \"event_type\"")),
+                },
+            };
             Ok(Fields {
                 tag,
                 get: Box::new(move |name, _| {
-                    m.iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v)
+                    let found = m.iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v);
+                    match (found, name) {
+                        (None, "block_hashes") => {
+                            m.iter().find(|(k, _)| k.as_str() == Some("seq_hashes")).map(|(_, v)| v)
+                        }
+                        (f, _) => f,
+                    }
                 }),
             })
         }
@@ -318,6 +333,34 @@ mod tests {
                 }]
             );
         }
+    }
+
+    #[test]
+    fn the_reference_stores_contract_decodes() {
+        let ev = Value::Map(vec![
+            (s("event_type"), s("stored")),
+            (s("seq_hashes"), Value::Array(vec![Value::from(42u64)])),
+            (s("medium"), s("disk")),
+            (s("object_key"), s("42")),
+        ]);
+        let b = decode_batch(&enc(&Value::Array(vec![
+            Value::F64(0.0),
+            Value::Array(vec![ev, Value::Map(vec![(s("event_type"), s("cleared"))])]),
+        ])))
+        .unwrap();
+        assert_eq!(
+            b.events,
+            vec![
+                Event::Stored {
+                    hashes: vec![42],
+                    parent: None,
+                    block_size: None,
+                    medium: Medium::Disk,
+                    lora_name: None
+                },
+                Event::Cleared
+            ]
+        );
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //!   `type` is `vLLM`, `SGLang` (engine-local blocks) or `kvfs`/`Mooncake` (a shared pool).
 //! - `POST /unregister` `{instance_id, tenant_id?, dp_rank?}` stops it and forgets its blocks.
 //! - `POST /query` `{model, lora_name?, lora_path?, token_ids, tenant_id?, instance_id?,
-//!   block_size, cache_salt?}`: the token ids are hashed as the context's engines hash them;
+//!   block_size, cache_salt?}`: the token ids (integers, or in msgpack one binary of
+//!   little-endian u32) are hashed as the context's engines hash them;
 //!   `POST /query_by_hash` takes `seq_hashes` (or `block_hash`) instead. Both answer
 //!   `{instances: {id: {longest_matched, gpu, cpu, disk, dp: {rank: gpu}, rank_matches:
 //!   {rank: {gpu, cpu, disk}}}}}` in tokens (cumulative, `gpu <= cpu <= disk`).
@@ -115,6 +116,8 @@ pub struct Metrics {
     pub replayed: AtomicU64,
     pub lost: AtomicU64,
     pub restarts: AtomicU64,
+    /// Sources whose blocks expired because their publisher stayed unreachable.
+    pub expired: AtomicU64,
     pub queries: AtomicU64,
     pub query_errors: AtomicU64,
     /// Query latency histogram: counts at or below each bound of `LATENCY_BOUNDS_US`.
@@ -149,6 +152,8 @@ pub struct Shared {
     /// Hash profile per context (tenant, model, block size), from registrations.
     profiles: Mutex<HashMap<(String, String, u32), Arc<BlockHasher>>>,
     default_profile: HashProfile,
+    /// A publisher unreachable this long has its blocks cleared.
+    pub source_ttl: std::time::Duration,
 }
 
 /// Settings of a conductor.
@@ -158,6 +163,8 @@ pub struct Config {
     pub entries_max: usize,
     /// How token queries hash when a registration does not say.
     pub default_profile: HashProfile,
+    /// A publisher unreachable this long (its engine is gone) has its blocks cleared.
+    pub source_ttl: std::time::Duration,
 }
 
 impl Default for Config {
@@ -168,6 +175,7 @@ impl Default for Config {
                 algorithm: Algorithm::Sha256Cbor,
                 python_hash_seed: None,
             },
+            source_ttl: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -180,6 +188,7 @@ impl Shared {
             sources: Mutex::new(BTreeMap::new()),
             profiles: Mutex::new(HashMap::new()),
             default_profile: cfg.default_profile.clone(),
+            source_ttl: cfg.source_ttl,
         })
     }
 
@@ -372,7 +381,7 @@ struct Query {
     #[serde(default)]
     lora_path: Option<String>,
     #[serde(default)]
-    token_ids: Vec<u32>,
+    token_ids: TokenIds,
     #[serde(default, alias = "block_hash")]
     seq_hashes: Vec<u64>,
     #[serde(default = "default_tenant")]
@@ -382,6 +391,51 @@ struct Query {
     block_size: u32,
     #[serde(default)]
     cache_salt: Option<String>,
+}
+
+/// Token ids as an array of integers, or (msgpack) as one binary of little-endian 32-bit
+/// integers, as the reference conductor takes them: a 128k-token prompt is then one 512 KiB
+/// copy to decode instead of 128k integers.
+#[derive(Default)]
+struct TokenIds(Vec<u32>);
+
+impl<'de> Deserialize<'de> for TokenIds {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = TokenIds;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an array of token ids or little-endian 32-bit token ids as bytes")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> Result<TokenIds, A::Error> {
+                let mut v = Vec::with_capacity(a.size_hint().unwrap_or(0).min(1 << 20));
+                while let Some(t) = a.next_element::<u32>()? {
+                    v.push(t);
+                }
+                Ok(TokenIds(v))
+            }
+            fn visit_bytes<E: serde::de::Error>(self, b: &[u8]) -> Result<TokenIds, E> {
+                if b.len() % 4 != 0 {
+                    return Err(E::custom(format!(
+                        "{} bytes of token ids: not a multiple of 4",
+                        b.len()
+                    )));
+                }
+                Ok(TokenIds(
+                    b.chunks_exact(4)
+                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                ))
+            }
+            fn visit_byte_buf<E: serde::de::Error>(self, b: Vec<u8>) -> Result<TokenIds, E> {
+                self.visit_bytes(&b)
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 #[derive(Serialize, Default)]
@@ -448,7 +502,7 @@ fn run_query(s: &Shared, h: &HeaderMap, body: &[u8], by_hash: bool) -> Response 
                 .map(|name| LoraKey { name, path: q.lora_path.clone().unwrap_or_default() }),
             cache_salt: q.cache_salt.clone(),
         };
-        match hasher.iter(&q.token_ids, q.block_size as usize, &extra) {
+        match hasher.iter(&q.token_ids.0, q.block_size as usize, &extra) {
             Ok(it) => it.map(|d| project_low64_be(&d)).collect(),
             Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
         }
@@ -525,6 +579,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     counter("replayed_batches_total", "Batches received by replay.", l(&m.replayed));
     counter("lost_batches_total", "Batches no replay could recover.", l(&m.lost));
     counter("publisher_restarts_total", "Publisher restarts detected.", l(&m.restarts));
+    counter("sources_expired_total", "Sources whose publisher stayed unreachable.", l(&m.expired));
     counter("queries_total", "Prefix queries answered.", l(&m.queries));
     counter("query_errors_total", "Prefix queries refused.", l(&m.query_errors));
     counter("index_evicted_total", "Index entries dropped by the memory bound.", st.evicted);

@@ -135,6 +135,9 @@ pub async fn run(
 ) {
     let mut seq = Sequencer::new(reg.replay_endpoint.is_some());
     let mut backoff = Duration::from_millis(50);
+    // Since when the publisher cannot be reached, and whether its blocks already expired.
+    let mut unreachable: Option<tokio::time::Instant> = None;
+    let mut expired = false;
     loop {
         if *stop.borrow() {
             return;
@@ -143,19 +146,35 @@ pub async fn run(
         let abort = session.abort_handle();
         tokio::select! {
             r = session => {
-                match r {
-                    Ok(Ok(s)) => { seq = s; backoff = Duration::from_millis(50); }
+                let reached = match r {
+                    Ok(Ok(s)) => { seq = s; true }
                     Ok(Err((s, e))) => {
                         seq = s;
                         tracing::debug!(endpoint = %reg.endpoint, error = %e, "kv event source");
+                        false
                     }
-                    // A panic inside the ZeroMQ library: start over with a fresh socket.
+                    // A panic inside the ZeroMQ library: start over with a fresh socket (the
+                    // first batch then replays from 0; applying twice changes nothing).
                     Err(e) => {
                         seq = Sequencer::new(reg.replay_endpoint.is_some());
                         tracing::warn!(endpoint = %reg.endpoint, error = %e, "kv event source failed");
+                        false
+                    }
+                };
+                if reached {
+                    backoff = Duration::from_millis(50);
+                    (unreachable, expired) = (None, false);
+                } else {
+                    shared.metrics.reconnects.fetch_add(1, Ordering::Relaxed);
+                    let since = *unreachable.get_or_insert_with(tokio::time::Instant::now);
+                    if !expired && since.elapsed() >= shared.source_ttl {
+                        // A publisher gone this long took its engine's cache with it.
+                        tracing::warn!(endpoint = %reg.endpoint, "kv event source unreachable: its blocks expire");
+                        clear(&reg, &shared);
+                        shared.metrics.expired.fetch_add(1, Ordering::Relaxed);
+                        expired = true;
                     }
                 }
-                shared.metrics.reconnects.fetch_add(1, Ordering::Relaxed);
             }
             _ = stop.changed() => { abort.abort(); return; }
         }

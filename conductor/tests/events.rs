@@ -1,8 +1,8 @@
 //! The conductor fed by real publishers: Python processes publishing over ZeroMQ exactly as
 //! vLLM's and SGLang's `ZmqEventPublisher` do (tests/publisher.py), the conductor's HTTP API
 //! on a real socket. Covers both vLLM formats and SGLang's, a dropped batch replayed, a
-//! publisher restart, the pool as a shared medium, token queries hashed as vLLM hashes, and
-//! unregistering.
+//! publisher restart, the pool as a shared medium, token queries hashed as vLLM hashes,
+//! unregistering, and a vanished publisher's blocks expiring.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -138,7 +138,8 @@ fn metric(addr: &str, name: &str) -> u64 {
 #[test]
 fn engines_events_feed_the_index() {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let shared = Shared::new(&Config::default());
+    let cfg = Config { source_ttl: Duration::from_secs(2), ..Config::default() };
+    let shared = Shared::new(&cfg);
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     rt.spawn(kvfs_conductor::service::serve(listener, shared.clone()));
@@ -246,5 +247,13 @@ fn engines_events_feed_the_index() {
     assert!(query(addr, &[1]).get("instances").unwrap().get("b").is_none());
     let (code, _) = http(addr, "POST", "/unregister", Some(&json!({"instance_id": "b"})));
     assert_eq!(code, 404);
-    drop((b, pool, a2));
+
+    // A publisher that stays unreachable past the source TTL takes its blocks with it.
+    assert_eq!(query(addr, &[1, 2, 3, 4, 5, 6])["instances"]["a"]["cpu"], 96);
+    drop(pool);
+    eventually("the vanished pool's blocks to expire", || {
+        query(addr, &[1, 2, 3, 4, 5, 6]).get("instances").unwrap().get("a").is_none()
+    });
+    assert!(metric(addr, "sources_expired_total") >= 1);
+    drop((b, a2));
 }

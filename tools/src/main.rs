@@ -133,6 +133,10 @@ enum BenchCmd {
     /// `kvfs_conductor::trace`), and prints the token hit rate of both and their difference per
     /// capacity; `unbounded` is the trace's ceiling. `--plot` draws the curves.
     Trace(bench::trace::TraceArgs),
+    /// Prefix-query latency of the conductor: its index walk and its HTTP API (`/query_by_hash`,
+    /// `/query` with tokens in JSON and in msgpack) with many instances x DP ranks and a long
+    /// prompt (default 1,000 x 8 and 128k tokens, block sizes 16 and 512), p50 and p99.
+    Conductor(bench::conductor::ConductorBenchArgs),
     /// (internal) One participant of `kvfs bench reshard` (see `kvfs_reshard::rank`).
     #[command(hide = true)]
     ReshardRank {
@@ -339,6 +343,10 @@ fn run() -> anyhow::Result<()> {
         // It runs its own runtime (two workers, as the test ranks do).
         std::process::exit(kvfs_reshard::rank::main(args));
     }
+    if let Cmd::Bench(BenchCmd::Conductor(a)) = cli.cmd {
+        // Its own runtime per case, with the client on this thread.
+        return bench::conductor::run(a);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let master = cli.master;
@@ -406,6 +414,7 @@ fn run() -> anyhow::Result<()> {
                 .await
             }
             Cmd::Bench(BenchCmd::Trace(a)) => bench::trace::run(a),
+            Cmd::Bench(BenchCmd::Conductor(_)) => unreachable!("handled before the runtime"),
             Cmd::Bench(BenchCmd::ReshardRank { .. }) => {
                 unreachable!("run before the runtime starts")
             }

@@ -1,6 +1,7 @@
 //! `kvfs bench ...`: load generators that print figures as ratios of the machine's own limits
 //! measured in the same run.
 
+pub mod conductor;
 pub mod ep;
 pub mod fs;
 pub mod limits;

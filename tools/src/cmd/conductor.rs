@@ -29,6 +29,10 @@ pub struct ConductorArgs {
     /// The engines' PYTHONHASHSEED (vLLM derives its root hash from it).
     #[arg(long, env = "KVFS_CONDUCTOR_PYTHON_HASH_SEED")]
     pub python_hash_seed: Option<String>,
+    /// Seconds a publisher may stay unreachable before its blocks are forgotten (its engine,
+    /// and so its cache, is gone).
+    #[arg(long, default_value_t = 30)]
+    pub source_ttl_s: u64,
 }
 
 pub async fn run(a: ConductorArgs, listen_given: bool) -> anyhow::Result<()> {
@@ -36,6 +40,7 @@ pub async fn run(a: ConductorArgs, listen_given: bool) -> anyhow::Result<()> {
     let cfg = Config {
         entries_max: a.entries_max,
         default_profile: HashProfile { algorithm, python_hash_seed: a.python_hash_seed.clone() },
+        source_ttl: std::time::Duration::from_secs(a.source_ttl_s),
     };
     let shared = Shared::new(&cfg);
     let mut listen = a.listen;

@@ -1,0 +1,287 @@
+//! `kvfs bench conductor`: prefix-query latency of the conductor's index with many owners and
+//! a long prompt, in process and over its HTTP API.
+//!
+//! The index holds one context with `instances` x `dp` owners; the prompt's block hashes are
+//! vLLM's (sha256_cbor chain over its tokens); a share `holders` of the owners holds a prefix
+//! of it on GPU (lengths uniform over 1..=blocks, seeded), and the pool holds the whole prompt
+//! on CPU, so every owner has a CPU match and the answer lists every instance (the heaviest
+//! answer the API gives). Measured: the index walk alone (by hash), `/query_by_hash` and
+//! `/query` (tokens, hashed by the conductor) over one keep-alive HTTP/1.1 connection from
+//! another thread, JSON and msgpack. Answers are checked (the instance count) before timing.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::time::{Duration, Instant};
+
+use kvfs_conductor::event::{Event, Medium};
+use kvfs_conductor::hash::{BlockHasher, Extra, project_low64_be};
+use kvfs_conductor::index::{ContextKey, OwnerKey};
+use kvfs_conductor::service::{Config, Shared};
+use rand::{Rng, SeedableRng};
+
+#[derive(clap::Args, Debug)]
+pub struct ConductorBenchArgs {
+    /// Engine instances in the index.
+    #[arg(long, default_value_t = 1000)]
+    pub instances: usize,
+    /// Data-parallel ranks per instance (each an owner).
+    #[arg(long, default_value_t = 8)]
+    pub dp: u32,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 131_072)]
+    pub tokens: usize,
+    /// Block sizes to measure (tokens per block), comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "16,512")]
+    pub block_sizes: Vec<u32>,
+    /// Percent of owners holding a prefix of the prompt on GPU.
+    #[arg(long, value_delimiter = ',', default_value = "100,10")]
+    pub holders_pct: Vec<u32>,
+    /// Queries per case.
+    #[arg(long, default_value_t = 300)]
+    pub queries: usize,
+    /// Print one JSON object per figure instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct Figure {
+    block_size: u32,
+    holders_pct: u32,
+    case: &'static str,
+    p50_us: f64,
+    p99_us: f64,
+    reply_bytes: usize,
+}
+
+pub fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.instances > 0 && a.dp > 0 && a.queries > 0, "sizes must be positive");
+    let tokens: Vec<u32> =
+        (0..a.tokens as u32).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect();
+    let mut figures = Vec::new();
+    for &bs in &a.block_sizes {
+        for &pct in &a.holders_pct {
+            figures.extend(one(&a, &tokens, bs, pct)?);
+        }
+    }
+    if a.json {
+        for f in &figures {
+            println!(
+                "{}",
+                serde_json::json!({"bench": "conductor", "instances": a.instances, "dp": a.dp,
+                    "tokens": a.tokens, "block_size": f.block_size, "holders_pct": f.holders_pct,
+                    "case": f.case, "p50_us": f.p50_us, "p99_us": f.p99_us,
+                    "reply_bytes": f.reply_bytes})
+            );
+        }
+        return Ok(());
+    }
+    println!(
+        "{} instances x {} DP ranks, {}-token prompt, {} queries per case",
+        a.instances, a.dp, a.tokens, a.queries
+    );
+    println!(
+        "{:>6} {:>8} {:<28} {:>10} {:>10} {:>12}",
+        "block", "holders", "case", "p50 us", "p99 us", "reply bytes"
+    );
+    for f in &figures {
+        println!(
+            "{:>6} {:>7}% {:<28} {:>10.1} {:>10.1} {:>12}",
+            f.block_size, f.holders_pct, f.case, f.p50_us, f.p99_us, f.reply_bytes
+        );
+    }
+    Ok(())
+}
+
+fn pct(mut v: Vec<f64>, p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+fn one(
+    a: &ConductorBenchArgs,
+    tokens: &[u32],
+    bs: u32,
+    holders: u32,
+) -> anyhow::Result<Vec<Figure>> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let shared = Shared::new(&Config::default());
+    let ctx = ContextKey {
+        tenant: "default".into(),
+        model: "bench".into(),
+        lora: String::new(),
+        block_size: bs,
+    };
+    let hasher =
+        BlockHasher::new(&Config::default().default_profile).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let hashes: Vec<u64> = hasher
+        .iter(tokens, bs as usize, &Extra::default())
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .map(|d| project_low64_be(&d))
+        .collect();
+    let n = hashes.len();
+    anyhow::ensure!(n > 0, "the prompt is shorter than one block");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+    {
+        let mut ix = shared.index.lock().unwrap_or_else(|e| e.into_inner());
+        let pool = ix.owner(&OwnerKey { instance: "pool".into(), dp_rank: 0 }, true);
+        ix.apply(pool, &ctx, &stored(&hashes, Medium::Cpu, bs));
+        for i in 0..a.instances {
+            for r in 0..a.dp {
+                let o =
+                    ix.owner(&OwnerKey { instance: format!("engine-{i:04}"), dp_rank: r }, false);
+                ix.join(o, &ctx);
+                if rng.random_range(0..100) < holders {
+                    let len = rng.random_range(1..=n);
+                    ix.apply(o, &ctx, &stored(&hashes[..len], Medium::Gpu, bs));
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    // The index walk alone.
+    let mut lat = Vec::with_capacity(a.queries);
+    for _ in 0..a.queries {
+        let t = Instant::now();
+        let r = shared.index.lock().unwrap_or_else(|e| e.into_inner()).query(&ctx, &hashes);
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+        anyhow::ensure!(
+            r.len() == a.instances * a.dp as usize,
+            "index answered {} owners",
+            r.len()
+        );
+    }
+    out.push(Figure {
+        block_size: bs,
+        holders_pct: holders,
+        case: "index walk (by hash)",
+        p50_us: pct(lat.clone(), 0.5),
+        p99_us: pct(lat, 0.99),
+        reply_bytes: 0,
+    });
+    // Over HTTP.
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?;
+    rt.spawn(kvfs_conductor::service::serve(listener, shared.clone()));
+    let by_hash = serde_json::to_vec(
+        &serde_json::json!({"model": "bench", "block_size": bs, "seq_hashes": hashes}),
+    )?;
+    let by_tokens = serde_json::to_vec(
+        &serde_json::json!({"model": "bench", "block_size": bs, "token_ids": tokens}),
+    )?;
+    let mut raw = Vec::with_capacity(tokens.len() * 4);
+    for t in tokens {
+        raw.extend_from_slice(&t.to_le_bytes());
+    }
+    let by_tokens_mp = rmp_bin_query(bs, &raw);
+    let cases: [(&'static str, &str, &[u8], &str); 3] = [
+        ("/query_by_hash json", "/query_by_hash", &by_hash, "application/json"),
+        ("/query tokens json", "/query", &by_tokens, "application/json"),
+        ("/query tokens msgpack bin", "/query", &by_tokens_mp, "application/msgpack"),
+    ];
+    let mut conn = Conn::open(addr)?;
+    for (name, path, body, ct) in cases {
+        let mut lat = Vec::with_capacity(a.queries);
+        let mut bytes = 0;
+        for i in 0..a.queries + 5 {
+            let t = Instant::now();
+            let reply = conn.post(path, ct, body)?;
+            let us = t.elapsed().as_secs_f64() * 1e6;
+            if i == 0 {
+                check(&reply, ct, a.instances)?;
+            }
+            if i >= 5 {
+                lat.push(us);
+            }
+            bytes = reply.len();
+        }
+        out.push(Figure {
+            block_size: bs,
+            holders_pct: holders,
+            case: name,
+            p50_us: pct(lat.clone(), 0.5),
+            p99_us: pct(lat, 0.99),
+            reply_bytes: bytes,
+        });
+    }
+    drop(conn);
+    rt.shutdown_timeout(Duration::from_secs(1));
+    Ok(out)
+}
+
+fn stored(hashes: &[u64], medium: Medium, bs: u32) -> Event {
+    Event::Stored {
+        hashes: hashes.to_vec(),
+        parent: None,
+        block_size: Some(bs),
+        medium,
+        lora_name: None,
+    }
+}
+
+/// `{"model": "bench", "block_size": bs, "token_ids": <bin>}` in msgpack.
+fn rmp_bin_query(bs: u32, raw: &[u8]) -> Vec<u8> {
+    use rmpv::Value;
+    let v = Value::Map(vec![
+        (Value::from("model"), Value::from("bench")),
+        (Value::from("block_size"), Value::from(bs)),
+        (Value::from("token_ids"), Value::Binary(raw.to_vec())),
+    ]);
+    let mut out = Vec::new();
+    let _ = rmpv::encode::write_value(&mut out, &v);
+    out
+}
+
+fn check(reply: &[u8], ct: &str, instances: usize) -> anyhow::Result<()> {
+    let n = if ct.contains("msgpack") {
+        let v: serde_json::Value = rmp_serde::from_slice(reply)?;
+        v["instances"].as_object().map(|m| m.len())
+    } else {
+        let v: serde_json::Value = serde_json::from_slice(reply)?;
+        v["instances"].as_object().map(|m| m.len())
+    };
+    anyhow::ensure!(n == Some(instances), "the answer lists {n:?} instances, not {instances}");
+    Ok(())
+}
+
+/// One keep-alive HTTP/1.1 connection.
+struct Conn {
+    rd: BufReader<std::net::TcpStream>,
+    wr: std::net::TcpStream,
+}
+
+impl Conn {
+    fn open(addr: std::net::SocketAddr) -> anyhow::Result<Conn> {
+        let s = std::net::TcpStream::connect(addr)?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))?;
+        Ok(Conn { rd: BufReader::new(s.try_clone()?), wr: s })
+    }
+
+    fn post(&mut self, path: &str, ct: &str, body: &[u8]) -> anyhow::Result<Vec<u8>> {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: {ct}\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        self.wr.write_all(head.as_bytes())?;
+        self.wr.write_all(body)?;
+        let mut line = String::new();
+        self.rd.read_line(&mut line)?;
+        anyhow::ensure!(line.contains(" 200 "), "answer {line:?}");
+        let mut len = 0usize;
+        loop {
+            line.clear();
+            self.rd.read_line(&mut line)?;
+            let l = line.trim();
+            if l.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = l.split_once(':')
+                && k.eq_ignore_ascii_case("content-length")
+            {
+                len = v.trim().parse()?;
+            }
+        }
+        let mut out = vec![0u8; len];
+        self.rd.read_exact(&mut out)?;
+        Ok(out)
+    }
+}
