@@ -72,15 +72,15 @@ type CtxId = u32;
 #[derive(Default)]
 struct Entry {
     /// Sorted ids of the local owners holding the block, per medium.
-    local: [Vec<OwnerId>; 3],
+    local: [OwnerSet; 3],
     /// Sorted ids of the shared holders holding the block, per medium.
-    shared: [Vec<OwnerId>; 3],
+    shared: [OwnerSet; 3],
     stamp: Cell<u64>,
 }
 
 impl Entry {
     fn is_empty(&self) -> bool {
-        self.local.iter().all(Vec::is_empty) && self.shared.iter().all(Vec::is_empty)
+        self.local.iter().all(OwnerSet::is_empty) && self.shared.iter().all(OwnerSet::is_empty)
     }
 
     /// The fastest medium a shared holder has the block on (3: none).
@@ -136,24 +136,141 @@ pub struct Index {
     evicted: u64,
 }
 
-fn insert_sorted(v: &mut Vec<OwnerId>, id: OwnerId) -> bool {
-    match v.binary_search(&id) {
-        Ok(_) => false,
-        Err(at) => {
-            v.insert(at, id);
-            true
+/// The owners holding one block on one medium: a sorted list while few, a bitset over owner
+/// ids once the list would take more memory than the bitset (so a block every instance holds
+/// costs one bit per owner, and a query intersects 64 owners per instruction).
+#[derive(Debug, Clone)]
+enum OwnerSet {
+    Few(Vec<OwnerId>),
+    Many { words: Vec<u64>, len: usize },
+}
+
+impl Default for OwnerSet {
+    fn default() -> Self {
+        OwnerSet::Few(Vec::new())
+    }
+}
+
+impl OwnerSet {
+    fn len(&self) -> usize {
+        match self {
+            OwnerSet::Few(v) => v.len(),
+            OwnerSet::Many { len, .. } => *len,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn contains(&self, id: OwnerId) -> bool {
+        match self {
+            OwnerSet::Few(v) => v.binary_search(&id).is_ok(),
+            OwnerSet::Many { words, .. } => {
+                words.get(id as usize / 64).is_some_and(|w| w >> (id % 64) & 1 == 1)
+            }
+        }
+    }
+
+    /// Adds `id`; false if it was there.
+    fn insert(&mut self, id: OwnerId) -> bool {
+        match self {
+            OwnerSet::Few(v) => {
+                let Err(at) = v.binary_search(&id) else { return false };
+                v.insert(at, id);
+                // A bitset up to the largest id takes (max/64 + 1) words of 8 bytes.
+                let words = v.last().map_or(0, |&m| m as usize / 64 + 1);
+                if v.len() > 16 && v.len() * 4 > words * 8 {
+                    let mut bits = vec![0u64; words];
+                    for &o in v.iter() {
+                        bits[o as usize / 64] |= 1 << (o % 64);
+                    }
+                    *self = OwnerSet::Many { len: v.len(), words: bits };
+                }
+                true
+            }
+            OwnerSet::Many { words, len } => {
+                let w = id as usize / 64;
+                if w >= words.len() {
+                    words.resize(w + 1, 0);
+                }
+                let bit = 1u64 << (id % 64);
+                if words[w] & bit != 0 {
+                    return false;
+                }
+                words[w] |= bit;
+                *len += 1;
+                true
+            }
+        }
+    }
+
+    /// Removes `id`; false if it was not there.
+    fn remove(&mut self, id: OwnerId) -> bool {
+        match self {
+            OwnerSet::Few(v) => match v.binary_search(&id) {
+                Ok(at) => {
+                    v.remove(at);
+                    true
+                }
+                Err(_) => false,
+            },
+            OwnerSet::Many { words, len } => {
+                let w = id as usize / 64;
+                let bit = 1u64 << (id % 64);
+                if words.get(w).is_none_or(|x| x & bit == 0) {
+                    return false;
+                }
+                words[w] &= !bit;
+                *len -= 1;
+                // Back to a list well below the switch point (hysteresis).
+                if *len * 4 * 4 < words.len() * 8 {
+                    *self = OwnerSet::Few(self.iter().collect());
+                }
+                true
+            }
+        }
+    }
+
+    fn iter(&self) -> Box<dyn Iterator<Item = OwnerId> + '_> {
+        match self {
+            OwnerSet::Few(v) => Box::new(v.iter().copied()),
+            OwnerSet::Many { words, .. } => Box::new(bits(words)),
+        }
+    }
+
+    /// ORs the set into `dst` (a bitset at least as long as the largest id needs).
+    fn or_into(&self, dst: &mut [u64]) {
+        match self {
+            OwnerSet::Few(v) => {
+                for &o in v {
+                    if let Some(w) = dst.get_mut(o as usize / 64) {
+                        *w |= 1 << (o % 64);
+                    }
+                }
+            }
+            OwnerSet::Many { words, .. } => {
+                for (d, w) in dst.iter_mut().zip(words) {
+                    *d |= w;
+                }
+            }
         }
     }
 }
 
-fn remove_sorted(v: &mut Vec<OwnerId>, id: OwnerId) -> bool {
-    match v.binary_search(&id) {
-        Ok(at) => {
-            v.remove(at);
-            true
-        }
-        Err(_) => false,
-    }
+/// The ids of the set bits of `words`, in order.
+fn bits(words: &[u64]) -> impl Iterator<Item = OwnerId> + '_ {
+    words.iter().enumerate().flat_map(|(i, &w)| {
+        let mut w = w;
+        std::iter::from_fn(move || {
+            if w == 0 {
+                return None;
+            }
+            let b = w.trailing_zeros();
+            w &= w - 1;
+            Some(i as OwnerId * 64 + b)
+        })
+    })
 }
 
 impl Index {
@@ -259,7 +376,7 @@ impl Index {
                     } else {
                         &mut e.local[medium.index()]
                     };
-                    if insert_sorted(list, owner) && !shared && medium != Medium::Gpu {
+                    if list.insert(owner) && !shared && medium != Medium::Gpu {
                         *local_cold += 1;
                     }
                     e.stamp.set(now);
@@ -299,7 +416,7 @@ impl Index {
                 continue;
             }
             let list = if shared { &mut e.shared[m.index()] } else { &mut e.local[m.index()] };
-            if remove_sorted(list, owner)
+            if list.remove(owner)
                 && !shared
                 && m != Medium::Gpu
                 && let Some(n) = cx.owners.get_mut(&owner)
@@ -324,7 +441,7 @@ impl Index {
             cx.blocks.retain(|_, e| {
                 for m in 0..3 {
                     let list = if shared { &mut e.shared[m] } else { &mut e.local[m] };
-                    remove_sorted(list, owner);
+                    list.remove(owner);
                 }
                 !e.is_empty()
             });
@@ -362,7 +479,7 @@ impl Index {
             }
             if let Some(e) = cx.blocks.remove(&h) {
                 for m in 1..3 {
-                    for &o in &e.local[m] {
+                    for o in e.local[m].iter() {
                         if let Some(n) = cx.owners.get_mut(&o) {
                             *n = n.saturating_sub(1);
                         }
@@ -423,32 +540,39 @@ impl Index {
                 run[k][i] = if best <= m { run[k][i + 1] } else { i };
             }
         }
-        // GPU phase: one walk, intersecting the owners still matching.
+        // GPU phase: one walk, a bitset of the owners still matching ANDed with each block's
+        // GPU owners; an owner whose bit drops at block i matched i blocks.
         let mut gpu: HashMap<OwnerId, usize> = HashMap::new();
         if n > 0 {
-            let mut alive: Vec<OwnerId> = found[0].local[0].clone();
+            let words = self.owners.len().div_ceil(64);
+            let mut alive = vec![0u64; words];
+            found[0].local[0].or_into(&mut alive);
+            let mut next = vec![0u64; words];
+            let (mut lo, mut hi) = (0, words);
             let mut i = 1;
-            while i < n && !alive.is_empty() {
-                let next = &found[i].local[0];
-                if *next != alive {
-                    let mut kept = Vec::with_capacity(alive.len().min(next.len()));
-                    let mut j = 0;
-                    for &o in &alive {
-                        while j < next.len() && next[j] < o {
-                            j += 1;
+            while i < n && lo < hi {
+                let set = &found[i].local[0];
+                next[lo..hi].fill(0);
+                set.or_into(&mut next);
+                for w in lo..hi {
+                    let gone = alive[w] & !next[w];
+                    if gone != 0 {
+                        for o in bits(std::slice::from_ref(&gone)) {
+                            gpu.insert(w as OwnerId * 64 + o, i);
                         }
-                        if j < next.len() && next[j] == o {
-                            kept.push(o);
-                        } else {
-                            gpu.insert(o, i);
-                        }
+                        alive[w] &= next[w];
                     }
-                    alive = kept;
+                }
+                while lo < hi && alive[lo] == 0 {
+                    lo += 1;
+                }
+                while hi > lo && alive[hi - 1] == 0 {
+                    hi -= 1;
                 }
                 i += 1;
             }
-            for o in alive {
-                gpu.insert(o, i);
+            for o in bits(&alive[lo..hi]) {
+                gpu.insert(lo as OwnerId * 64 + o, i);
             }
         }
         let mut out = Vec::new();
@@ -464,8 +588,7 @@ impl Index {
             } else {
                 // The owner's own CPU/disk blocks count too: walk its later phases alone.
                 let has = |i: usize, m: usize| {
-                    found[i].shared_best() <= m
-                        || (1..=m).any(|k| found[i].local[k].binary_search(&o).is_ok())
+                    found[i].shared_best() <= m || (1..=m).any(|k| found[i].local[k].contains(o))
                 };
                 let mut cpu = g;
                 while cpu < n && has(cpu, 1) {
@@ -587,6 +710,61 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn owner_sets_behave_as_sets_in_both_forms(
+            ops in proptest::collection::vec((any::<bool>(), 0u32..300), 1..800),
+        ) {
+            let mut set = OwnerSet::default();
+            let mut model = std::collections::BTreeSet::new();
+            let mut was_many = false;
+            for (add, id) in ops {
+                let changed = if add { set.insert(id) } else { set.remove(id) };
+                let want = if add { model.insert(id) } else { model.remove(&id) };
+                prop_assert_eq!(changed, want);
+                was_many |= matches!(set, OwnerSet::Many { .. });
+                prop_assert_eq!(set.len(), model.len());
+                prop_assert_eq!(set.iter().collect::<Vec<_>>(), model.iter().copied().collect::<Vec<_>>());
+                prop_assert!(model.iter().all(|&o| set.contains(o)));
+            }
+            let _ = was_many;
+        }
+
+        #[test]
+        fn queries_with_many_owners_match_a_brute_force_walk(
+            holds in proptest::collection::vec((0u32..200, 0usize..12, 0usize..12), 1..400),
+            drops in proptest::collection::vec((0u32..200, 0u64..12), 0..100),
+        ) {
+            // 200 owners each storing a random slice of one 12-block chain (so block sets are
+            // bitsets), some blocks dropped again.
+            let mut ix = Index::new(1 << 20);
+            let ids: Vec<OwnerId> = (0..200).map(|o| ix.owner(&key(&format!("i{o}"), 0), false)).collect();
+            for &id in &ids {
+                ix.join(id, &ctx());
+            }
+            let mut held = std::collections::BTreeMap::new();
+            for (o, a, b) in holds {
+                let (a, b) = (a.min(b) as u64, a.max(b) as u64 + 1);
+                let hs: Vec<u64> = (a..b).collect();
+                for &h in &hs { held.insert((o, h, 0usize), ()); }
+                ix.apply(ids[o as usize], &ctx(), &stored(&hs, Medium::Gpu));
+            }
+            for (o, h) in drops {
+                held.remove(&(o, h, 0usize));
+                ix.apply(ids[o as usize], &ctx(), &Event::Removed { hashes: vec![h], medium: Medium::Gpu });
+            }
+            let owners: Vec<(u32, bool)> = (0..200).map(|o| (o, false)).collect();
+            let q: Vec<u64> = (0..12).collect();
+            let mut got: Vec<(u32, usize, usize, usize)> = ix.query(&ctx(), &q).into_iter()
+                .map(|m| (m.owner.instance[1..].parse().unwrap(), m.gpu, m.cpu, m.disk)).collect();
+            got.sort();
+            let mut want = brute(&held, &owners, &q);
+            // The index stops every cursor at the first block nobody holds.
+            let stop = (0..q.len()).find(|&i| !held.keys().any(|&(_, h, _)| h == q[i])).unwrap_or(q.len());
+            want.retain_mut(|w| { w.1 = w.1.min(stop); w.2 = w.2.min(stop); w.3 = w.3.min(stop); w.3 > 0 });
+            want.sort();
+            prop_assert_eq!(got, want);
+        }
+
         #[test]
         fn queries_match_a_brute_force_walk(
             ops in proptest::collection::vec((0u32..5, 0u8..3, 0usize..3, proptest::collection::vec(0u64..12, 1..6)), 1..60),

@@ -418,7 +418,7 @@ impl<'de> Deserialize<'de> for TokenIds {
                 Ok(TokenIds(v))
             }
             fn visit_bytes<E: serde::de::Error>(self, b: &[u8]) -> Result<TokenIds, E> {
-                if b.len() % 4 != 0 {
+                if !b.len().is_multiple_of(4) {
                     return Err(E::custom(format!(
                         "{} bytes of token ids: not a multiple of 4",
                         b.len()
