@@ -24,6 +24,9 @@ mod slab;
 mod types;
 
 pub use config::Config;
-pub use directory::{Directory, LoadPlan, PendingView, PersistedObject, ReportOutcome};
+pub use directory::{
+    Directory, LoadPlan, PendingView, PersistedObject, PoolEvent, PoolEventKind, PoolEventStats,
+    PoolMedium, ReportOutcome,
+};
 pub use error::{Error, ErrorKind, Result};
 pub use types::*;

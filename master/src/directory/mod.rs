@@ -42,6 +42,7 @@
 //! hold, see `register_node`), soft-pin TTLs, tenants/quotas, object groups.
 
 mod check;
+mod events;
 mod evict;
 mod keys;
 mod list;
@@ -54,6 +55,7 @@ mod rename;
 mod tests;
 mod tiers;
 
+pub use events::{PoolEvent, PoolEventKind, PoolEventStats, PoolMedium};
 pub use tiers::{LoadPlan, PendingView, PersistedObject, ReportOutcome};
 
 use std::collections::BTreeMap;
@@ -392,6 +394,8 @@ pub struct Directory {
     tier_bytes: [u64; 4],
     last_version: u64,
     counters: Counters,
+    /// Pool events for the kv event publisher, when enabled (see `events`).
+    events: Option<events::Journal>,
 }
 
 impl Directory {
@@ -420,6 +424,7 @@ impl Directory {
             tier_bytes: [0; 4],
             last_version: 0,
             counters: Counters::default(),
+            events: None,
             cfg,
         })
     }
@@ -546,11 +551,13 @@ impl Directory {
             pin: p.pin,
             persistence: p.persistence,
         };
+        let paused = self.events_pause();
         let id = self.insert_object(key, Obj::new(p.size, p.version, end.checksum, flags));
         for &(seg, offset) in &p.ranges {
             self.attach_replica(id, seg, offset);
             fx.push(self.commit_effect(&key_arc, id, seg, offset));
         }
+        self.events_resume(paused, id, None);
         Ok(())
     }
 
@@ -1131,6 +1138,9 @@ impl Directory {
     /// Remove an object and all its node replicas, freeing their ranges; with `fx`, a `Drop`
     /// effect per replica.
     fn remove_object(&mut self, id: u32, mut fx: Option<&mut Vec<NodeEffect>>) {
+        let before = self.medium_before(id).flatten();
+        let gone = before.map(|_| self.key_arc(id));
+        let paused = self.events_pause();
         let size = self.objects[id].size;
         let key = (fx.is_some() && self.objects[id].has_replicas()).then(|| self.key_arc(id));
         while let Some(rep) = self.first_replica(id) {
@@ -1141,11 +1151,20 @@ impl Directory {
             self.free_range(seg, offset, size);
         }
         self.forget_object(id);
+        self.events_restore(paused);
+        if let Some(key) = gone {
+            self.record_transition(&key, before, None);
+        }
     }
 
     /// Drop an object's metadata; its replicas must already be detached.
     fn forget_object(&mut self, id: u32) {
         debug_assert!(!self.objects[id].has_replicas());
+        let before = self.medium_before(id).flatten();
+        if before.is_some() {
+            let key = self.key_arc(id);
+            self.record_transition(&key, before, None);
+        }
         let unpersisted = self.objects[id].flags().persisted.then(|| self.key_arc(id));
         self.unindex_key(id);
         let obj = self.objects.remove(id);
@@ -1157,11 +1176,13 @@ impl Directory {
     }
 
     fn set_persisted(&mut self, id: u32, persisted: bool) {
+        let before = self.medium_before(id);
         let o = &mut self.objects[id];
         if o.flags().persisted != persisted {
             o.set_flags(Flags { persisted, ..o.flags() });
             let size = o.size;
             self.count_persisted(size, persisted);
+            self.medium_changed(id, before);
         }
     }
 
@@ -1184,6 +1205,9 @@ impl Directory {
             self.remove_object(old, Some(fx));
             return;
         }
+        let before = self.medium_before(old).flatten();
+        let gone = before.map(|_| self.key_arc(old));
+        let paused = self.events_pause();
         let (size, version, key) =
             (self.objects[old].size, self.objects[old].version, self.key_arc(old));
         while let Some(rep) = self.first_replica(old) {
@@ -1204,6 +1228,10 @@ impl Directory {
             });
         }
         self.forget_object(old);
+        self.events_restore(paused);
+        if let Some(key) = gone {
+            self.record_transition(&key, before, None);
+        }
     }
 
     fn is_orphan(&self, id: u32) -> bool {
@@ -1286,6 +1314,7 @@ impl Directory {
     }
 
     fn attach_replica(&mut self, id: u32, seg: NonZeroU32, offset: u64) {
+        let before = self.medium_before(id);
         let o = &mut self.objects[id];
         let (size, list) = (o.size, list_of(o.flags().pin));
         let rep = if o.has_replicas() {
@@ -1306,10 +1335,19 @@ impl Directory {
         let tier = s.tier.index();
         self.tier_replicas[tier] += 1;
         self.tier_bytes[tier] += size;
+        self.medium_changed(id, before);
     }
 
     /// Unlink a replica from its object and its segment list; the range stays allocated.
     fn detach_replica(&mut self, rep: u32) -> (NonZeroU32, u64) {
+        let id = self.replica(rep).0;
+        let before = self.medium_before(id);
+        let at = self.detach_replica_quiet(rep);
+        self.medium_changed(id, before);
+        at
+    }
+
+    fn detach_replica_quiet(&mut self, rep: u32) -> (NonZeroU32, u64) {
         let (id, seg, offset) = self.replica(rep);
         let o = &self.objects[id];
         let (size, list) = (o.size, list_of(o.flags().pin));

@@ -302,24 +302,31 @@ impl Directory {
             .alloc
             .reserve(h.offset, h.size)
             .map_err(|_| ConflictReason::Overlap)?;
-        let id = match existing {
+        let (id, paused) = match existing {
             Some(id)
                 if self.objects[id].version == h.version
                     && self.objects[id].size == h.size
                     && self.objects[id].checksum() == h.checksum =>
             {
-                id
+                (id, None)
             }
             Some(id) => {
                 self.supersede(id, fx, out);
-                self.insert_held(h)
+                let paused = self.events_pause();
+                (self.insert_held(h), Some(paused))
             }
-            None => self.insert_held(h),
+            None => {
+                let paused = self.events_pause();
+                (self.insert_held(h), Some(paused))
+            }
         };
         if h.persisted {
             self.set_persisted(id, true);
         }
         self.attach_replica(id, seg, h.offset);
+        if let Some(paused) = paused {
+            self.events_resume(paused, id, None);
+        }
         self.last_version = self.last_version.max(h.version);
         out.adopted += 1;
         Ok(())

@@ -207,6 +207,13 @@ impl Directory {
 
     /// Swap an object's key in the arena, the index and the ordered set; its replicas stay.
     fn rekey(&mut self, id: u32, key: &str) {
+        // The pool's events name keys: the old name goes, the new one comes, on one medium.
+        let medium = self.medium_before(id).flatten();
+        if medium.is_some() {
+            let from = self.key_arc(id);
+            self.record_transition(&from, medium, None);
+            self.record_transition(&Arc::from(key), None, medium);
+        }
         self.unindex_key(id);
         let at = self.keys.push(key.as_bytes());
         self.objects[id].set_key_at(at);

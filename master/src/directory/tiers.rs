@@ -382,7 +382,9 @@ impl Directory {
         }
         let flags =
             Flags { has_checksum: true, persisted: true, pin: p.pin, persistence: p.persistence };
-        self.insert_object(&p.key, Obj::new(p.size, p.version, Some(p.checksum), flags));
+        let paused = self.events_pause();
+        let id = self.insert_object(&p.key, Obj::new(p.size, p.version, Some(p.checksum), flags));
+        self.events_resume(paused, id, None);
         self.last_version = self.last_version.max(p.version);
         Ok(true)
     }

@@ -26,14 +26,20 @@
 //! everything it finds there at start, so a master and every node restarted empty still serve
 //! persisted objects.
 //!
+//! KV events (see `kv_events`): with `kv_events` configured, the directory journals which
+//! objects enter and leave the pool (and on which medium) and a publisher sends them over
+//! ZeroMQ as the reference store's master does, with a replay endpoint, for the conductor.
+//!
 //! Not handled here: HA and leader election (one master per cluster for now), tenants.
 
 mod convert;
 mod http;
+mod kv_events;
 mod metadata_http;
 mod metrics;
 mod tiers;
 
+pub use kv_events::{KvEventsConfig, encode_batch as encode_kv_event_batch, key_hash};
 pub use metadata_http::MetadataHttpConfig;
 
 use std::collections::HashMap;
@@ -84,6 +90,8 @@ pub struct ServiceConfig {
     /// Persistence by namespace: a put of a key under a prefix gets at least that prefix's
     /// persistence (the longest matching prefix; none < lazy < eager).
     pub persistence_defaults: Vec<(String, w::Persistence)>,
+    /// Publish the pool's KV events over ZeroMQ (see `kv_events`); `None` disables them.
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 impl Default for ServiceConfig {
@@ -103,6 +111,7 @@ impl Default for ServiceConfig {
             load_timeout_ms: 30_000,
             access_report_keys_max: 4096,
             persistence_defaults: Vec::new(),
+            kv_events: None,
         }
     }
 }
@@ -126,6 +135,8 @@ pub(crate) struct State {
     /// Held by whoever sends a node its records, so they reach it in the order they were
     /// made: queued drops first, then the records of the call that took them.
     record_locks: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<()>>>>,
+    /// The pool's KV event publisher, when enabled.
+    kv_events: Option<Arc<kv_events::Publisher>>,
 }
 
 impl State {
@@ -148,6 +159,7 @@ impl State {
         let s = self.lock().stats();
         let mut o = self.metrics.render(&s, self.recovering(now_ms()));
         tiers::render(self, &mut o);
+        kv_events::render(self, &mut o);
         o
     }
 
@@ -222,8 +234,12 @@ impl Drop for MasterService {
 impl MasterService {
     /// Binds the RPC and admin listeners and starts serving on the current runtime.
     pub async fn start(cfg: ServiceConfig) -> std::io::Result<MasterService> {
-        let dir = Directory::new(cfg.directory.clone())
+        let mut dir = Directory::new(cfg.directory.clone())
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        if let Some(k) = &cfg.kv_events {
+            dir.enable_pool_events(k.queue_max);
+        }
+        let kv_events = cfg.kv_events.clone().map(|k| Arc::new(kv_events::Publisher::new(k)));
         let listener = TcpListener::bind(cfg.listen).await?;
         let rpc_addr = listener.local_addr()?;
         let admin = match cfg.admin_listen {
@@ -255,11 +271,17 @@ impl MasterService {
             tiers: tiers::TierState::new(object_store),
             queued_drops: Mutex::new(HashMap::new()),
             record_locks: Mutex::new(HashMap::new()),
+            kv_events: kv_events.clone(),
         });
         let mut tasks = vec![tokio::spawn(accept_loop(listener, state.clone()))];
         tasks.push(tokio::spawn(tiers::scan(state.clone())));
         tasks.push(tokio::spawn(timer(state.clone())));
         tasks.push(tokio::spawn(flush_drops(state.clone())));
+        if let Some(p) = kv_events {
+            tasks.push(tokio::spawn(kv_events::pump(state.clone(), p.clone())));
+            tasks.push(tokio::spawn(kv_events::supervise("pub", p.clone(), kv_events::publish)));
+            tasks.push(tokio::spawn(kv_events::supervise("replay", p, kv_events::serve_replay)));
+        }
         if let Some(l) = admin {
             tasks.push(tokio::spawn(http::serve(l, state.clone())));
         }

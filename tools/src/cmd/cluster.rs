@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use kvfs_client::{Node, NodeConfig, TierConfig};
-use kvfs_master::service::{MasterService, MetadataHttpConfig, ServiceConfig};
+use kvfs_master::service::{KvEventsConfig, MasterService, MetadataHttpConfig, ServiceConfig};
 use kvfs_transfer::{EngineConfig, Transports};
 
 use crate::bench::report::{human_bytes, parse_bytes};
@@ -77,7 +77,103 @@ pub struct MasterArgs {
     #[arg(long = "persistence", value_parser = parse_persistence_default)]
     pub persistence_defaults: Vec<(String, kvfs_client::Persistence)>,
     #[command(flatten)]
+    pub kv_events: KvEventsArgs,
+    #[command(flatten)]
     pub reference: ReferenceMasterArgs,
+}
+
+/// The pool's KV events (what the DRAM, NVMe and object store tiers hold, per key), published
+/// over ZeroMQ for the conductor (`kvfs conductor`, or the reference's). Each flag also takes
+/// the reference's spelling (`--kv_events_model_name`, ...).
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Pool KV events")]
+pub struct KvEventsArgs {
+    /// Publish on this ZeroMQ PUB endpoint (e.g. tcp://0.0.0.0:5557); off without it.
+    #[arg(long = "kv-events-endpoint", alias = "kv_events_bind_endpoint", value_name = "EP")]
+    pub endpoint: Option<String>,
+    /// ROUTER endpoint answering replay requests; default: the PUB endpoint's port plus one;
+    /// "off" disables replay.
+    #[arg(
+        long = "kv-events-replay-endpoint",
+        alias = "kv_events_replay_endpoint",
+        value_name = "EP"
+    )]
+    pub replay_endpoint: Option<String>,
+    /// Events queued at most before publishing; the oldest are dropped (and counted) past it.
+    #[arg(
+        long = "kv-events-queue-capacity",
+        alias = "kv_events_queue_capacity",
+        default_value_t = 65_536
+    )]
+    pub queue_capacity: usize,
+    /// Batches kept for replay.
+    #[arg(long = "kv-events-replay-batches", default_value_t = 10_000)]
+    pub replay_batches: usize,
+    /// `backend_id` of every event.
+    #[arg(long = "kv-events-backend-id", alias = "kv_events_backend_id", value_name = "ID")]
+    pub backend_id: Option<String>,
+    /// `model_name` of every event.
+    #[arg(long = "kv-events-model-name", alias = "kv_events_model_name", value_name = "NAME")]
+    pub model_name: Option<String>,
+    /// `tenant_id` of every event.
+    #[arg(long = "kv-events-tenant-id", alias = "kv_events_tenant_id", value_name = "ID")]
+    pub tenant_id: Option<String>,
+    /// `block_size` of every event (tokens per block; 0: left out).
+    #[arg(long = "kv-events-block-size", alias = "kv_events_block_size", default_value_t = 0)]
+    pub block_size: u32,
+    /// `lora_name` of every event.
+    #[arg(long = "kv-events-lora-name", alias = "kv_events_lora_name", value_name = "NAME")]
+    pub lora_name: Option<String>,
+    /// The data-parallel rank in every batch.
+    #[arg(long = "kv-events-dp-rank", alias = "kv_events_dp_rank", default_value_t = 0)]
+    pub dp_rank: u32,
+    /// Name the object key in every event (it is always named when not a number).
+    #[arg(long = "kv-events-emit-object-key", alias = "kv_events_emit_object_key",
+        value_name = "BOOL", num_args = 0..=1, default_value = "true",
+        default_missing_value = "true", value_parser = parse_bool)]
+    pub emit_object_key: bool,
+    /// Also carry the engines' field names (`type`, `block_hashes`) that older consumers read.
+    #[arg(long = "kv-events-emit-legacy-compat", alias = "kv_events_emit_legacy_compat",
+        value_name = "BOOL", num_args = 0..=1, default_value = "true",
+        default_missing_value = "true", value_parser = parse_bool)]
+    pub emit_legacy_compat: bool,
+}
+
+/// The reference's default PUB endpoint (`--enable_kv_events` without a bind endpoint).
+const REFERENCE_KV_EVENTS_ENDPOINT: &str = "tcp://0.0.0.0:5557";
+
+impl KvEventsArgs {
+    /// The publisher's settings; `None` when neither an endpoint nor `enable` is given.
+    pub fn config(&self, enable: Option<bool>) -> anyhow::Result<Option<KvEventsConfig>> {
+        let endpoint = match (enable, &self.endpoint) {
+            (Some(false), _) => return Ok(None),
+            (_, Some(e)) => e.clone(),
+            (Some(true), None) => REFERENCE_KV_EVENTS_ENDPOINT.to_string(),
+            (None, None) => return Ok(None),
+        };
+        anyhow::ensure!(
+            endpoint.starts_with("tcp://"),
+            "--kv-events-endpoint {endpoint:?}: only tcp:// endpoints"
+        );
+        anyhow::ensure!(self.queue_capacity > 0, "--kv-events-queue-capacity must be positive");
+        let mut c = KvEventsConfig::new(endpoint.clone());
+        c.replay_endpoint = match self.replay_endpoint.as_deref() {
+            Some("off" | "none" | "") => None,
+            Some(r) => Some(r.to_string()),
+            None => KvEventsConfig::default_replay_endpoint(&endpoint),
+        };
+        c.queue_max = self.queue_capacity;
+        c.replay_batches_max = self.replay_batches.max(1);
+        c.backend_id = self.backend_id.clone();
+        c.model_name = self.model_name.clone();
+        c.tenant_id = self.tenant_id.clone();
+        c.block_size = (self.block_size > 0).then_some(self.block_size);
+        c.lora_name = self.lora_name.clone();
+        c.dp_rank = self.dp_rank;
+        c.emit_object_key = self.emit_object_key;
+        c.emit_legacy_compat = self.emit_legacy_compat;
+        Ok(Some(c))
+    }
 }
 
 fn parse_persistence_default(s: &str) -> Result<(String, kvfs_client::Persistence), String> {
@@ -137,6 +233,11 @@ pub struct ReferenceMasterArgs {
     /// Bind address of the HTTP metadata server.
     #[arg(long = "http_metadata_server_host", value_name = "ADDR", default_value = "0.0.0.0")]
     pub http_metadata_server_host: String,
+    /// Publish the pool's KV events (on --kv_events_bind_endpoint, default
+    /// tcp://0.0.0.0:5557); the other `--kv_events_*` flags are spellings of `--kv-events-*`.
+    #[arg(long = "enable_kv_events", value_name = "BOOL", num_args = 0..=1,
+        default_missing_value = "true", value_parser = parse_bool)]
+    pub enable_kv_events: Option<bool>,
 }
 
 fn socket_addr(host: &str, port: u16, what: &str) -> anyhow::Result<SocketAddr> {
@@ -184,6 +285,7 @@ impl MasterArgs {
             persist_timeout_ms: self.persist_timeout_ms,
             load_timeout_ms: self.load_timeout_ms,
             persistence_defaults: self.persistence_defaults.clone(),
+            kv_events: self.kv_events.config(r.enable_kv_events)?,
             ..ServiceConfig::default()
         };
         if self.persist_timeout_ms >= self.put_timeout_ms {
