@@ -265,11 +265,19 @@ async fn live(reg: &Registration, shared: &Shared, seq: &mut Sequencer, s: u64, 
     }
 }
 
-/// After a (re)connect: asks the publisher for its batches from the last one applied. The
+/// After a (re)connect: asks the publisher for its batches from the last one applied (from 0
+/// when none was). The
 /// same process answers with that exact batch first, and the rest follow as a replay; anything
 /// else means a new process: its predecessor's blocks are cleared and its stream replayed from 0.
 async fn resync(reg: &Registration, shared: &Shared, seq: &mut Sequencer) {
-    let Some((last, dig)) = seq.last else { return };
+    let Some((last, dig)) = seq.last else {
+        // Nothing applied yet: whatever the publisher sent before this subscription took hold
+        // (ZeroMQ drops what a PUB sends before a SUB is connected) comes from its buffer.
+        if let Some(batches) = fetch_replay(reg, shared, 0).await {
+            feed(reg, shared, seq, batches);
+        }
+        return;
+    };
     let Some(batches) = fetch_replay(reg, shared, last).await else { return };
     let same = batches.first().is_some_and(|(s, p)| *s == last && digest(p) == dig);
     if same {
