@@ -162,53 +162,56 @@ pub fn decode_batch(payload: &[u8]) -> Result<Batch, DecodeError> {
     Ok(out)
 }
 
-/// A field of an event by name (map form) or position (array form).
-type Getter<'a> = Box<dyn Fn(&str, usize) -> Option<&'a Value> + 'a>;
-
-/// The fields of one event, whichever shape it came in.
-struct Fields<'a> {
-    tag: &'a str,
-    get: Getter<'a>,
+/// The fields of one event, whichever shape it came in: by name in a map, by position in an
+/// array.
+enum Fields<'a> {
+    Map(&'a [(Value, Value)]),
+    Array(&'a [Value]),
 }
 
-fn fields(v: &Value) -> Result<Fields<'_>, DecodeError> {
-    match v {
-        Value::Map(m) => {
-            let field = |name: &str| m.iter().find(|(k, _)| k.as_str() == Some(name));
-            // The reference store's contract (RFC 1527) names the kind `event_type`
-            // (stored/removed/cleared) and the hashes `seq_hashes`; its legacy aliases are the
-            // engines' `type` and `block_hashes`.
-            let tag = match field("type").and_then(|(_, v)| v.as_str()) {
-                Some(t) => t,
-                None => match field("event_type").and_then(|(_, v)| v.as_str()) {
-                    Some("stored") => "BlockStored",
-                    Some("removed") => "BlockRemoved",
-                    Some("cleared") => "AllBlocksCleared",
-                    Some(other) => other,
-                    None => return Err(bad("event map without a \"type\" or \"event_type\"")),
+impl<'a> Fields<'a> {
+    fn new(v: &'a Value) -> Result<Fields<'a>, DecodeError> {
+        match v {
+            Value::Map(m) => Ok(Fields::Map(m)),
+            Value::Array(a) => Ok(Fields::Array(a)),
+            other => Err(bad(format!("event of type {}", kind(other)))),
+        }
+    }
+
+    fn named(m: &'a [(Value, Value)], name: &str) -> Option<&'a Value> {
+        m.iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v)
+    }
+
+    /// The event's kind. The reference store's contract (RFC 1527) names it `event_type`
+    /// (stored/removed/cleared); its legacy alias is the engines' `type`.
+    fn tag(&self) -> Result<&'a str, DecodeError> {
+        match self {
+            Fields::Map(m) => match Self::named(m, "type").and_then(Value::as_str) {
+                Some(t) => Ok(t),
+                None => match Self::named(m, "event_type").and_then(Value::as_str) {
+                    Some("stored") => Ok("BlockStored"),
+                    Some("removed") => Ok("BlockRemoved"),
+                    Some("cleared") => Ok("AllBlocksCleared"),
+                    Some(other) => Ok(other),
+                    None => Err(bad("event map without a \"type\" or \"event_type\"")),
                 },
-            };
-            Ok(Fields {
-                tag,
-                get: Box::new(move |name, _| {
-                    let found = m.iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v);
-                    match (found, name) {
-                        (None, "block_hashes") => {
-                            m.iter().find(|(k, _)| k.as_str() == Some("seq_hashes")).map(|(_, v)| v)
-                        }
-                        (f, _) => f,
-                    }
-                }),
-            })
-        }
-        Value::Array(a) => {
-            let tag = a
+            },
+            Fields::Array(a) => a
                 .first()
-                .and_then(|t| t.as_str())
-                .ok_or_else(|| bad("event array without a tag string first"))?;
-            Ok(Fields { tag, get: Box::new(move |_, pos| a.get(pos)) })
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("event array without a tag string first")),
         }
-        other => Err(bad(format!("event of type {}", kind(other)))),
+    }
+
+    /// The field `name` of a map, or the one at `pos` of an array (`seq_hashes`, the reference
+    /// store's name, stands in for a missing `block_hashes`).
+    fn get(&self, name: &str, pos: usize) -> Option<&'a Value> {
+        match self {
+            Fields::Map(m) => Self::named(m, name).or_else(|| {
+                (name == "block_hashes").then(|| Self::named(m, "seq_hashes")).flatten()
+            }),
+            Fields::Array(a) => a.get(pos),
+        }
     }
 }
 
@@ -243,17 +246,17 @@ fn opt_str(v: Option<&Value>, what: &str) -> Result<Option<String>, DecodeError>
 
 /// One event; `None` for an event type this index does not use.
 fn decode_event(v: &Value) -> Result<Option<Event>, DecodeError> {
-    let f = fields(v)?;
+    let f = Fields::new(v)?;
     // Positions in the array form: [tag, block_hashes, parent, token_ids, block_size,
     // lora_id, medium, (lora_name)] for BlockStored, [tag, block_hashes, medium] for
     // BlockRemoved.
-    match f.tag {
+    match f.tag()? {
         "BlockStored" => {
-            let parent = match (f.get)("parent_block_hash", 2) {
+            let parent = match f.get("parent_block_hash", 2) {
                 None | Some(Value::Nil) => None,
                 Some(h) => Some(hash_of(h)?),
             };
-            let block_size = match (f.get)("block_size", 4) {
+            let block_size = match f.get("block_size", 4) {
                 None | Some(Value::Nil) => None,
                 Some(Value::Integer(i)) => Some(
                     i.as_u64()
@@ -264,16 +267,16 @@ fn decode_event(v: &Value) -> Result<Option<Event>, DecodeError> {
                 Some(other) => return Err(bad(format!("block_size of type {}", kind(other)))),
             };
             Ok(Some(Event::Stored {
-                hashes: hashes((f.get)("block_hashes", 1))?,
+                hashes: hashes(f.get("block_hashes", 1))?,
                 parent,
                 block_size,
-                medium: medium((f.get)("medium", 6))?,
-                lora_name: opt_str((f.get)("lora_name", 7), "lora_name")?,
+                medium: medium(f.get("medium", 6))?,
+                lora_name: opt_str(f.get("lora_name", 7), "lora_name")?,
             }))
         }
         "BlockRemoved" => Ok(Some(Event::Removed {
-            hashes: hashes((f.get)("block_hashes", 1))?,
-            medium: medium((f.get)("medium", 2))?,
+            hashes: hashes(f.get("block_hashes", 1))?,
+            medium: medium(f.get("medium", 2))?,
         })),
         "AllBlocksCleared" => Ok(Some(Event::Cleared)),
         _ => Ok(None),

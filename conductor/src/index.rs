@@ -101,8 +101,6 @@ struct Owner {
     shared: bool,
     /// Contexts the owner stored in.
     contexts: Vec<CtxId>,
-    /// Clock of the owner's last event.
-    last_event: u64,
 }
 
 /// How far one owner can serve a prompt, in blocks (cumulative: `gpu <= cpu <= disk`).
@@ -304,12 +302,7 @@ impl Index {
             return id;
         }
         let id = self.owners.len() as OwnerId;
-        self.owners.push(Some(Owner {
-            key: key.clone(),
-            shared,
-            contexts: Vec::new(),
-            last_event: self.clock,
-        }));
+        self.owners.push(Some(Owner { key: key.clone(), shared, contexts: Vec::new() }));
         self.owner_ids.insert(key.clone(), id);
         id
     }
@@ -330,15 +323,15 @@ impl Index {
 
     /// Makes `owner` a member of `ctx` (a registration names its model and block size before
     /// any event), so a query reports what the shared holders give it even before it stored.
-    pub fn join(&mut self, owner: OwnerId, ctx: &ContextKey) {
+    pub fn join(&mut self, owner: OwnerId, ctx: &ContextKey) -> CtxId {
         let c = self.context(ctx);
-        let Some(o) = self.owners.get_mut(owner as usize).and_then(Option::as_mut) else {
-            return;
-        };
-        if !o.contexts.contains(&c) {
-            o.contexts.push(c);
+        if let Some(o) = self.owners.get_mut(owner as usize).and_then(Option::as_mut) {
+            if !o.contexts.contains(&c) {
+                o.contexts.push(c);
+            }
+            self.contexts[c as usize].owners.entry(owner).or_insert(0);
         }
-        self.contexts[c as usize].owners.entry(owner).or_insert(0);
+        c
     }
 
     fn tick(&mut self) -> u64 {
@@ -350,20 +343,17 @@ impl Index {
     /// clears apply to every context the owner stored in).
     pub fn apply(&mut self, owner: OwnerId, ctx: &ContextKey, event: &Event) {
         let now = self.tick();
-        let Some(o) = self.owners.get_mut(owner as usize).and_then(Option::as_mut) else {
+        let Some(shared) =
+            self.owners.get(owner as usize).and_then(Option::as_ref).map(|o| o.shared)
+        else {
             return;
         };
-        o.last_event = now;
-        let shared = o.shared;
+        // A pool has no GPU: what it calls GPU memory serves others as host memory.
+        let held_on = |m: Medium| if shared && m == Medium::Gpu { Medium::Cpu } else { m };
         match event {
             Event::Stored { hashes, medium, .. } => {
-                let medium = if shared && *medium == Medium::Gpu { Medium::Cpu } else { *medium };
-                let c = self.context(ctx);
-                if let Some(o) = self.owners[owner as usize].as_mut()
-                    && !o.contexts.contains(&c)
-                {
-                    o.contexts.push(c);
-                }
+                let medium = held_on(*medium);
+                let c = self.join(owner, ctx);
                 let cx = &mut self.contexts[c as usize];
                 let local_cold = cx.owners.entry(owner).or_insert(0);
                 for &h in hashes {
@@ -385,7 +375,7 @@ impl Index {
                 self.bound();
             }
             Event::Removed { hashes, medium } => {
-                let medium = if shared && *medium == Medium::Gpu { Medium::Cpu } else { *medium };
+                let medium = held_on(*medium);
                 let ctxs = self.owners[owner as usize]
                     .as_ref()
                     .map(|o| o.contexts.clone())
@@ -461,11 +451,6 @@ impl Index {
             }
             self.owner_ids.remove(&o.key);
         }
-    }
-
-    /// The index clock (one tick per event or query) at the owner's last event.
-    pub fn last_event(&self, owner: OwnerId) -> Option<u64> {
-        self.owners.get(owner as usize)?.as_ref().map(|o| o.last_event)
     }
 
     /// Drops the least recently used entries while over the bound.

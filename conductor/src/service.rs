@@ -152,6 +152,9 @@ pub struct Shared {
     /// Hash profile per context (tenant, model, block size), from registrations.
     profiles: Mutex<HashMap<(String, String, u32), Arc<BlockHasher>>>,
     default_profile: HashProfile,
+    /// The default profile made ready once (its root hash), or why it cannot hash (an xxhash
+    /// profile without a seed), answered to every token query that needs it.
+    default_hasher: Result<Arc<BlockHasher>, String>,
     /// A publisher unreachable this long has its blocks cleared.
     pub source_ttl: std::time::Duration,
 }
@@ -188,6 +191,9 @@ impl Shared {
             sources: Mutex::new(BTreeMap::new()),
             profiles: Mutex::new(HashMap::new()),
             default_profile: cfg.default_profile.clone(),
+            default_hasher: BlockHasher::new(&cfg.default_profile)
+                .map(Arc::new)
+                .map_err(|e| e.to_string()),
             source_ttl: cfg.source_ttl,
         })
     }
@@ -272,7 +278,7 @@ impl Shared {
         if let Some(h) = self.profiles.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return Ok(h.clone());
         }
-        BlockHasher::new(&self.default_profile).map(Arc::new).map_err(|e| e.to_string())
+        self.default_hasher.clone()
     }
 }
 

@@ -34,7 +34,8 @@ pub enum Step {
     Apply,
     /// Already applied: skip.
     Skip,
-    /// Replay from this sequence, then hand the batch to [`Sequencer::after_replay`].
+    /// Replay from this sequence, then hand the batch to [`Sequencer::replayed`] (a replay
+    /// normally includes it, and it is then skipped).
     Replay(u64),
     /// The publisher restarted: clear its blocks, then handle the batch as a first contact
     /// (another step follows from [`Sequencer::live`]).
@@ -108,11 +109,6 @@ impl Sequencer {
     pub fn restart(&mut self) {
         let (can_replay, lost) = (self.can_replay, self.lost);
         *self = Sequencer { can_replay, lost, ..Sequencer::default() };
-    }
-
-    /// The live batch that asked for a replay, once the replay ended (or failed).
-    pub fn after_replay(&mut self, seq: u64) -> Step {
-        self.replayed(seq)
     }
 }
 
@@ -254,60 +250,53 @@ async fn live(reg: &Registration, shared: &Shared, seq: &mut Sequencer, s: u64, 
                 shared.metrics.gaps.fetch_add(1, Ordering::Relaxed);
             }
             replay(reg, shared, seq, from).await;
-            let lost = seq.lost;
-            if seq.after_replay(s) == Step::Apply {
-                apply(reg, shared, payload);
-                seq.applied(s, payload);
-            }
-            shared.metrics.lost.fetch_add(seq.lost - lost, Ordering::Relaxed);
+            // The batch that showed the gap, in case the replay did not bring it.
+            feed(reg, shared, seq, [(s, payload)]);
         }
         Step::Restarted => {}
     }
 }
 
 /// After a (re)connect: asks the publisher for its batches from the last one applied (from 0
-/// when none was). The
-/// same process answers with that exact batch first, and the rest follow as a replay; anything
-/// else means a new process: its predecessor's blocks are cleared and its stream replayed from 0.
+/// when none was: ZeroMQ drops what a PUB sends before a SUB has taken hold). The same process
+/// answers with that exact batch first, and the rest follow as a replay; anything else means
+/// a new process: its predecessor's blocks are cleared and its stream replayed from 0.
 async fn resync(reg: &Registration, shared: &Shared, seq: &mut Sequencer) {
     let Some((last, dig)) = seq.last else {
-        // Nothing applied yet: whatever the publisher sent before this subscription took hold
-        // (ZeroMQ drops what a PUB sends before a SUB is connected) comes from its buffer.
-        if let Some(batches) = fetch_replay(reg, shared, 0).await {
-            feed(reg, shared, seq, batches);
-        }
-        return;
+        return replay(reg, shared, seq, 0).await;
     };
     let Some(batches) = fetch_replay(reg, shared, last).await else { return };
     let same = batches.first().is_some_and(|(s, p)| *s == last && digest(p) == dig);
     if same {
-        feed(reg, shared, seq, batches);
-        return;
+        return feed(reg, shared, seq, batches.iter().map(|(s, p)| (*s, p.as_slice())));
     }
     shared.metrics.restarts.fetch_add(1, Ordering::Relaxed);
     clear(reg, shared);
     seq.restart();
-    if let Some(batches) = fetch_replay(reg, shared, 0).await {
-        feed(reg, shared, seq, batches);
-    }
+    replay(reg, shared, seq, 0).await;
 }
 
-/// Applies replayed batches in order through the sequencer.
-fn feed(reg: &Registration, shared: &Shared, seq: &mut Sequencer, batches: Vec<(u64, Vec<u8>)>) {
+/// Applies replayed batches in order through the sequencer, counting the batches it finds lost.
+fn feed<'a>(
+    reg: &Registration,
+    shared: &Shared,
+    seq: &mut Sequencer,
+    batches: impl IntoIterator<Item = (u64, &'a [u8])>,
+) {
+    let lost = seq.lost;
     for (s, p) in batches {
-        let lost = seq.lost;
         if seq.replayed(s) == Step::Apply {
-            apply(reg, shared, &p);
-            seq.applied(s, &p);
+            apply(reg, shared, p);
+            seq.applied(s, p);
         }
-        shared.metrics.lost.fetch_add(seq.lost - lost, Ordering::Relaxed);
     }
+    shared.metrics.lost.fetch_add(seq.lost - lost, Ordering::Relaxed);
 }
 
 /// Fetches and applies the publisher's buffered batches from `from` on.
 async fn replay(reg: &Registration, shared: &Shared, seq: &mut Sequencer, from: u64) {
     if let Some(batches) = fetch_replay(reg, shared, from).await {
-        feed(reg, shared, seq, batches);
+        feed(reg, shared, seq, batches.iter().map(|(s, p)| (*s, p.as_slice())));
     }
 }
 
@@ -418,7 +407,7 @@ mod tests {
         assert_eq!(s.replayed(2), Step::Apply);
         assert_eq!(s.replayed(3), Step::Apply);
         assert_eq!(s.replayed(4), Step::Apply);
-        assert_eq!(s.after_replay(4), Step::Skip);
+        assert_eq!(s.replayed(4), Step::Skip);
         assert_eq!(s.live(5), Step::Apply);
         assert_eq!(s.lost, 0);
     }
@@ -431,7 +420,7 @@ mod tests {
         assert_eq!(s.replayed(5), Step::Apply);
         assert_eq!(s.lost, 5);
         assert_eq!(s.replayed(6), Step::Apply);
-        assert_eq!(s.after_replay(7), Step::Apply);
+        assert_eq!(s.replayed(7), Step::Apply);
         assert_eq!(s.live(0), Step::Restarted);
         assert_eq!(s.live(0), Step::Apply);
         assert_eq!(s.live(1), Step::Apply);

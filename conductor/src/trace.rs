@@ -526,16 +526,6 @@ mod tests {
         req(blocks.len() as u64 * BLOCK_TOKENS, blocks)
     }
 
-    fn traces_dir() -> Option<std::path::PathBuf> {
-        let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces");
-        if d.join("conversation_trace.jsonl").exists() {
-            Some(d)
-        } else {
-            println!("skipped: no traces at {}", d.display());
-            None
-        }
-    }
-
     #[test]
     fn the_hit_stops_at_the_first_miss() {
         let mut c = Cache::new(Policy::Lru, Capacity::Unbounded);
@@ -693,10 +683,10 @@ mod tests {
 
     #[test]
     fn kvfs_beats_lru_on_the_head_of_the_conversation_trace() {
-        let Some(d) = traces_dir() else { return };
-        let text = std::fs::read_to_string(d.join("conversation_trace.jsonl")).unwrap();
-        let head: String = text.lines().take(500).flat_map(|l| [l, "\n"]).collect();
-        let t = Trace::parse(head.as_bytes()).unwrap();
+        // The first 500 lines of the real trace, kept in the repository (tests/data/README.md).
+        let head =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/conversation_trace_head.jsonl");
+        let t = Trace::load(&head).unwrap();
         assert_eq!(t.requests.len(), 500);
         let ceiling = replay(&t.requests, Policy::Lru, Capacity::Unbounded).token_hit_rate();
         for cap in [10_000u64, 50_000, 100_000, 200_000, 500_000] {
