@@ -4,6 +4,8 @@
 pub mod event;
 pub mod hash;
 pub mod index;
+pub mod route;
 pub mod service;
+pub mod sim;
 pub mod source;
 pub mod trace;

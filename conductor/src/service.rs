@@ -15,9 +15,23 @@
 //!   `POST /query_by_hash` takes `seq_hashes` (or `block_hash`) instead. Both answer
 //!   `{instances: {id: {longest_matched, gpu, cpu, disk, dp: {rank: gpu}, rank_matches:
 //!   {rank: {gpu, cpu, disk}}}}}` in tokens (cumulative, `gpu <= cpu <= disk`).
+//! - `POST /route`: the query's fields (token ids or hashes) plus `input_len?`, `output_len`,
+//!   `ttft_slo_ms`, `tbt_slo_ms`, `prefill_instances?`, `decode_instances?` (default: the
+//!   instances registered for the model, by their `role`: `prefill`, `decode` or `both`).
+//!   The scheduler of [`crate::route`] (the FAST'25 paper's Algorithm 1 by default) picks the
+//!   prefill instance with the lowest predicted TTFT, reusing its own GPU prefix or fetching a
+//!   longer one from the pool or another instance's GPU, and the decode instance with the
+//!   least KV load when that prefill ends. Answers `{prefill: {instance_id, dp_rank},
+//!   decode: {instance_id}, predicted_ttft_ms, predicted_tbt_ms, prefix_tokens,
+//!   transfer_tokens, fetch_from, replicate_hint}`; 429 `{error, reason: "ttft"|"tbt",
+//!   predicted_ttft_ms, predicted_tbt_ms}` when an SLO is predicted to be missed (early
+//!   rejection: no prefill is spent on it); 503 with reason `no_instance`. The scheduler's
+//!   queues are its own predictions (a prefill instance is busy until its last accepted
+//!   prefill is predicted to end), so requests the engines take from elsewhere are invisible
+//!   to it.
 //! - `GET /global_view`, `GET /services`, `GET /metrics`, `GET /health`.
 //!
-//! Errors are JSON `{"error": ...}` with 400 (bad input), 404, 405 or 415.
+//! Errors are JSON `{"error": ...}` with 400 (bad input), 404, 405, 415, 429 or 503.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,6 +47,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::hash::{Algorithm, BlockHasher, Extra, HashProfile, LoraKey, project_low64_be};
 use crate::index::{ContextKey, Index, OwnerKey};
+use crate::route::{
+    CostModel, Decision, FetchFrom, Policy, PrefixMatch, RejectReason, RouteRequest, Scheduler,
+    SchedulerConfig,
+};
 
 /// One event source, as registered.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -57,6 +75,10 @@ pub struct Registration {
     /// The engines' `PYTHONHASHSEED`.
     #[serde(default)]
     pub python_hash_seed: Option<String>,
+    /// What `/route` may send the instance: `prefill`, `decode` or `both` (the default; an
+    /// instance that prefills and decodes its own requests).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
 }
 
 fn default_type() -> String {
@@ -97,7 +119,22 @@ impl Registration {
         if let Some(a) = &self.hash_algorithm {
             a.parse::<Algorithm>().map_err(|e| e.to_string())?;
         }
+        if let Some(r) = &self.role
+            && !matches!(r.as_str(), "prefill" | "decode" | "both")
+        {
+            return Err(format!("role {r:?}: prefill, decode or both"));
+        }
         Ok(())
+    }
+
+    /// Whether `/route` may send it prefills (`prefill`) or decodes.
+    fn serves(&self, prefill: bool) -> bool {
+        !self.shared()
+            && match self.role.as_deref() {
+                Some("prefill") => prefill,
+                Some("decode") => !prefill,
+                _ => true,
+            }
     }
 }
 
@@ -118,24 +155,63 @@ pub struct Metrics {
     pub restarts: AtomicU64,
     /// Sources whose blocks expired because their publisher stayed unreachable.
     pub expired: AtomicU64,
-    pub queries: AtomicU64,
     pub query_errors: AtomicU64,
-    /// Query latency histogram: counts at or below each bound of `LATENCY_BOUNDS_US`.
-    pub query_us: [AtomicU64; LATENCY_BOUNDS_US.len()],
-    pub query_us_sum: AtomicU64,
+    /// Latency of answered prefix queries (decoding, hashing, the index walk, the answer).
+    pub query: Histogram,
+    pub route_errors: AtomicU64,
+    /// `/route` decisions: accepted, rejected on TTFT, on TBT, for want of an instance.
+    pub routes_accepted: AtomicU64,
+    pub routes_rejected_ttft: AtomicU64,
+    pub routes_rejected_tbt: AtomicU64,
+    pub routes_no_instance: AtomicU64,
+    /// Accepted routes that fetch a prefix from another instance's GPU (the pool lacks it).
+    pub replicate_hints: AtomicU64,
+    pub route: Histogram,
 }
 
 const LATENCY_BOUNDS_US: [u64; 10] = [50, 100, 250, 500, 1000, 2500, 5000, 10_000, 50_000, 250_000];
 
-impl Metrics {
-    fn observe_query(&self, us: u64) {
-        self.queries.fetch_add(1, Ordering::Relaxed);
-        self.query_us_sum.fetch_add(us, Ordering::Relaxed);
+/// A latency histogram in Prometheus's shape (cumulative buckets, sum, count).
+#[derive(Default)]
+pub struct Histogram {
+    /// Counts at or below each bound of `LATENCY_BOUNDS_US`.
+    buckets: [AtomicU64; LATENCY_BOUNDS_US.len()],
+    sum_us: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    pub fn observe(&self, us: u64) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add(us, Ordering::Relaxed);
         for (i, b) in LATENCY_BOUNDS_US.iter().enumerate() {
             if us <= *b {
-                self.query_us[i].fetch_add(1, Ordering::Relaxed);
+                self.buckets[i].fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        out.push_str(&format!(
+            "# HELP kvfs_conductor_{name} {help}\n# TYPE kvfs_conductor_{name} histogram\n"
+        ));
+        for (i, b) in LATENCY_BOUNDS_US.iter().enumerate() {
+            out.push_str(&format!(
+                "kvfs_conductor_{name}_bucket{{le=\"{}\"}} {}\n",
+                *b as f64 / 1e6,
+                l(&self.buckets[i])
+            ));
+        }
+        out.push_str(&format!(
+            "kvfs_conductor_{name}_bucket{{le=\"+Inf\"}} {q}\nkvfs_conductor_{name}_sum {}\nkvfs_conductor_{name}_count {q}\n",
+            l(&self.sum_us) as f64 / 1e6,
+            q = l(&self.count)
+        ));
     }
 }
 
@@ -157,6 +233,60 @@ pub struct Shared {
     default_hasher: Result<Arc<BlockHasher>, String>,
     /// A publisher unreachable this long has its blocks cleared.
     pub source_ttl: std::time::Duration,
+    router: Mutex<Live>,
+}
+
+/// The scheduler of `/route` and the names of its instances.
+struct Live {
+    sched: Scheduler,
+    /// The scheduler's clock starts here.
+    start: Instant,
+    prefill: Names,
+    decode: Names,
+}
+
+/// Instance names and their indices in the scheduler, in order of first use.
+#[derive(Default)]
+struct Names {
+    names: Vec<String>,
+    index: HashMap<String, usize>,
+}
+
+impl Names {
+    /// The index of `name`, calling `add` (which returns the new index) on first use.
+    fn get_or_add(&mut self, name: &str, add: impl FnOnce() -> usize) -> usize {
+        if let Some(&i) = self.index.get(name) {
+            return i;
+        }
+        let i = add();
+        debug_assert_eq!(i, self.names.len());
+        self.names.push(name.to_string());
+        self.index.insert(name.to_string(), i);
+        i
+    }
+}
+
+/// How `/route` decides.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteConfig {
+    pub policy: Policy,
+    /// Answer 429 when the predicted TTFT or TBT misses the request's SLO.
+    pub early_rejection: bool,
+    /// Algorithm 1's threshold: an instance fetches a longer prefix only when it is more than
+    /// this many times its own.
+    pub balancing_threshold: f64,
+    pub cost: CostModel,
+}
+
+impl Default for RouteConfig {
+    fn default() -> Self {
+        RouteConfig {
+            policy: Policy::GlobalCacheAware,
+            early_rejection: true,
+            balancing_threshold: 1.2,
+            cost: CostModel::DEFAULT,
+        }
+    }
 }
 
 /// Settings of a conductor.
@@ -168,6 +298,7 @@ pub struct Config {
     pub default_profile: HashProfile,
     /// A publisher unreachable this long (its engine is gone) has its blocks cleared.
     pub source_ttl: std::time::Duration,
+    pub route: RouteConfig,
 }
 
 impl Default for Config {
@@ -179,6 +310,7 @@ impl Default for Config {
                 python_hash_seed: None,
             },
             source_ttl: std::time::Duration::from_secs(30),
+            route: RouteConfig::default(),
         }
     }
 }
@@ -195,6 +327,20 @@ impl Shared {
                 .map(Arc::new)
                 .map_err(|e| e.to_string()),
             source_ttl: cfg.source_ttl,
+            router: Mutex::new(Live {
+                sched: Scheduler::new(SchedulerConfig {
+                    prefill_instances: 0,
+                    decode_instances: 0,
+                    policy: cfg.route.policy,
+                    early_rejection: cfg.route.early_rejection,
+                    balancing_threshold: cfg.route.balancing_threshold,
+                    seed: 1,
+                    cost: cfg.route.cost,
+                }),
+                start: Instant::now(),
+                prefill: Names::default(),
+                decode: Names::default(),
+            }),
         })
     }
 
@@ -289,6 +435,7 @@ pub fn router(shared: Arc<Shared>) -> axum::Router {
         .route("/unregister", post(unregister))
         .route("/query", post(query))
         .route("/query_by_hash", post(query_by_hash))
+        .route("/route", post(route))
         .route("/global_view", get(global_view))
         .route("/services", get(services))
         .route("/metrics", get(metrics))
@@ -397,6 +544,56 @@ struct Query {
     block_size: u32,
     #[serde(default)]
     cache_salt: Option<String>,
+    // `/route` only.
+    /// Prompt tokens (default: the token ids given, or the hashes times the block size).
+    #[serde(default)]
+    input_len: Option<u64>,
+    /// Expected output tokens.
+    #[serde(default)]
+    output_len: Option<u64>,
+    #[serde(default)]
+    ttft_slo_ms: Option<f64>,
+    #[serde(default)]
+    tbt_slo_ms: Option<f64>,
+    /// The instances it may go to (default: those registered for its model, by role).
+    #[serde(default)]
+    prefill_instances: Option<Vec<String>>,
+    #[serde(default)]
+    decode_instances: Option<Vec<String>>,
+}
+
+impl Query {
+    fn context(&self) -> ContextKey {
+        ContextKey {
+            tenant: self.tenant_id.clone(),
+            model: self.model.clone(),
+            lora: self.lora_name.clone().unwrap_or_default(),
+            block_size: self.block_size,
+        }
+    }
+
+    /// The prompt's block hashes: the ones given (`by_hash`), or its tokens hashed as the
+    /// context's engines hash them.
+    fn hashes(&self, s: &Shared, by_hash: bool) -> Result<Vec<u64>, String> {
+        if self.block_size == 0 {
+            return Err("block_size must be positive".into());
+        }
+        if by_hash {
+            return Ok(self.seq_hashes.clone());
+        }
+        let hasher = s.hasher(&self.tenant_id, &self.model, self.block_size)?;
+        let extra = Extra {
+            lora: self
+                .lora_name
+                .clone()
+                .map(|name| LoraKey { name, path: self.lora_path.clone().unwrap_or_default() }),
+            cache_salt: self.cache_salt.clone(),
+        };
+        match hasher.iter(&self.token_ids.0, self.block_size as usize, &extra) {
+            Ok(it) => Ok(it.map(|d| project_low64_be(&d)).collect()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
 }
 
 /// Token ids as an array of integers, or (msgpack) as one binary of little-endian 32-bit
@@ -484,35 +681,14 @@ fn run_query(s: &Shared, h: &HeaderMap, body: &[u8], by_hash: bool) -> Response 
             return *e;
         }
     };
-    if q.block_size == 0 {
-        s.metrics.query_errors.fetch_add(1, Ordering::Relaxed);
-        return error(StatusCode::BAD_REQUEST, "block_size must be positive");
-    }
-    let ctx = ContextKey {
-        tenant: q.tenant_id.clone(),
-        model: q.model.clone(),
-        lora: q.lora_name.clone().unwrap_or_default(),
-        block_size: q.block_size,
-    };
-    let hashes: Vec<u64> = if by_hash {
-        q.seq_hashes.clone()
-    } else {
-        let hasher = match s.hasher(&q.tenant_id, &q.model, q.block_size) {
-            Ok(h) => h,
-            Err(e) => return error(StatusCode::BAD_REQUEST, &e),
-        };
-        let extra = Extra {
-            lora: q
-                .lora_name
-                .clone()
-                .map(|name| LoraKey { name, path: q.lora_path.clone().unwrap_or_default() }),
-            cache_salt: q.cache_salt.clone(),
-        };
-        match hasher.iter(&q.token_ids.0, q.block_size as usize, &extra) {
-            Ok(it) => it.map(|d| project_low64_be(&d)).collect(),
-            Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
+    let hashes = match q.hashes(s, by_hash) {
+        Ok(h) => h,
+        Err(e) => {
+            s.metrics.query_errors.fetch_add(1, Ordering::Relaxed);
+            return error(StatusCode::BAD_REQUEST, &e);
         }
     };
+    let ctx = q.context();
     let matches = s.index.lock().unwrap_or_else(|e| e.into_inner()).query(&ctx, &hashes);
     let bs = u64::from(q.block_size);
     let mut out = QueryReply { instances: BTreeMap::new() };
@@ -529,8 +705,220 @@ fn run_query(s: &Shared, h: &HeaderMap, body: &[u8], by_hash: bool) -> Response 
         e.dp.insert(m.owner.dp_rank.to_string(), g);
         e.rank_matches.insert(m.owner.dp_rank.to_string(), RankMatch { gpu: g, cpu: c, disk: d });
     }
-    s.metrics.observe_query(t.elapsed().as_micros() as u64);
-    reply(enc, &out)
+    let r = reply(enc, &out);
+    s.metrics.query.observe(t.elapsed().as_micros() as u64);
+    r
+}
+
+/// `/route`'s answer when it accepts.
+#[derive(Serialize)]
+struct RouteReply {
+    /// The prefill instance, and its DP rank holding the longest GPU prefix.
+    prefill: RouteTarget,
+    decode: RouteTarget,
+    predicted_ttft_ms: f64,
+    predicted_tbt_ms: f64,
+    /// Prompt tokens reused: the prefill instance's own GPU prefix plus what it fetches.
+    prefix_tokens: u64,
+    /// Tokens to fetch before the prefill, and from where (`pool_cpu`, `pool_disk`, or
+    /// `instance:<id>` for another instance's GPU).
+    transfer_tokens: u64,
+    fetch_from: Option<String>,
+    /// The prefix is fetched from another instance's GPU because the pool lacks it: worth
+    /// storing in the pool.
+    replicate_hint: bool,
+}
+
+#[derive(Serialize)]
+struct RouteTarget {
+    instance_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dp_rank: Option<u32>,
+}
+
+async fn route(State(s): State<Arc<Shared>>, h: HeaderMap, body: Bytes) -> Response {
+    let t = Instant::now();
+    let enc = encoding(&h);
+    let r = run_route(&s, enc, &body);
+    if r.status() == StatusCode::BAD_REQUEST {
+        s.metrics.route_errors.fetch_add(1, Ordering::Relaxed);
+    }
+    s.metrics.route.observe(t.elapsed().as_micros() as u64);
+    r
+}
+
+fn run_route(s: &Shared, enc: Enc, body: &[u8]) -> Response {
+    let q: Query = match decode(enc, body) {
+        Ok(q) => q,
+        Err(e) => return *e,
+    };
+    let by_hash = q.token_ids.0.is_empty();
+    let hashes = match q.hashes(s, by_hash) {
+        Ok(h) => h,
+        Err(e) => return error(StatusCode::BAD_REQUEST, &e),
+    };
+    let bs = u64::from(q.block_size);
+    let input_len = q.input_len.unwrap_or(if by_hash {
+        hashes.len() as u64 * bs
+    } else {
+        q.token_ids.0.len() as u64
+    });
+    let (Some(output_len), Some(ttft), Some(tbt)) = (q.output_len, q.ttft_slo_ms, q.tbt_slo_ms)
+    else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "output_len, ttft_slo_ms and tbt_slo_ms must be set",
+        );
+    };
+    if input_len == 0 {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "an empty prompt (give token_ids, seq_hashes or input_len)",
+        );
+    }
+    if !(ttft.is_finite() && ttft > 0.0 && tbt.is_finite() && tbt > 0.0) {
+        return error(StatusCode::BAD_REQUEST, "ttft_slo_ms and tbt_slo_ms must be positive");
+    }
+    let ctx = q.context();
+    // The candidates: as named, or the instances registered for the model, by role.
+    let registered = |prefill: bool| -> Vec<String> {
+        let sources = s.sources.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<String> = sources
+            .values()
+            .filter(|h| {
+                let r = &h.reg;
+                r.serves(prefill)
+                    && r.tenant_id == ctx.tenant
+                    && r.modelname == ctx.model
+                    && r.block_size == ctx.block_size
+            })
+            .map(|h| h.reg.instance_id.clone())
+            .collect();
+        v.dedup();
+        v
+    };
+    let prefill_names = q.prefill_instances.clone().unwrap_or_else(|| registered(true));
+    let decode_names = q.decode_instances.clone().unwrap_or_else(|| registered(false));
+    // What each instance holds: its best DP rank's match (in tokens).
+    let owned = s.index.lock().unwrap_or_else(|e| e.into_inner()).query(&ctx, &hashes);
+    let mut live = s.router.lock().unwrap_or_else(|e| e.into_inner());
+    let live = &mut *live;
+    let mut matches = vec![PrefixMatch::default(); live.sched.config().prefill_instances];
+    let mut best_rank: HashMap<usize, (u64, u32)> = HashMap::new();
+    for m in &owned {
+        let i = live.prefill.get_or_add(&m.owner.instance, || live.sched.add_prefill_instance());
+        matches.resize(live.sched.config().prefill_instances, PrefixMatch::default());
+        let (g, c, d) = (m.gpu as u64 * bs, m.cpu as u64 * bs, m.disk as u64 * bs);
+        let x = &mut matches[i];
+        (x.gpu, x.cpu, x.disk) = (x.gpu.max(g), x.cpu.max(c), x.disk.max(d));
+        let b = best_rank.entry(i).or_insert((g, m.owner.dp_rank));
+        if g > b.0 {
+            *b = (g, m.owner.dp_rank);
+        }
+    }
+    let mut req = RouteRequest::new(input_len, output_len, ttft, tbt, Vec::new());
+    for n in &prefill_names {
+        req.prefill_candidates
+            .push(live.prefill.get_or_add(n, || live.sched.add_prefill_instance()));
+    }
+    for n in &decode_names {
+        req.decode_candidates.push(live.decode.get_or_add(n, || live.sched.add_decode_instance()));
+    }
+    matches.resize(live.sched.config().prefill_instances, PrefixMatch::default());
+    req.matches = matches;
+    let now_ms = live.start.elapsed().as_secs_f64() * 1e3;
+    let m = &s.metrics;
+    // An empty candidate list means "every instance" to the scheduler; here it means none.
+    let decision = if prefill_names.is_empty() || decode_names.is_empty() {
+        Decision::Reject {
+            reason: RejectReason::NoInstance,
+            predicted_ttft_ms: f64::INFINITY,
+            predicted_tbt_ms: f64::INFINITY,
+        }
+    } else {
+        live.sched.route(now_ms, &req)
+    };
+    match decision {
+        Decision::Accept {
+            prefill,
+            decode,
+            predicted_ttft_ms,
+            predicted_tbt_ms,
+            prefix_tokens,
+            transfer_tokens,
+            fetch_from,
+            replicate_hint,
+            ..
+        } => {
+            m.routes_accepted.fetch_add(1, Ordering::Relaxed);
+            m.replicate_hints.fetch_add(u64::from(replicate_hint), Ordering::Relaxed);
+            let fetch_from = fetch_from.map(|f| match f {
+                FetchFrom::PoolCpu => "pool_cpu".to_string(),
+                FetchFrom::PoolDisk => "pool_disk".to_string(),
+                FetchFrom::Instance(i) => format!("instance:{}", live.prefill.names[i]),
+            });
+            reply(
+                enc,
+                &RouteReply {
+                    prefill: RouteTarget {
+                        instance_id: live.prefill.names[prefill].clone(),
+                        dp_rank: best_rank.get(&prefill).map(|b| b.1),
+                    },
+                    decode: RouteTarget {
+                        instance_id: live.decode.names[decode].clone(),
+                        dp_rank: None,
+                    },
+                    predicted_ttft_ms,
+                    predicted_tbt_ms,
+                    prefix_tokens,
+                    transfer_tokens,
+                    fetch_from,
+                    replicate_hint,
+                },
+            )
+        }
+        Decision::Reject { reason, predicted_ttft_ms, predicted_tbt_ms } => {
+            let (code, counter, why, msg) = match reason {
+                RejectReason::NoInstance => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &m.routes_no_instance,
+                    "no_instance",
+                    format!(
+                        "no {} instance for model {:?} (tenant {:?}, block size {}): register one with its role, or name them in prefill_instances and decode_instances",
+                        if prefill_names.is_empty() { "prefill" } else { "decode" },
+                        ctx.model,
+                        ctx.tenant,
+                        ctx.block_size
+                    ),
+                ),
+                RejectReason::Ttft => (
+                    StatusCode::TOO_MANY_REQUESTS,
+                    &m.routes_rejected_ttft,
+                    "ttft",
+                    format!(
+                        "predicted TTFT {predicted_ttft_ms:.1} ms is over the SLO of {ttft} ms"
+                    ),
+                ),
+                RejectReason::Tbt => (
+                    StatusCode::TOO_MANY_REQUESTS,
+                    &m.routes_rejected_tbt,
+                    "tbt",
+                    format!(
+                        "predicted TBT {predicted_tbt_ms:.1} ms at the prefill's end is over the SLO of {tbt} ms"
+                    ),
+                ),
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            let body = serde_json::json!({
+                "error": msg, "reason": why,
+                "predicted_ttft_ms": if predicted_ttft_ms.is_finite() { Some(predicted_ttft_ms) } else { None },
+                "predicted_tbt_ms": if predicted_tbt_ms.is_finite() { Some(predicted_tbt_ms) } else { None },
+            });
+            let mut r = reply(enc, &body);
+            *r.status_mut() = code;
+            r
+        }
+    }
 }
 
 async fn global_view(State(s): State<Arc<Shared>>, h: HeaderMap) -> Response {
@@ -586,8 +974,30 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     counter("lost_batches_total", "Batches no replay could recover.", l(&m.lost));
     counter("publisher_restarts_total", "Publisher restarts detected.", l(&m.restarts));
     counter("sources_expired_total", "Sources whose publisher stayed unreachable.", l(&m.expired));
-    counter("queries_total", "Prefix queries answered.", l(&m.queries));
+    counter("queries_total", "Prefix queries answered.", m.query.count());
     counter("query_errors_total", "Prefix queries refused.", l(&m.query_errors));
+    counter("routes_accepted_total", "Requests routed.", l(&m.routes_accepted));
+    counter(
+        "routes_rejected_ttft_total",
+        "Requests rejected early: predicted TTFT over the SLO.",
+        l(&m.routes_rejected_ttft),
+    );
+    counter(
+        "routes_rejected_tbt_total",
+        "Requests rejected early: predicted TBT over the SLO.",
+        l(&m.routes_rejected_tbt),
+    );
+    counter(
+        "routes_no_instance_total",
+        "Route requests with no instance to go to.",
+        l(&m.routes_no_instance),
+    );
+    counter("route_errors_total", "Route requests refused as malformed.", l(&m.route_errors));
+    counter(
+        "replicate_hints_total",
+        "Routes fetching a prefix from another instance's GPU (missing in the pool).",
+        l(&m.replicate_hints),
+    );
     counter("index_evicted_total", "Index entries dropped by the memory bound.", st.evicted);
     let mut gauge = |name: &str, help: &str, v: u64| {
         out.push_str(&format!(
@@ -598,20 +1008,31 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     gauge("index_contexts", "Contexts (tenant, model, LoRA, block size).", st.contexts as u64);
     gauge("index_owners", "Owners (instance, DP rank, pools).", st.owners as u64);
     gauge("sources", "Registered event sources.", sources as u64);
-    out.push_str(
-        "# HELP kvfs_conductor_query_seconds Prefix query latency.\n# TYPE kvfs_conductor_query_seconds histogram\n",
-    );
-    for (i, b) in LATENCY_BOUNDS_US.iter().enumerate() {
-        out.push_str(&format!(
-            "kvfs_conductor_query_seconds_bucket{{le=\"{}\"}} {}\n",
-            *b as f64 / 1e6,
-            l(&m.query_us[i])
-        ));
+    m.query.render(&mut out, "query_seconds", "Prefix query latency.");
+    m.route.render(&mut out, "route_seconds", "Route decision latency.");
+    {
+        let live = s.router.lock().unwrap_or_else(|e| e.into_inner());
+        let now_ms = live.start.elapsed().as_secs_f64() * 1e3;
+        out.push_str(
+            "# HELP kvfs_conductor_prefill_queue_seconds Predicted wait before a new prefill could start, per instance.\n# TYPE kvfs_conductor_prefill_queue_seconds gauge\n",
+        );
+        for (i, n) in live.prefill.names.iter().enumerate() {
+            out.push_str(&format!(
+                "kvfs_conductor_prefill_queue_seconds{{instance=\"{}\"}} {}\n",
+                n.replace('\\', "\\\\").replace('"', "\\\""),
+                live.sched.queue_ms(now_ms, i) / 1e3
+            ));
+        }
+        out.push_str(
+            "# HELP kvfs_conductor_decode_requests Requests predicted decoding now, per instance.\n# TYPE kvfs_conductor_decode_requests gauge\n",
+        );
+        for (i, n) in live.decode.names.iter().enumerate() {
+            out.push_str(&format!(
+                "kvfs_conductor_decode_requests{{instance=\"{}\"}} {}\n",
+                n.replace('\\', "\\\\").replace('"', "\\\""),
+                live.sched.decode_load_at(i, now_ms).0
+            ));
+        }
     }
-    out.push_str(&format!(
-        "kvfs_conductor_query_seconds_bucket{{le=\"+Inf\"}} {q}\nkvfs_conductor_query_seconds_sum {}\nkvfs_conductor_query_seconds_count {q}\n",
-        l(&m.query_us_sum) as f64 / 1e6,
-        q = l(&m.queries)
-    ));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }

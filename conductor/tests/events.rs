@@ -257,3 +257,108 @@ fn engines_events_feed_the_index() {
     assert!(metric(addr, "sources_expired_total") >= 1);
     drop((b, a2));
 }
+
+fn route(addr: &str, body: Value) -> (u16, Value) {
+    let (code, body) = http(addr, "POST", "/route", Some(&body));
+    (code, serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}")))
+}
+
+/// `/route` over instances that publish real events: prefill instances by role, the
+/// cheapest prefix (own GPU or fetched from another instance), early rejection, and errors.
+#[test]
+fn routes_requests_by_cache_and_load() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let shared = Shared::new(&Config::default());
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    rt.spawn(kvfs_conductor::service::serve(listener, shared.clone()));
+    let addr = addr.as_str();
+
+    let mut pubs = Vec::new();
+    for (id, role) in [("p1", "prefill"), ("p2", "prefill"), ("d1", "decode")] {
+        let p = Publisher::start("tagged", 0, None);
+        let (code, body) = http(
+            addr,
+            "POST",
+            "/register",
+            Some(&json!({"endpoint": p.endpoint, "replay_endpoint": p.replay, "type": "vLLM",
+                "modelname": "m", "instance_id": id, "block_size": 16, "role": role})),
+        );
+        assert_eq!(code, 200, "{body}");
+        pubs.push(p);
+    }
+    let hashes: Vec<u64> = (1..=8).collect();
+    pubs[0].send(json!([{"type": "stored", "hashes": hashes, "medium": "GPU"}]), true);
+    eventually("p1's blocks", || gpu(&query(addr, &hashes), "p1") == 128);
+
+    let req = |input_len: u64, ttft: f64| {
+        json!({"model": "m", "block_size": 16, "seq_hashes": hashes, "input_len": input_len,
+            "output_len": 100, "ttft_slo_ms": ttft, "tbt_slo_ms": 100.0})
+    };
+    // Both idle: the one holding the prefix, decoded on the decode instance.
+    let (code, v) = route(addr, req(200, 10_000.0));
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(
+        (v["prefill"]["instance_id"].as_str(), v["prefill"]["dp_rank"].as_u64()),
+        (Some("p1"), Some(0))
+    );
+    assert_eq!(v["decode"]["instance_id"], "d1");
+    assert_eq!((v["prefix_tokens"].as_u64(), v["transfer_tokens"].as_u64()), (Some(128), Some(0)));
+
+    // A long uncached prompt sent to p1 keeps it busy for seconds...
+    let (code, v) = route(
+        addr,
+        json!({"model": "m", "block_size": 16, "seq_hashes": [999], "input_len": 60_000,
+            "output_len": 10, "ttft_slo_ms": 60_000.0, "tbt_slo_ms": 100.0,
+            "prefill_instances": ["p1"]}),
+    );
+    assert_eq!((code, v["prefill"]["instance_id"].as_str()), (200, Some("p1")), "{v}");
+    assert!(v["predicted_ttft_ms"].as_f64().unwrap() > 2000.0, "{v}");
+    // ...so the cached request now goes to p2, which fetches the prefix from p1's GPU (the
+    // pool does not have it: a replication hint).
+    let (code, v) = route(addr, req(200, 10_000.0));
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["prefill"]["instance_id"], "p2", "{v}");
+    assert_eq!(v["fetch_from"], "instance:p1");
+    assert_eq!(
+        (v["transfer_tokens"].as_u64(), v["replicate_hint"].as_bool()),
+        (Some(128), Some(true))
+    );
+
+    // Early rejection: a TTFT no instance can meet is refused before any prefill runs.
+    let (code, v) = route(addr, req(60_000, 500.0));
+    assert_eq!((code, v["reason"].as_str()), (429, Some("ttft")), "{v}");
+    assert!(v["predicted_ttft_ms"].as_f64().unwrap() > 500.0);
+    // Named candidates override the registered ones: p1 despite its queue.
+    let mut r = req(200, 10_000.0);
+    r["prefill_instances"] = json!(["p1"]);
+    let (code, v) = route(addr, r);
+    assert_eq!((code, v["prefill"]["instance_id"].as_str()), (200, Some("p1")), "{v}");
+    assert!(v["predicted_ttft_ms"].as_f64().unwrap() > 2000.0, "{v}");
+
+    // No instance for the model; malformed requests.
+    let mut r = req(200, 10_000.0);
+    r["model"] = json!("other");
+    let (code, v) = route(addr, r);
+    assert_eq!((code, v["reason"].as_str()), (503, Some("no_instance")), "{v}");
+    let (code, v) = route(addr, json!({"model": "m", "block_size": 16, "seq_hashes": [1]}));
+    assert_eq!(code, 400, "{v}");
+    let mut r = req(200, 10_000.0);
+    r["tbt_slo_ms"] = json!(-1.0);
+    assert_eq!(route(addr, r).0, 400);
+    let (code, _) = http(
+        addr,
+        "POST",
+        "/register",
+        Some(&json!({"endpoint": "tcp://127.0.0.1:1", "modelname": "m", "instance_id": "z",
+            "block_size": 16, "role": "janitor"})),
+    );
+    assert_eq!(code, 400);
+
+    assert_eq!(metric(addr, "routes_accepted_total"), 4);
+    assert_eq!(metric(addr, "routes_rejected_ttft_total"), 1);
+    assert_eq!(metric(addr, "routes_no_instance_total"), 1);
+    assert_eq!(metric(addr, "replicate_hints_total"), 1);
+    let (_, body) = http(addr, "GET", "/metrics", None);
+    assert!(body.contains("kvfs_conductor_prefill_queue_seconds{instance=\"p1\"}"), "{body}");
+}

@@ -9,6 +9,13 @@
 //! dotted). Text on the plot needs a TrueType font read at run time (DejaVu or Liberation Sans
 //! under /usr/share/fonts, or `KVFS_PLOT_FONT`); without one the plot is drawn without text
 //! and a note says so.
+//!
+//! Then (unless `--no-simulate`) each trace is replayed through a simulated disaggregated
+//! cluster (`kvfs_conductor::sim`): `--prefill` prefill instances with local prefix caches,
+//! `--decode` decode instances and the pool, arrivals sped up by `--speed`, routed by each
+//! policy of `kvfs_conductor::route` with and without early rejection; one row per policy and
+//! rejection setting (TTFT and TBT p50/p99, SLO attainment over all requests, rejections,
+//! wasted prefills, prefill compute saved by cache hits), or one JSON object per row.
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -16,6 +23,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
+use kvfs_conductor::route::Policy as RoutePolicy;
+use kvfs_conductor::sim::{SimConfig, SimStats, simulate, speed_for_load};
 use kvfs_conductor::trace::{Capacity, Policy, ReplayStats, Trace, replay};
 use serde_json::json;
 
@@ -41,6 +50,40 @@ pub struct TraceArgs {
     /// Draw hit rate against capacity into this PNG.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Skip the cluster simulation (routing policies).
+    #[arg(long)]
+    pub no_simulate: bool,
+    /// Only the cluster simulation (skip the hit-rate sweep).
+    #[arg(long, conflicts_with = "no_simulate")]
+    pub simulate_only: bool,
+    /// Simulated prefill instances (one 8-GPU node each).
+    #[arg(long, default_value_t = SimConfig::DEFAULT.prefill_instances)]
+    pub prefill: usize,
+    /// Simulated decode instances.
+    #[arg(long, default_value_t = SimConfig::DEFAULT.decode_instances)]
+    pub decode: usize,
+    /// Arrival times are divided by this (2: twice the trace's request rate); overrides
+    /// `--load`.
+    #[arg(long)]
+    pub speed: Option<f64>,
+    /// Without `--speed`, each trace is sped up so that its prefill work with no cache would
+    /// keep the prefill instances busy this share of the time (1.5: half again what they can
+    /// compute, so what the caches save decides whether the cluster keeps up).
+    #[arg(long, default_value_t = 1.5)]
+    pub load: f64,
+    #[arg(long, default_value_t = SimConfig::DEFAULT.ttft_slo_ms)]
+    pub ttft_slo_ms: f64,
+    #[arg(long, default_value_t = SimConfig::DEFAULT.tbt_slo_ms)]
+    pub tbt_slo_ms: f64,
+    /// Each prefill instance's own prefix cache, in tokens.
+    #[arg(long, default_value_t = SimConfig::DEFAULT.local_cache_tokens)]
+    pub local_cache_tokens: u64,
+    /// The shared pool's cache, in tokens.
+    #[arg(long, default_value_t = SimConfig::DEFAULT.pool_cache_tokens)]
+    pub pool_cache_tokens: u64,
+    /// Seed of the random policy.
+    #[arg(long, default_value_t = SimConfig::DEFAULT.seed)]
+    pub seed: u64,
 }
 
 /// `100000`, `1e5`, `500K`, `2M` (decimal units: tokens), `unbounded`.
@@ -84,7 +127,8 @@ pub fn run(a: TraceArgs) -> anyhow::Result<()> {
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         let mut rows = Vec::new();
         let progress = std::io::stderr().is_terminal();
-        for (i, &capacity) in a.capacities.iter().enumerate() {
+        let capacities = if a.simulate_only { &[][..] } else { &a.capacities[..] };
+        for (i, &capacity) in capacities.iter().enumerate() {
             if progress {
                 eprint!("\r{name}: capacity {}/{} ", i + 1, a.capacities.len());
             }
@@ -104,18 +148,124 @@ pub fn run(a: TraceArgs) -> anyhow::Result<()> {
             start.elapsed().as_secs_f64()
         );
         let result = TraceResult { name, requests: trace.requests.len(), rows };
-        if a.json {
-            print_json(&result);
-        } else {
-            print_table(&result);
+        if !a.simulate_only {
+            if a.json {
+                print_json(&result);
+            } else {
+                print_table(&result);
+            }
+        }
+        if !a.no_simulate {
+            run_simulation(&a, &result.name, &trace);
         }
         results.push(result);
     }
-    if let Some(png) = &a.plot {
+    if let Some(png) = a.plot.as_ref().filter(|_| !a.simulate_only) {
         plot(png, &results).with_context(|| format!("drawing {}", png.display()))?;
         eprintln!("plot: {}", png.display());
     }
     Ok(())
+}
+
+/// One trace through the simulated cluster: every routing policy, with and without early
+/// rejection.
+fn run_simulation(a: &TraceArgs, name: &str, trace: &Trace) {
+    let mut cfg = SimConfig {
+        prefill_instances: a.prefill.max(1),
+        decode_instances: a.decode.max(1),
+        ttft_slo_ms: a.ttft_slo_ms,
+        tbt_slo_ms: a.tbt_slo_ms,
+        local_cache_tokens: a.local_cache_tokens,
+        pool_cache_tokens: a.pool_cache_tokens,
+        seed: a.seed,
+        ..SimConfig::DEFAULT
+    };
+    cfg.speed = a.speed.unwrap_or_else(|| speed_for_load(&trace.requests, &cfg, a.load));
+    let start = Instant::now();
+    let rows: Vec<(RoutePolicy, bool, SimStats)> = RoutePolicy::ALL
+        .into_iter()
+        .flat_map(|p| [false, true].map(|er| (p, er)))
+        .map(|(p, er)| (p, er, simulate(&trace.requests, p, er, &cfg)))
+        .collect();
+    eprintln!("{name}: simulated {} runs in {:.1} s", rows.len(), start.elapsed().as_secs_f64());
+    if a.json {
+        for (p, er, s) in &rows {
+            println!(
+                "{}",
+                json!({
+                    "bench": "trace-sim",
+                    "case": name,
+                    "policy": p.name(),
+                    "early_rejection": er,
+                    "prefill_instances": cfg.prefill_instances,
+                    "decode_instances": cfg.decode_instances,
+                    "speed": round5(cfg.speed),
+                    "ttft_slo_ms": cfg.ttft_slo_ms,
+                    "tbt_slo_ms": cfg.tbt_slo_ms,
+                    "local_cache_tokens": cfg.local_cache_tokens,
+                    "pool_cache_tokens": cfg.pool_cache_tokens,
+                    "requests": s.requests,
+                    "slo_attainment": round5(s.slo_attainment()),
+                    "slo_met": s.slo_met,
+                    "rejected": s.rejected,
+                    "wasted_prefills": s.wasted_prefills,
+                    "ttft_p50_ms": s.ttft_p50_ms.round(),
+                    "ttft_p99_ms": s.ttft_p99_ms.round(),
+                    "tbt_p50_ms": round5(s.tbt_p50_ms),
+                    "tbt_p99_ms": round5(s.tbt_p99_ms),
+                    "tbt_underpredicted": s.tbt_underpredicted,
+                    "prefill_saved": round5(s.prefill_saved()),
+                    "prefill_saved_gpu_s": ((s.prefill_uncached_ms - s.prefill_ms) / 1e3).round(),
+                    "reused_tokens": s.reused_tokens,
+                    "transfer_tokens": s.transfer_tokens,
+                    "fetches": s.fetches,
+                    "replicate_hints": s.replicate_hints,
+                })
+            );
+        }
+        return;
+    }
+    println!(
+        "\n{name}: {} prefill + {} decode instances, speed x{:.3}, SLOs TTFT {} ms TBT {} ms, \
+         caches {} tokens per prefill instance + {} in the pool",
+        cfg.prefill_instances,
+        cfg.decode_instances,
+        cfg.speed,
+        cfg.ttft_slo_ms,
+        cfg.tbt_slo_ms,
+        cfg.local_cache_tokens,
+        cfg.pool_cache_tokens
+    );
+    println!(
+        "{:>19} {:>6} {:>8} {:>8} {:>8} {:>6} {:>6} {:>7} {:>7} {:>7} {:>8}",
+        "policy",
+        "reject",
+        "SLO met",
+        "TTFT p50",
+        "TTFT p99",
+        "TBT50",
+        "TBT99",
+        "reject",
+        "wasted",
+        "saved",
+        "fetches"
+    );
+    for (p, er, s) in &rows {
+        println!(
+            "{:>19} {:>6} {:>7.2}% {:>7.0}ms {:>7.0}ms {:>6.1} {:>6.1} {:>7} {:>7} {:>6.1}% {:>8}",
+            p.name(),
+            if *er { "early" } else { "none" },
+            s.slo_attainment() * 100.0,
+            s.ttft_p50_ms,
+            s.ttft_p99_ms,
+            s.tbt_p50_ms,
+            s.tbt_p99_ms,
+            s.rejected,
+            s.wasted_prefills,
+            s.prefill_saved() * 100.0,
+            s.fetches
+        );
+    }
 }
 
 fn capacity_label(c: Capacity) -> String {

@@ -5,12 +5,13 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use kvfs_conductor::hash::{Algorithm, HashProfile};
-use kvfs_conductor::service::{Config, Registration, Shared};
+use kvfs_conductor::route::{CostModel, Policy};
+use kvfs_conductor::service::{Config, Registration, RouteConfig, Shared};
 
 #[derive(clap::Args, Debug)]
 pub struct ConductorArgs {
-    /// HTTP address of the API (`/register`, `/query`, `/query_by_hash`, `/global_view`,
-    /// `/services`, `/metrics`).
+    /// HTTP address of the API (`/register`, `/query`, `/query_by_hash`, `/route`,
+    /// `/global_view`, `/services`, `/metrics`).
     #[arg(long, default_value = "127.0.0.1:13333", env = "KVFS_CONDUCTOR_LISTEN")]
     pub listen: SocketAddr,
     /// Static registrations, the reference conductor's `conductor_config.json`:
@@ -33,14 +34,54 @@ pub struct ConductorArgs {
     /// and so its cache, is gone).
     #[arg(long, default_value_t = 30)]
     pub source_ttl_s: u64,
+    /// How `/route` picks the prefill instance: global-cache-aware (the FAST'25 paper's
+    /// Algorithm 1: its own GPU prefix, or a longer one fetched from the pool or another
+    /// instance, whichever gives the lowest predicted TTFT), local-cache-aware, load-balance
+    /// or random.
+    #[arg(long, default_value = "global-cache-aware")]
+    pub route_policy: String,
+    /// Accept every request `/route` is asked about, even when its SLOs are predicted to be
+    /// missed (by default such a request gets 429 before any prefill is spent on it).
+    #[arg(long)]
+    pub no_early_rejection: bool,
+    /// An instance fetches a longer prefix only when it is more than this many times its own.
+    #[arg(long, default_value_t = 1.2)]
+    pub balancing_threshold: f64,
+    /// The cost model `/route` predicts with, a JSON object of the fields of
+    /// `kvfs_conductor::route::CostModel` (prefill_base_ms, prefill_ms_per_token,
+    /// prefill_ms_per_token_ctx, kv_bytes_per_token, pool_cpu_bytes_per_ms,
+    /// pool_disk_bytes_per_ms, remote_gpu_bytes_per_ms, decode_base_ms, decode_ms_per_request,
+    /// decode_ms_per_kv_token, decode_kv_tokens_max); missing fields keep the default, a
+    /// 70B-class model on 8 GPUs per instance. Fit them to your engines' measured times.
+    #[arg(long)]
+    pub cost_model: Option<PathBuf>,
 }
 
 pub async fn run(a: ConductorArgs, listen_given: bool) -> anyhow::Result<()> {
     let algorithm: Algorithm = a.hash_algorithm.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let cost: CostModel = match &a.cost_model {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?
+        }
+        None => CostModel::DEFAULT,
+    };
+    cost.validate().map_err(|e| anyhow::anyhow!(e))?;
+    anyhow::ensure!(
+        a.balancing_threshold.is_finite() && a.balancing_threshold >= 1.0,
+        "--balancing-threshold must be at least 1"
+    );
     let cfg = Config {
         entries_max: a.entries_max,
         default_profile: HashProfile { algorithm, python_hash_seed: a.python_hash_seed.clone() },
         source_ttl: std::time::Duration::from_secs(a.source_ttl_s),
+        route: RouteConfig {
+            policy: a.route_policy.parse::<Policy>().map_err(|e| anyhow::anyhow!(e))?,
+            early_rejection: !a.no_early_rejection,
+            balancing_threshold: a.balancing_threshold,
+            cost,
+        },
     };
     let shared = Shared::new(&cfg);
     let mut listen = a.listen;
