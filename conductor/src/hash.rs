@@ -405,8 +405,21 @@ fn cbor(value: &Value<'_>) -> Vec<u8> {
             }
             Value::Tokens(t) => {
                 head(out, 4, t.len() as u64);
+                // The bulk of every block: unsigned ints, at most 5 bytes each.
+                out.reserve(t.len() * 5);
                 for &tok in *t {
-                    head(out, 0, u64::from(tok));
+                    match tok {
+                        0..=23 => out.push(tok as u8),
+                        24..=0xff => out.extend_from_slice(&[24, tok as u8]),
+                        0x100..=0xffff => {
+                            let [a, b] = (tok as u16).to_be_bytes();
+                            out.extend_from_slice(&[25, a, b]);
+                        }
+                        _ => {
+                            let [a, b, c, d] = tok.to_be_bytes();
+                            out.extend_from_slice(&[26, a, b, c, d]);
+                        }
+                    }
                 }
             }
             Value::Tuple(items) => {
@@ -417,7 +430,7 @@ fn cbor(value: &Value<'_>) -> Vec<u8> {
             }
         }
     }
-    let mut out = Vec::new();
+    let mut out = Vec::with_capacity(256);
     walk(&mut out, value);
     out
 }

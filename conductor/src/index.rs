@@ -76,6 +76,9 @@ struct Entry {
     /// Sorted ids of the shared holders holding the block, per medium.
     shared: [OwnerSet; 3],
     stamp: Cell<u64>,
+    /// The stamp of the entry's one live record in the LRU queue (older records of the same
+    /// hash are stale).
+    queued: u64,
 }
 
 impl Entry {
@@ -98,6 +101,8 @@ struct Context {
 
 struct Owner {
     key: OwnerKey,
+    /// The number of `key.instance` (see [`Index::instance_name`]).
+    instance: u32,
     shared: bool,
     /// Contexts the owner stored in.
     contexts: Vec<CtxId>,
@@ -110,6 +115,18 @@ pub struct OwnerMatch {
     pub gpu: usize,
     pub cpu: usize,
     pub disk: usize,
+}
+
+/// [`OwnerMatch`] by ids, as [`Index::query_raw`] answers without allocating per owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawMatch {
+    pub owner: OwnerId,
+    /// The owner's instance number ([`Index::instance_name`]).
+    pub instance: u32,
+    pub dp_rank: u32,
+    pub gpu: u32,
+    pub cpu: u32,
+    pub disk: u32,
 }
 
 /// Figures for `/metrics` and `/global_view`.
@@ -127,9 +144,13 @@ pub struct Index {
     context_ids: HashMap<ContextKey, CtxId>,
     owners: Vec<Option<Owner>>,
     owner_ids: HashMap<OwnerKey, OwnerId>,
+    /// Instance names by number (every name an owner ever had; never shrinks).
+    instance_names: Vec<String>,
+    instance_ids: HashMap<String, u32>,
     entries: usize,
     clock: u64,
-    /// (stamp, context, hash) in stamp order; stale when the entry's stamp moved on.
+    /// (stamp, context, hash), one live record per entry, in the order they were made or last
+    /// requeued (see `bound`); a record is stale when its entry's `queued` moved on.
     lru: VecDeque<(u64, CtxId, u64)>,
     evicted: u64,
 }
@@ -279,6 +300,8 @@ impl Index {
             context_ids: HashMap::new(),
             owners: Vec::new(),
             owner_ids: HashMap::new(),
+            instance_names: Vec::new(),
+            instance_ids: HashMap::new(),
             entries: 0,
             clock: 0,
             lru: VecDeque::new(),
@@ -302,7 +325,16 @@ impl Index {
             return id;
         }
         let id = self.owners.len() as OwnerId;
-        self.owners.push(Some(Owner { key: key.clone(), shared, contexts: Vec::new() }));
+        let instance = match self.instance_ids.get(&key.instance) {
+            Some(&n) => n,
+            None => {
+                let n = self.instance_names.len() as u32;
+                self.instance_names.push(key.instance.clone());
+                self.instance_ids.insert(key.instance.clone(), n);
+                n
+            }
+        };
+        self.owners.push(Some(Owner { key: key.clone(), instance, shared, contexts: Vec::new() }));
         self.owner_ids.insert(key.clone(), id);
         id
     }
@@ -359,7 +391,8 @@ impl Index {
                 for &h in hashes {
                     let e = cx.blocks.entry(h).or_insert_with(|| {
                         self.entries += 1;
-                        Entry::default()
+                        self.lru.push_back((now, c, h));
+                        Entry { queued: now, ..Entry::default() }
                     });
                     let list = if shared {
                         &mut e.shared[medium.index()]
@@ -370,7 +403,6 @@ impl Index {
                         *local_cold += 1;
                     }
                     e.stamp.set(now);
-                    self.lru.push_back((now, c, h));
                 }
                 self.bound();
             }
@@ -458,8 +490,15 @@ impl Index {
         while self.entries > self.entries_max {
             let Some((stamp, c, h)) = self.lru.pop_front() else { break };
             let cx = &mut self.contexts[c as usize];
-            let live = cx.blocks.get(&h).is_some_and(|e| e.stamp.get() == stamp);
-            if !live {
+            let Some(e) = cx.blocks.get_mut(&h) else { continue };
+            if e.queued != stamp {
+                continue;
+            }
+            // Used since it was queued: a second chance at the back (CLOCK), so a query
+            // stamps the entries it reads and queues nothing.
+            if e.stamp.get() > stamp {
+                e.queued = e.stamp.get();
+                self.lru.push_back((e.queued, c, h));
                 continue;
             }
             if let Some(e) = cx.blocks.remove(&h) {
@@ -474,11 +513,11 @@ impl Index {
                 self.evicted += 1;
             }
         }
-        // Stale records pile up when entries are touched often: compact past twice the live.
-        if self.lru.len() > 2 * self.entries_max.max(self.entries) + 1024 {
+        // Records of removed entries pile up under churn: past twice the live, drop them.
+        if self.lru.len() > 2 * self.entries + 1024 {
             let contexts = &self.contexts;
             self.lru.retain(|&(stamp, c, h)| {
-                contexts[c as usize].blocks.get(&h).is_some_and(|e| e.stamp.get() == stamp)
+                contexts[c as usize].blocks.get(&h).is_some_and(|e| e.queued == stamp)
             });
         }
     }
@@ -499,10 +538,43 @@ impl Index {
             .collect()
     }
 
-    /// How far each owner of `ctx` can serve the blocks `hashes` (in chain order); owners
-    /// with nothing to offer are left out. Marks the matched entries as recently used.
+    /// The name of instance number `n` (of [`RawMatch::instance`]).
+    pub fn instance_name(&self, n: u32) -> &str {
+        &self.instance_names[n as usize]
+    }
+
+    /// How many instance numbers there are (all below this).
+    pub fn instance_count(&self) -> usize {
+        self.instance_names.len()
+    }
+
+    /// How far each owner of `ctx` can serve the blocks `hashes` (in chain order), sorted by
+    /// owner; owners with nothing to offer are left out. Marks the matched entries as
+    /// recently used.
     pub fn query(&mut self, ctx: &ContextKey, hashes: &[u64]) -> Vec<OwnerMatch> {
-        let Some(&c) = self.context_ids.get(ctx) else { return Vec::new() };
+        let mut raw = Vec::new();
+        self.query_raw(ctx, hashes, &mut raw);
+        let mut out: Vec<OwnerMatch> = raw
+            .iter()
+            .filter_map(|m| {
+                let o = self.owners.get(m.owner as usize)?.as_ref()?;
+                Some(OwnerMatch {
+                    owner: o.key.clone(),
+                    gpu: m.gpu as usize,
+                    cpu: m.cpu as usize,
+                    disk: m.disk as usize,
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.owner.cmp(&b.owner));
+        out
+    }
+
+    /// [`Index::query`] into `out` (cleared first), by ids and in no particular order: the
+    /// hot path of `/query`, with no allocation per owner.
+    pub fn query_raw(&mut self, ctx: &ContextKey, hashes: &[u64], out: &mut Vec<RawMatch>) {
+        out.clear();
+        let Some(&c) = self.context_ids.get(ctx) else { return };
         let now = self.tick();
         let cx = &self.contexts[c as usize];
         let mut found: Vec<&Entry> = Vec::with_capacity(hashes.len());
@@ -526,8 +598,9 @@ impl Index {
             }
         }
         // GPU phase: one walk, a bitset of the owners still matching ANDed with each block's
-        // GPU owners; an owner whose bit drops at block i matched i blocks.
-        let mut gpu: HashMap<OwnerId, usize> = HashMap::new();
+        // GPU owners; an owner whose bit drops at block i matched i blocks. Only the words
+        // between the first and last still alive are visited.
+        let mut gpu = vec![0u32; self.owners.len()];
         if n > 0 {
             let words = self.owners.len().div_ceil(64);
             let mut alive = vec![0u64; words];
@@ -535,17 +608,42 @@ impl Index {
             let mut next = vec![0u64; words];
             let (mut lo, mut hi) = (0, words);
             let mut i = 1;
+            let mut drop = |w: usize, gone: u64, i: usize| {
+                for o in bits(std::slice::from_ref(&gone)) {
+                    gpu[w * 64 + o as usize] = i as u32;
+                }
+            };
+            while lo < hi && alive[lo] == 0 {
+                lo += 1;
+            }
+            while hi > lo && alive[hi - 1] == 0 {
+                hi -= 1;
+            }
             while i < n && lo < hi {
-                let set = &found[i].local[0];
-                next[lo..hi].fill(0);
-                set.or_into(&mut next);
-                for w in lo..hi {
-                    let gone = alive[w] & !next[w];
-                    if gone != 0 {
-                        for o in bits(std::slice::from_ref(&gone)) {
-                            gpu.insert(w as OwnerId * 64 + o, i);
+                match &found[i].local[0] {
+                    OwnerSet::Many { words: set, .. } => {
+                        for (w, a) in alive.iter_mut().enumerate().take(hi).skip(lo) {
+                            let keep = *a & set.get(w).copied().unwrap_or(0);
+                            if keep != *a {
+                                drop(w, *a & !keep, i);
+                                *a = keep;
+                            }
                         }
-                        alive[w] &= next[w];
+                    }
+                    OwnerSet::Few(list) => {
+                        next[lo..hi].fill(0);
+                        for &o in list {
+                            let w = o as usize / 64;
+                            if (lo..hi).contains(&w) {
+                                next[w] |= alive[w] & (1 << (o % 64));
+                            }
+                        }
+                        for w in lo..hi {
+                            if next[w] != alive[w] {
+                                drop(w, alive[w] & !next[w], i);
+                                alive[w] = next[w];
+                            }
+                        }
                     }
                 }
                 while lo < hi && alive[lo] == 0 {
@@ -557,16 +655,15 @@ impl Index {
                 i += 1;
             }
             for o in bits(&alive[lo..hi]) {
-                gpu.insert(lo as OwnerId * 64 + o, i);
+                gpu[lo * 64 + o as usize] = i as u32;
             }
         }
-        let mut out = Vec::new();
         for (&o, &cold) in &cx.owners {
             let Some(Some(owner)) = self.owners.get(o as usize) else { continue };
             if owner.shared {
                 continue;
             }
-            let g = gpu.get(&o).copied().unwrap_or(0);
+            let g = gpu.get(o as usize).copied().unwrap_or(0) as usize;
             let (cpu, disk) = if cold == 0 {
                 let cpu = run[0][g];
                 (cpu, run[1][cpu])
@@ -586,15 +683,16 @@ impl Index {
                 (cpu, disk)
             };
             if disk > 0 {
-                out.push(OwnerMatch { owner: owner.key.clone(), gpu: g, cpu, disk });
+                out.push(RawMatch {
+                    owner: o,
+                    instance: owner.instance,
+                    dp_rank: owner.key.dp_rank,
+                    gpu: g as u32,
+                    cpu: cpu as u32,
+                    disk: disk as u32,
+                });
             }
         }
-        out.sort_by(|a, b| a.owner.cmp(&b.owner));
-        for h in &hashes[..n] {
-            self.lru.push_back((now, c, *h));
-        }
-        self.bound();
-        out
     }
 }
 

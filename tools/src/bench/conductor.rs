@@ -137,11 +137,32 @@ fn one(
         }
     }
     let mut out = Vec::new();
-    // The index walk alone.
+    // The prompt's hash chain alone (what /query adds to /query_by_hash).
     let mut lat = Vec::with_capacity(a.queries);
     for _ in 0..a.queries {
         let t = Instant::now();
-        let r = shared.index.lock().unwrap_or_else(|e| e.into_inner()).query(&ctx, &hashes);
+        let h = hasher
+            .iter(tokens, bs as usize, &Extra::default())
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .map(|d| project_low64_be(&d))
+            .last();
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+        anyhow::ensure!(h == hashes.last().copied(), "the chain changed");
+    }
+    out.push(Figure {
+        block_size: bs,
+        holders_pct: holders,
+        case: "hash chain (tokens)",
+        p50_us: pct(lat.clone(), 0.5),
+        p99_us: pct(lat, 0.99),
+        reply_bytes: 0,
+    });
+    // The index walk alone.
+    let mut lat = Vec::with_capacity(a.queries);
+    let mut r = Vec::new();
+    for _ in 0..a.queries {
+        let t = Instant::now();
+        shared.index.lock().unwrap_or_else(|e| e.into_inner()).query_raw(&ctx, &hashes, &mut r);
         lat.push(t.elapsed().as_secs_f64() * 1e6);
         anyhow::ensure!(
             r.len() == a.instances * a.dp as usize,
