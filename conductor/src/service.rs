@@ -652,34 +652,45 @@ async fn query_by_hash(State(s): State<Arc<Shared>>, h: HeaderMap, body: Bytes) 
 fn run_query(s: &Shared, h: &HeaderMap, body: &[u8], by_hash: bool) -> Response {
     let t = Instant::now();
     let enc = encoding(h);
-    let q: Query = match decode(enc, body) {
-        Ok(q) => q,
+    match answer_query(s, enc == Enc::Msgpack, body, by_hash) {
+        Ok(body) => {
+            let ct = match enc {
+                Enc::Json => "application/json",
+                Enc::Msgpack => "application/msgpack",
+            };
+            let r = ([(header::CONTENT_TYPE, ct)], body).into_response();
+            s.metrics.query.observe(t.elapsed().as_micros() as u64);
+            r
+        }
         Err(e) => {
             s.metrics.query_errors.fetch_add(1, Ordering::Relaxed);
-            return *e;
+            error(StatusCode::BAD_REQUEST, &e)
+        }
+    }
+}
+
+/// The answer to a `/query` (`by_hash`: `/query_by_hash`) body, JSON or msgpack, as the HTTP
+/// handler sends it; `Err` says what is wrong with the request (public so that `kvfs bench
+/// conductor` can time the service apart from HTTP).
+pub fn answer_query(
+    s: &Shared,
+    msgpack: bool,
+    body: &[u8],
+    by_hash: bool,
+) -> Result<Vec<u8>, String> {
+    let enc = if msgpack { Enc::Msgpack } else { Enc::Json };
+    let q: Query = match enc {
+        Enc::Json => serde_json::from_slice(body).map_err(|e| format!("bad request body: {e}"))?,
+        Enc::Msgpack => {
+            rmp_serde::from_slice(body).map_err(|e| format!("bad request body: {e}"))?
         }
     };
-    let hashes = match q.hashes(s, by_hash) {
-        Ok(h) => h,
-        Err(e) => {
-            s.metrics.query_errors.fetch_add(1, Ordering::Relaxed);
-            return error(StatusCode::BAD_REQUEST, &e);
-        }
-    };
+    let hashes = q.hashes(s, by_hash)?;
     let ctx = q.context();
-    let body = {
-        let mut ix = s.index.lock().unwrap_or_else(|e| e.into_inner());
-        let mut raw = Vec::new();
-        ix.query_raw(&ctx, &hashes, &mut raw);
-        encode_matches(enc, &ix, &raw, u64::from(q.block_size), q.instance_id.as_deref())
-    };
-    let ct = match enc {
-        Enc::Json => "application/json",
-        Enc::Msgpack => "application/msgpack",
-    };
-    let r = ([(header::CONTENT_TYPE, ct)], body).into_response();
-    s.metrics.query.observe(t.elapsed().as_micros() as u64);
-    r
+    let mut ix = s.index.lock().unwrap_or_else(|e| e.into_inner());
+    let mut raw = Vec::new();
+    ix.query_raw(&ctx, &hashes, &mut raw);
+    Ok(encode_matches(enc, &ix, &raw, u64::from(q.block_size), q.instance_id.as_deref()))
 }
 
 /// The answer to a prefix query, `{instances: {id: {longest_matched, gpu, cpu, disk, dp:

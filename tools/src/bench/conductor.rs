@@ -79,12 +79,12 @@ pub fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
         a.instances, a.dp, a.tokens, a.queries
     );
     println!(
-        "{:>6} {:>8} {:<28} {:>10} {:>10} {:>12}",
+        "{:>6} {:>8} {:<34} {:>10} {:>10} {:>12}",
         "block", "holders", "case", "p50 us", "p99 us", "reply bytes"
     );
     for f in &figures {
         println!(
-            "{:>6} {:>7}% {:<28} {:>10.1} {:>10.1} {:>12}",
+            "{:>6} {:>7}% {:<34} {:>10.1} {:>10.1} {:>12}",
             f.block_size, f.holders_pct, f.case, f.p50_us, f.p99_us, f.reply_bytes
         );
     }
@@ -193,6 +193,29 @@ fn one(
         raw.extend_from_slice(&t.to_le_bytes());
     }
     let by_tokens_mp = rmp_bin_query(bs, &raw);
+    // The service without HTTP: decoding the request, hashing, the walk, the answer.
+    for (name, body, msgpack, by_hash) in [
+        ("service by hash (no http)", &by_hash[..], false, true),
+        ("service tokens msgpack (no http)", &by_tokens_mp[..], true, false),
+    ] {
+        let mut lat = Vec::with_capacity(a.queries);
+        let mut bytes = 0;
+        for _ in 0..a.queries {
+            let t = Instant::now();
+            let r = kvfs_conductor::service::answer_query(&shared, msgpack, body, by_hash)
+                .map_err(|e| anyhow::anyhow!(e))?;
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+            bytes = r.len();
+        }
+        out.push(Figure {
+            block_size: bs,
+            holders_pct: holders,
+            case: name,
+            p50_us: pct(lat.clone(), 0.5),
+            p99_us: pct(lat, 0.99),
+            reply_bytes: bytes,
+        });
+    }
     let cases: [(&'static str, &str, &[u8], &str); 3] = [
         ("/query_by_hash json", "/query_by_hash", &by_hash, "application/json"),
         ("/query tokens json", "/query", &by_tokens, "application/json"),
