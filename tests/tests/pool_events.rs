@@ -130,6 +130,7 @@ async fn pool_events_reach_a_subscriber_and_the_conductor() {
             dp_rank: 0,
             hash_algorithm: None,
             python_hash_seed: None,
+            role: None,
         })
         .unwrap();
     let ctx = ContextKey {

@@ -26,14 +26,14 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a whole cluster on this machine: master and one node (prints the master address).
-    Up(cmd::cluster::UpArgs),
+    Up(Box<cmd::cluster::UpArgs>),
     /// Run the master: object directory, placement, leases, eviction (never on the data path).
     ///
     /// Also takes the reference (Mooncake) master's flags, gflags style (`--rpc_port=50051`,
     /// `--default_kv_lease_ttl 5s`, `--config_path master.yaml`); invoked as `mooncake_master`
     /// (a symlink) it is this command.
     #[command(args_override_self = true)]
-    Master(cmd::cluster::MasterCmdArgs),
+    Master(Box<cmd::cluster::MasterCmdArgs>),
     /// Run a node: contribute DRAM (and an NVMe tier) to the pool and serve transfers.
     Node(cmd::cluster::NodeCmdArgs),
     /// Serve the pool as files at a mount point (FUSE), with the ioctl fast path in /.kvfs/.
@@ -351,8 +351,8 @@ fn run() -> anyhow::Result<()> {
     rt.block_on(async move {
         let master = cli.master;
         match cli.cmd {
-            Cmd::Up(a) => cmd::cluster::up(a).await,
-            Cmd::Master(a) => cmd::cluster::master(a).await,
+            Cmd::Up(a) => cmd::cluster::up(*a).await,
+            Cmd::Master(a) => cmd::cluster::master(*a).await,
             Cmd::Mount(a) => cmd::mount::mount(&master, a).await,
             Cmd::Node(a) => cmd::cluster::node(&master, a).await,
             Cmd::Put(a) => cmd::objects::put(&master, a).await,

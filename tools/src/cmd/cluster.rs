@@ -586,6 +586,12 @@ pub struct UpArgs {
     /// one process).
     #[arg(long)]
     pub mount: Option<PathBuf>,
+    /// Also run the conductor (prefix-cache index and router, `kvfs conductor`) with its HTTP
+    /// API on this address, e.g. 127.0.0.1:13333. With --kv-events-endpoint,
+    /// --kv-events-model-name and --kv-events-block-size the pool is registered with it, so
+    /// its answers include what the pool holds; engines register themselves.
+    #[arg(long, value_name = "ADDR")]
+    pub conductor: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub store: ObjectStoreArgs,
 }
@@ -652,6 +658,13 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let conductor = match args.conductor {
+        Some(addr) => Some(
+            start_conductor(addr, &args.master.kv_events, args.master.reference.enable_kv_events)
+                .await?,
+        ),
+        None => None,
+    };
     print_tiers(&node, Some(&args.data));
     match &store {
         Some(kvfs_tiers::ObjectStoreConfig::Fs { root }) => {
@@ -666,10 +679,66 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         "try: kvfs put --master {master} hello ./README.md && kvfs get --master {master} hello -"
     );
     wait_for_signal().await;
+    if let Some(c) = conductor {
+        c.abort();
+    }
     if let Some(m) = mounted {
         super::mount::stop(m).await;
     }
     node.shutdown().await;
     drop(svc);
     Ok(())
+}
+
+/// `kvfs up --conductor`: the conductor's HTTP API in this process, and the pool registered
+/// with it when the master publishes its events for one model and block size.
+async fn start_conductor(
+    addr: std::net::SocketAddr,
+    events: &KvEventsArgs,
+    enable: Option<bool>,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    use kvfs_conductor::service::{Config, Registration, Shared};
+    let shared = Shared::new(&Config::default());
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the conductor on {addr}"))?;
+    let at = listener.local_addr()?;
+    let task = tokio::spawn({
+        let shared = shared.clone();
+        async move {
+            if let Err(e) = kvfs_conductor::service::serve(listener, shared).await {
+                eprintln!("kvfs conductor: {e}");
+            }
+        }
+    });
+    println!("  conductor http://{at} (/register, /query, /route, /metrics)");
+    let local =
+        |ep: &str| ep.replace("://0.0.0.0:", "://127.0.0.1:").replace("://*:", "://127.0.0.1:");
+    match (events.config(enable)?, &events.model_name, events.block_size) {
+        (Some(c), Some(model), bs) if bs > 0 => {
+            let reg = Registration {
+                endpoint: local(&c.endpoint),
+                replay_endpoint: c.replay_endpoint.as_deref().map(local),
+                kind: "kvfs".into(),
+                modelname: model.clone(),
+                lora_name: events.lora_name.clone(),
+                tenant_id: events.tenant_id.clone().unwrap_or_else(|| "default".into()),
+                instance_id: events.backend_id.clone().unwrap_or_else(|| "kvfs-pool".into()),
+                block_size: bs,
+                dp_rank: events.dp_rank,
+                hash_algorithm: None,
+                python_hash_seed: None,
+                role: None,
+            };
+            shared.register(reg).map_err(|e| anyhow::anyhow!("registering the pool: {e}"))?;
+            println!("  the pool's events ({model}, {bs}-token blocks) feed the conductor");
+        }
+        (Some(_), _, _) => println!(
+            "  the pool is not indexed: give --kv-events-model-name and --kv-events-block-size"
+        ),
+        (None, _, _) => {
+            println!("  the pool is not indexed (publish its events with --kv-events-endpoint)")
+        }
+    }
+    Ok(task)
 }
