@@ -723,6 +723,8 @@ struct Fixed {
 }
 
 impl Fixed {
+    /// Room for `n` more bytes; the buffer only grows (doubling), so the zeroing is paid once
+    /// per byte of the answer.
     fn reserve(&mut self, n: usize) {
         if self.at + n > self.buf.len() {
             let len = (self.at + n).max(self.buf.len() * 2);
@@ -778,7 +780,8 @@ fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<
         next[k] = *f;
         *f = k as u32;
     }
-    let mut out = Vec::with_capacity(64 + order.len() * 96 + raw.len() * 64);
+    let estimate = 64 + order.len() * 128 + raw.len() * 96;
+    let mut out = Vec::with_capacity(if enc == Enc::Msgpack { estimate } else { 0 });
     let mut ranks: Vec<&RawMatch> = Vec::new();
     let mut num = itoa::Buffer::new();
     // Decimal texts of every value the answer can hold (block counts times the block size)
@@ -788,8 +791,13 @@ fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<
         Enc::Json => (Decimals::new(most as usize, bs), Decimals::new(64, 1)),
         Enc::Msgpack => (Decimals::new(0, bs), Decimals::new(0, 1)),
     };
+    // JSON is written at `json.at` into zeroed space that only grows (`Fixed`).
+    let mut json = Fixed { buf: Vec::new(), at: 0 };
     match enc {
-        Enc::Json => out.extend_from_slice(b"{\"instances\":{"),
+        Enc::Json => {
+            json.reserve(estimate);
+            json.lit(b"{\"instances\":{");
+        }
         Enc::Msgpack => {
             let _ = rmp::encode::write_map_len(&mut out, 1);
             let _ = rmp::encode::write_str(&mut out, "instances");
@@ -810,8 +818,7 @@ fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<
         let name = ix.instance_name(inst);
         match enc {
             Enc::Json => {
-                let mut o = Fixed { buf: std::mem::take(&mut out), at: 0 };
-                o.at = o.buf.len();
+                let o = &mut json;
                 let quoted = serde_json::to_string(name).unwrap_or_default();
                 o.reserve(quoted.len() + 256 + ranks.len() * 256);
                 if n > 0 {
@@ -852,8 +859,6 @@ fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<
                     o.lit(b"}");
                 }
                 o.lit(b"}}");
-                o.buf.truncate(o.at);
-                out = o.buf;
             }
             Enc::Msgpack => {
                 use rmp::encode::{write_map_len, write_str, write_uint};
@@ -883,7 +888,10 @@ fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<
         }
     }
     if enc == Enc::Json {
-        out.extend_from_slice(b"}}");
+        json.reserve(8);
+        json.lit(b"}}");
+        json.buf.truncate(json.at);
+        return json.buf;
     }
     out
 }
