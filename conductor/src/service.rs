@@ -693,71 +693,6 @@ pub fn answer_query(
     Ok(encode_matches(enc, &ix, &raw, u64::from(q.block_size), q.instance_id.as_deref()))
 }
 
-/// Decimal texts of `i * scale` for small `i`, each padded to 24 bytes so that writing one
-/// is a single fixed-size copy (an answer holds about ten numbers per owner: formatting each
-/// and copying it by its length cost more than the rest of the answer).
-struct Decimals {
-    texts: Vec<([u8; 24], u8)>,
-}
-
-impl Decimals {
-    fn new(max: usize, scale: u64) -> Decimals {
-        let mut b = itoa::Buffer::new();
-        let texts = (0..=max as u64)
-            .map(|i| {
-                let t = b.format(i * scale).as_bytes();
-                let mut p = [0u8; 24];
-                p[..t.len()].copy_from_slice(t);
-                (p, t.len() as u8)
-            })
-            .collect();
-        Decimals { texts }
-    }
-}
-
-/// An output buffer written at `at` with fixed-size copies into zeroed space past it
-/// (`reserve` first), truncated to `at` when done.
-struct Fixed {
-    buf: Vec<u8>,
-    at: usize,
-}
-
-impl Fixed {
-    /// Room for `n` more bytes; the buffer only grows (doubling), so the zeroing is paid once
-    /// per byte of the answer.
-    fn reserve(&mut self, n: usize) {
-        if self.at + n > self.buf.len() {
-            let len = (self.at + n).max(self.buf.len() * 2);
-            self.buf.resize(len, 0);
-        }
-    }
-
-    fn lit<const N: usize>(&mut self, s: &[u8; N]) {
-        self.buf[self.at..self.at + N].copy_from_slice(s);
-        self.at += N;
-    }
-
-    fn bytes(&mut self, s: &[u8]) {
-        self.buf[self.at..self.at + s.len()].copy_from_slice(s);
-        self.at += s.len();
-    }
-
-    /// `value` (= `i` times the table's scale) from the table when it has `i`.
-    fn num(&mut self, table: &Decimals, i: u64, value: u64) {
-        match table.texts.get(i as usize) {
-            Some((p, len)) => {
-                self.buf[self.at..self.at + 24].copy_from_slice(p);
-                self.at += usize::from(*len);
-            }
-            None => {
-                let mut b = itoa::Buffer::new();
-                let t = b.format(value).as_bytes();
-                self.bytes(t);
-            }
-        }
-    }
-}
-
 /// The answer to a prefix query, `{instances: {id: {longest_matched, gpu, cpu, disk, dp:
 /// {rank: gpu}, rank_matches: {rank: {gpu, cpu, disk}}}}}` in tokens, written in one pass
 /// (an answer for 1,000 instances x 8 ranks is half a megabyte of JSON: building it as maps
@@ -780,24 +715,11 @@ fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<
         next[k] = *f;
         *f = k as u32;
     }
-    let estimate = 64 + order.len() * 128 + raw.len() * 96;
-    let mut out = Vec::with_capacity(if enc == Enc::Msgpack { estimate } else { 0 });
+    let mut out = Vec::with_capacity(64 + order.len() * 96 + raw.len() * 64);
     let mut ranks: Vec<&RawMatch> = Vec::new();
     let mut num = itoa::Buffer::new();
-    // Decimal texts of every value the answer can hold (block counts times the block size)
-    // and of small DP ranks, made once per answer.
-    let most = raw.iter().map(|m| m.disk.max(m.gpu).max(m.cpu)).max().unwrap_or(0);
-    let (blocks, small) = match enc {
-        Enc::Json => (Decimals::new(most as usize, bs), Decimals::new(64, 1)),
-        Enc::Msgpack => (Decimals::new(0, bs), Decimals::new(0, 1)),
-    };
-    // JSON is written at `json.at` into zeroed space that only grows (`Fixed`).
-    let mut json = Fixed { buf: Vec::new(), at: 0 };
     match enc {
-        Enc::Json => {
-            json.reserve(estimate);
-            json.lit(b"{\"instances\":{");
-        }
+        Enc::Json => out.extend_from_slice(b"{\"instances\":{"),
         Enc::Msgpack => {
             let _ = rmp::encode::write_map_len(&mut out, 1);
             let _ = rmp::encode::write_str(&mut out, "instances");
@@ -818,47 +740,46 @@ fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<
         let name = ix.instance_name(inst);
         match enc {
             Enc::Json => {
-                let o = &mut json;
-                let quoted = serde_json::to_string(name).unwrap_or_default();
-                o.reserve(quoted.len() + 256 + ranks.len() * 256);
                 if n > 0 {
-                    o.lit(b",");
+                    out.push(b',');
                 }
-                o.bytes(quoted.as_bytes());
-                o.lit(b":{\"longest_matched\":");
-                o.num(&blocks, d / bs.max(1), d);
-                o.lit(b",\"gpu\":");
-                o.num(&blocks, g / bs.max(1), g);
-                o.lit(b",\"cpu\":");
-                o.num(&blocks, c / bs.max(1), c);
-                o.lit(b",\"disk\":");
-                o.num(&blocks, d / bs.max(1), d);
-                o.lit(b",\"dp\":{");
+                let _ = serde_json::to_writer(&mut out, name);
+                let fields = [
+                    (":{\"longest_matched\":", d),
+                    (",\"gpu\":", g),
+                    (",\"cpu\":", c),
+                    (",\"disk\":", d),
+                ];
+                for (key, v) in fields {
+                    out.extend_from_slice(key.as_bytes());
+                    out.extend_from_slice(num.format(v).as_bytes());
+                }
+                out.extend_from_slice(b",\"dp\":{");
                 for (j, m) in ranks.iter().enumerate() {
                     if j > 0 {
-                        o.lit(b",");
+                        out.push(b',');
                     }
-                    o.lit(b"\"");
-                    o.num(&small, u64::from(m.dp_rank), u64::from(m.dp_rank));
-                    o.lit(b"\":");
-                    o.num(&blocks, u64::from(m.gpu), u64::from(m.gpu) * bs);
+                    out.push(b'"');
+                    out.extend_from_slice(num.format(m.dp_rank).as_bytes());
+                    out.extend_from_slice(b"\":");
+                    out.extend_from_slice(num.format(u64::from(m.gpu) * bs).as_bytes());
                 }
-                o.lit(b"},\"rank_matches\":{");
+                out.extend_from_slice(b"},\"rank_matches\":{");
                 for (j, m) in ranks.iter().enumerate() {
                     if j > 0 {
-                        o.lit(b",");
+                        out.push(b',');
                     }
-                    o.lit(b"\"");
-                    o.num(&small, u64::from(m.dp_rank), u64::from(m.dp_rank));
-                    o.lit(b"\":{\"gpu\":");
-                    o.num(&blocks, u64::from(m.gpu), u64::from(m.gpu) * bs);
-                    o.lit(b",\"cpu\":");
-                    o.num(&blocks, u64::from(m.cpu), u64::from(m.cpu) * bs);
-                    o.lit(b",\"disk\":");
-                    o.num(&blocks, u64::from(m.disk), u64::from(m.disk) * bs);
-                    o.lit(b"}");
+                    out.push(b'"');
+                    out.extend_from_slice(num.format(m.dp_rank).as_bytes());
+                    out.extend_from_slice(b"\":{\"gpu\":");
+                    out.extend_from_slice(num.format(u64::from(m.gpu) * bs).as_bytes());
+                    out.extend_from_slice(b",\"cpu\":");
+                    out.extend_from_slice(num.format(u64::from(m.cpu) * bs).as_bytes());
+                    out.extend_from_slice(b",\"disk\":");
+                    out.extend_from_slice(num.format(u64::from(m.disk) * bs).as_bytes());
+                    out.push(b'}');
                 }
-                o.lit(b"}}");
+                out.extend_from_slice(b"}}");
             }
             Enc::Msgpack => {
                 use rmp::encode::{write_map_len, write_str, write_uint};
@@ -888,10 +809,7 @@ fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<
         }
     }
     if enc == Enc::Json {
-        json.reserve(8);
-        json.lit(b"}}");
-        json.buf.truncate(json.at);
-        return json.buf;
+        out.extend_from_slice(b"}}");
     }
     out
 }
