@@ -91,6 +91,26 @@ pub fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+impl Figure {
+    /// The p50 and p99 of `lat` (microseconds) for one case.
+    fn new(
+        block_size: u32,
+        holders_pct: u32,
+        case: &'static str,
+        lat: Vec<f64>,
+        reply_bytes: usize,
+    ) -> Figure {
+        Figure {
+            block_size,
+            holders_pct,
+            case,
+            p50_us: pct(lat.clone(), 0.5),
+            p99_us: pct(lat, 0.99),
+            reply_bytes,
+        }
+    }
+}
+
 fn pct(mut v: Vec<f64>, p: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[((v.len() - 1) as f64 * p).round() as usize]
@@ -149,14 +169,7 @@ fn one(
         lat.push(t.elapsed().as_secs_f64() * 1e6);
         anyhow::ensure!(h == hashes.last().copied(), "the chain changed");
     }
-    out.push(Figure {
-        block_size: bs,
-        holders_pct: holders,
-        case: "hash chain (tokens)",
-        p50_us: pct(lat.clone(), 0.5),
-        p99_us: pct(lat, 0.99),
-        reply_bytes: 0,
-    });
+    out.push(Figure::new(bs, holders, "hash chain (tokens)", lat, 0));
     // The index walk alone.
     let mut lat = Vec::with_capacity(a.queries);
     let mut r = Vec::new();
@@ -170,14 +183,7 @@ fn one(
             r.len()
         );
     }
-    out.push(Figure {
-        block_size: bs,
-        holders_pct: holders,
-        case: "index walk (by hash)",
-        p50_us: pct(lat.clone(), 0.5),
-        p99_us: pct(lat, 0.99),
-        reply_bytes: 0,
-    });
+    out.push(Figure::new(bs, holders, "index walk (by hash)", lat, 0));
     // Over HTTP.
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let addr = listener.local_addr()?;
@@ -207,14 +213,7 @@ fn one(
             lat.push(t.elapsed().as_secs_f64() * 1e6);
             bytes = r.len();
         }
-        out.push(Figure {
-            block_size: bs,
-            holders_pct: holders,
-            case: name,
-            p50_us: pct(lat.clone(), 0.5),
-            p99_us: pct(lat, 0.99),
-            reply_bytes: bytes,
-        });
+        out.push(Figure::new(bs, holders, name, lat, bytes));
     }
     let cases: [(&'static str, &str, &[u8], &str); 3] = [
         ("/query_by_hash json", "/query_by_hash", &by_hash, "application/json"),
@@ -237,14 +236,7 @@ fn one(
             }
             bytes = reply.len();
         }
-        out.push(Figure {
-            block_size: bs,
-            holders_pct: holders,
-            case: name,
-            p50_us: pct(lat.clone(), 0.5),
-            p99_us: pct(lat, 0.99),
-            reply_bytes: bytes,
-        });
+        out.push(Figure::new(bs, holders, name, lat, bytes));
     }
     drop(conn);
     rt.shutdown_timeout(Duration::from_secs(1));
