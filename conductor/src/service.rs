@@ -856,6 +856,17 @@ fn run_route(s: &Shared, enc: Enc, body: &[u8]) -> Response {
         Ok(q) => q,
         Err(e) => return *e,
     };
+    // The cheap checks first: hashing a long prompt is the costly step.
+    let (Some(output_len), Some(ttft), Some(tbt)) = (q.output_len, q.ttft_slo_ms, q.tbt_slo_ms)
+    else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "output_len, ttft_slo_ms and tbt_slo_ms must be set",
+        );
+    };
+    if !(ttft.is_finite() && ttft > 0.0 && tbt.is_finite() && tbt > 0.0) {
+        return error(StatusCode::BAD_REQUEST, "ttft_slo_ms and tbt_slo_ms must be positive");
+    }
     let by_hash = q.token_ids.0.is_empty();
     let hashes = match q.hashes(s, by_hash) {
         Ok(h) => h,
@@ -867,21 +878,11 @@ fn run_route(s: &Shared, enc: Enc, body: &[u8]) -> Response {
     } else {
         q.token_ids.0.len() as u64
     });
-    let (Some(output_len), Some(ttft), Some(tbt)) = (q.output_len, q.ttft_slo_ms, q.tbt_slo_ms)
-    else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "output_len, ttft_slo_ms and tbt_slo_ms must be set",
-        );
-    };
     if input_len == 0 {
         return error(
             StatusCode::BAD_REQUEST,
             "an empty prompt (give token_ids, seq_hashes or input_len)",
         );
-    }
-    if !(ttft.is_finite() && ttft > 0.0 && tbt.is_finite() && tbt > 0.0) {
-        return error(StatusCode::BAD_REQUEST, "ttft_slo_ms and tbt_slo_ms must be positive");
     }
     let ctx = q.context();
     // The candidates: as named, or the instances registered for the model, by role.
