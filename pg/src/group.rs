@@ -710,9 +710,7 @@ impl Group {
                     format!("slot {slot} is not in the group's view at epoch {}", v.epoch),
                 )));
             };
-            if st.stale_seen > v.epoch && st.frozen.is_none() {
-                // Only a removed member hears `Stale` unfrozen: a survivor is frozen before
-                // any peer can hold the epoch that follows (module notes).
+            if removed(st) {
                 return Some(Err(stale_error(st, op)));
             }
             st.in_op = true;
@@ -734,7 +732,7 @@ impl Group {
         let slot = self.inner.slot;
         let r = self
             .wait(deadline, op, |st| {
-                if st.stale_seen > ctx.epoch && st.frozen.is_none() {
+                if removed(st) {
                     return Some(Err(stale_error(st, op)));
                 }
                 let v = st.view.as_ref()?;
@@ -790,7 +788,7 @@ impl Group {
         let op = "lease";
         let r = self
             .wait(deadline, op, |st| {
-                if st.stale_seen > ctx.epoch && st.frozen.is_none() {
+                if removed(st) {
                     return Some(Err(stale_error(st, op)));
                 }
                 (st.coordinator_gone || st.lease_from.is_some_and(|t| t >= sent)).then_some(Ok(()))
@@ -1259,8 +1257,7 @@ impl Group {
                 }
                 return Some(Ok(k));
             }
-            let epoch = st.view.as_ref().map(|v| v.epoch).unwrap_or(0);
-            if st.stale_seen > epoch && st.frozen.is_none() {
+            if removed(st) {
                 return Some(Err(stale_error(st, "recv")));
             }
             if !st
@@ -1347,6 +1344,16 @@ impl Drop for UserMemory<'_> {
     fn drop(&mut self) {
         let _ = self.engine.unregister(self.addr);
     }
+}
+
+/// True when a peer or the coordinator said the group moved past this member's current view
+/// while this member is not frozen. A survivor is frozen before any peer can hold the epoch
+/// that follows (module notes), and once it installs that epoch a late `Stale` answer to a
+/// frame it sent in the old one names an epoch it already holds; so only a removed member
+/// hears of a newer epoch unfrozen. Compared with the current view, never with the epoch an
+/// operation began in: that one is older than the view a survivor just installed.
+fn removed(st: &State) -> bool {
+    st.frozen.is_none() && st.stale_seen > st.view.as_ref().map_or(0, |v| v.epoch)
 }
 
 fn stale_error(st: &State, op: &'static str) -> Error {
@@ -1553,5 +1560,52 @@ fn file(inner: &Inner, from: &str, msg: Msg) -> Option<(bool, Msg)> {
             tracing::debug!(%from, ?other, "pg: unexpected message");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(epoch: u64) -> View {
+        View {
+            group: "g".into(),
+            epoch,
+            world: 3,
+            members: Vec::new(),
+            removed: Vec::new(),
+            resume: None,
+            switch_at: None,
+            lease_ms: 1000,
+        }
+    }
+
+    /// The race CI hit: a survivor frozen in epoch 1 installs epoch 2, and only then a peer's
+    /// late `Stale` answer to a frame it sent in epoch 1 arrives, naming epoch 2. The survivor
+    /// holds epoch 2 already, so it was not removed.
+    #[test]
+    fn a_late_stale_answer_naming_the_epoch_a_survivor_holds_does_not_remove_it() {
+        let mut st = State::default();
+        install(&mut st, view(1));
+        st.frozen = Some(2);
+        st.stale_seen = 2;
+        assert!(!removed(&st), "frozen: waiting for the new view");
+        install(&mut st, view(2));
+        assert!(st.frozen.is_none());
+        assert!(!removed(&st));
+        st.stale_seen = 2;
+        assert!(!removed(&st), "a Stale answer arriving after the install");
+        st.stale_seen = 3;
+        assert!(removed(&st), "the group moved past the view this member holds");
+    }
+
+    #[test]
+    fn a_member_the_group_moved_on_without_learns_it_from_a_stale_answer() {
+        let mut st = State::default();
+        install(&mut st, view(1));
+        assert!(!removed(&st));
+        st.stale_seen = 2;
+        assert!(removed(&st));
+        assert_eq!(stale_error(&st, "allreduce").kind(), ErrorKind::StaleEpoch);
     }
 }
