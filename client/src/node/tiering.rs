@@ -1045,15 +1045,6 @@ async fn writeback_events(
         match ev {
             WritebackEvent::Persisted { key, version, .. } => {
                 inner.tiers.counters.writeback_persisted.fetch_add(1, Ordering::Relaxed);
-                let h = {
-                    let mut idx = lock(&inner.index);
-                    if let Some(h) = idx.objects.get_mut(&key).filter(|h| h.version == version) {
-                        h.persisted = true;
-                        h.queued = false;
-                    }
-                    idx.objects.get(&key).cloned()
-                };
-                inner.policy_sync(&key, h.as_ref());
                 let item = ReplicaReport {
                     key: key.clone(),
                     version,
@@ -1061,10 +1052,25 @@ async fn writeback_events(
                     add: Some(ReplicaLoc::ObjectStore),
                     remove: None,
                 };
-                // Lost reports are not retried: the registration carries `persisted`, and a
-                // restarted master finds the object in its scan.
-                match inner.report(&link, item).await {
-                    Err(e) if e.kind() == ErrorKind::NotFound => {
+                // The copy counts as persisted here only once the master has not refused it:
+                // a rename that arrives before the master took the report must still find
+                // the object unpersisted, so it queues a write-back under the new name (the
+                // master, not knowing the copy, does not move it, and the report then fails
+                // as the old name is gone). Lost reports are not retried: the registration
+                // carries `persisted`, and a restarted master finds the object in its scan.
+                let report = inner.report(&link, item).await;
+                let refused = matches!(&report, Err(e) if e.kind() == ErrorKind::NotFound);
+                let h = {
+                    let mut idx = lock(&inner.index);
+                    if let Some(h) = idx.objects.get_mut(&key).filter(|h| h.version == version) {
+                        h.queued = false;
+                        h.persisted |= !refused;
+                    }
+                    idx.objects.get(&key).cloned()
+                };
+                inner.policy_sync(&key, h.as_ref());
+                match report {
+                    Err(_) if refused => {
                         // Removed or renamed while it was uploaded: the copy is nobody's, and
                         // a scan after a restart must not bring the old name back.
                         let ours = h.as_ref().is_some_and(|h| h.version == version);
