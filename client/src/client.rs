@@ -353,6 +353,7 @@ impl Client {
     ) -> Result<Client> {
         let host = kvfs_transfer::host_id().to_string();
         let timeout = Duration::from_millis(cfg.rpc_timeout_ms);
+        crate::master::check_addr(&cfg.master)?;
         let master = MasterLink::new(
             cfg.master.clone(),
             Role::Client,

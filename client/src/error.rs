@@ -135,7 +135,7 @@ impl Error {
             ErrorCode::Version => ErrorKind::Version,
             ErrorCode::NodeUnknown | ErrorCode::Internal => ErrorKind::Internal,
             ErrorCode::Corrupt => ErrorKind::Corrupt,
-            ErrorCode::Unavailable => ErrorKind::Unavailable,
+            ErrorCode::Unavailable | ErrorCode::NotLeader => ErrorKind::Unavailable,
         };
         Error::new(kind, op, e.message.clone())
     }

@@ -12,11 +12,23 @@
 //! request is idempotent (reads, lists, stats, put_end, revoke, remove); a put_start that may
 //! or may not have reached the master is not retried here (its orphaned pending put expires on
 //! the master after `put_timeout_ms`) and fails with `Unavailable` for the caller to decide.
+//!
+//! HA: with an `etcd://` address the link follows the cluster's leader ([`LeaderWatch`]). A
+//! connection is made to the current leader and used while that leader's term holds; when the
+//! leader changes, the next call closes it and connects to the new one (a node's heartbeat
+//! loop also wakes on the change, so the old leader loses its channel to the node at once). A
+//! call refused with `NotLeader` did nothing on that master, so it is retried, whatever the
+//! request, on the next leader within the call's timeout. A master whose term is older than
+//! one the link has seen is refused.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvfs_proto::store::{MasterRequest, MasterResponse, Role, STORE_PROTOCOL_VERSION};
+use kvfs_ha::{EtcdTarget, LeaderWatch};
+use kvfs_proto::store::{
+    ErrorCode, MasterRequest, MasterResponse, Role, STORE_PROTOCOL_VERSION, WireError,
+};
 use kvfs_rpc::{DirectConn, Handler, RpcConn, RpcError, RpcOptions};
 
 use crate::{Error, ErrorKind, Result};
@@ -28,9 +40,21 @@ pub(crate) struct MasterLink {
     handler: Arc<dyn Handler>,
     timeout: Duration,
     opts: RpcOptions,
-    conn: tokio::sync::Mutex<Option<RpcConn>>,
+    /// The shared connection and the term of the master it reached.
+    conn: tokio::sync::Mutex<Option<(RpcConn, u64)>>,
     /// The direct connection of a client's link (see the module notes).
     direct: Mutex<Direct>,
+    /// Set for an `etcd://` address: where the leader is found.
+    leader: Option<Leader>,
+    /// The largest term a master answered with.
+    term_seen: AtomicU64,
+    /// The largest term the link tried to connect to.
+    term_tried: AtomicU64,
+}
+
+struct Leader {
+    target: EtcdTarget,
+    watch: tokio::sync::OnceCell<LeaderWatch>,
 }
 
 /// How long a direct call polls for the master's answer before it parks: an answer from the
@@ -47,10 +71,37 @@ enum Direct {
     Closed {
         retry_at: Option<Instant>,
     },
-    Idle(DirectConn),
+    /// With the term of the master it reached.
+    Idle(DirectConn, u64),
     InUse,
     /// Not a client's link: the master calls nodes on their connection, so they keep one.
     Off,
+}
+
+/// Why a call to one master failed.
+enum Refusal {
+    /// That master does not lead: nothing was done there.
+    NotLeader(WireError),
+    /// No master was reached (no leader known, or its address did not answer): the request
+    /// was not sent.
+    Unreached(Error),
+    Other(Error),
+}
+
+impl Refusal {
+    fn wire(op: &'static str, e: WireError) -> Refusal {
+        match e.code {
+            ErrorCode::NotLeader => Refusal::NotLeader(e),
+            _ => Refusal::Other(Error::from_wire(op, &e)),
+        }
+    }
+
+    fn into_error(self, op: &'static str) -> Error {
+        match self {
+            Refusal::NotLeader(e) => Error::from_wire(op, &e),
+            Refusal::Unreached(e) | Refusal::Other(e) => e,
+        }
+    }
 }
 
 /// What a direct call came to.
@@ -64,17 +115,27 @@ enum DirectOutcome {
 /// cleanly (`back`), else marks it closed (a failed or dropped call may leave it mid-frame).
 struct DirectLease<'a> {
     slot: &'a Mutex<Direct>,
-    back: Option<DirectConn>,
+    back: Option<(DirectConn, u64)>,
     retry_at: Option<Instant>,
 }
 
 impl Drop for DirectLease<'_> {
     fn drop(&mut self) {
         let next = match self.back.take() {
-            Some(c) => Direct::Idle(c),
+            Some((c, term)) => Direct::Idle(c, term),
             None => Direct::Closed { retry_at: self.retry_at },
         };
         *self.slot.lock().unwrap_or_else(|e| e.into_inner()) = next;
+    }
+}
+
+/// Checks a master address: `HOST:PORT`, or `etcd://...` well formed.
+pub(crate) fn check_addr(addr: &str) -> Result<()> {
+    match EtcdTarget::parse_master_addr(addr) {
+        Some(Err(e)) => {
+            Err(Error::new(ErrorKind::InvalidArgument, "master address", e.to_string()))
+        }
+        _ => Ok(()),
     }
 }
 
@@ -93,43 +154,136 @@ impl MasterLink {
             Direct::Off
         });
         let conn = tokio::sync::Mutex::new(None);
-        MasterLink { addr, role, host, handler, timeout, opts, conn, direct }
+        let leader = match EtcdTarget::parse_master_addr(&addr) {
+            Some(Ok(target)) => Some(Leader { target, watch: tokio::sync::OnceCell::new() }),
+            // Reported by `check_addr` before a link is made; a link to it finds no master.
+            Some(Err(_)) | None => None,
+        };
+        MasterLink {
+            addr,
+            role,
+            host,
+            handler,
+            timeout,
+            opts,
+            conn,
+            direct,
+            leader,
+            term_seen: AtomicU64::new(0),
+            term_tried: AtomicU64::new(0),
+        }
     }
 
     pub fn addr(&self) -> &str {
         &self.addr
     }
 
+    /// The address to connect to and the leader's term (0 for a fixed address).
+    async fn resolve(&self) -> Result<(String, u64)> {
+        let Some(l) = &self.leader else { return Ok((self.addr.clone(), 0)) };
+        let watch = l
+            .watch
+            .get_or_try_init(|| async { LeaderWatch::start(&l.target, self.timeout) })
+            .await
+            .map_err(|e| {
+                Error::new(ErrorKind::InvalidArgument, "find the master", e.to_string())
+            })?;
+        let min = self.term_seen.load(Ordering::Acquire);
+        match watch.leader(min, self.timeout).await {
+            Some(info) => Ok((info.addr, info.term)),
+            None => Err(Error::new(
+                ErrorKind::Unavailable,
+                "find the master",
+                format!(
+                    "no leader of cluster {:?} in etcd ({}) within {:?}",
+                    l.target.cluster,
+                    l.target.endpoints.join(","),
+                    self.timeout
+                ),
+            )),
+        }
+    }
+
+    /// The term the link's connections were made to, when still the leader's (always true for
+    /// a fixed address).
+    fn current(&self, term: u64) -> bool {
+        let Some(l) = &self.leader else { return true };
+        l.watch.get().and_then(|w| w.current()).is_some_and(|c| c.term == term)
+    }
+
+    /// Resolves when the leader is no longer the one the link is connected to (never for a
+    /// fixed address). A node's heartbeat loop waits on it to move at once.
+    pub async fn leader_changed(&self) {
+        // Read under the lock and let it go: the waits below must not hold it.
+        let term = self.conn.lock().await.as_ref().map(|(_, t)| *t);
+        let Some(term) = term else { return std::future::pending().await };
+        match self.leader.as_ref().and_then(|l| l.watch.get()) {
+            Some(w) => w.changed_from(term).await,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Checks a master's hello: its version and that its term is not older than one seen.
+    fn check_hello(&self, resp: MasterResponse) -> std::result::Result<u64, Refusal> {
+        match resp {
+            MasterResponse::Hello { term, .. } => {
+                let seen = self.term_seen.fetch_max(term, Ordering::AcqRel);
+                if term < seen {
+                    // A deposed leader: as good as a refusal, so the call goes to the next.
+                    return Err(Refusal::NotLeader(WireError::new(
+                        ErrorCode::NotLeader,
+                        format!("the master at term {term} is older than term {seen}, seen before"),
+                    )));
+                }
+                Ok(term)
+            }
+            MasterResponse::Refused(e) => Err(Refusal::wire("connect to master", e)),
+            other => Err(Refusal::Other(Error::new(
+                ErrorKind::Version,
+                "connect to master",
+                format!("unexpected answer {other:?}"),
+            ))),
+        }
+    }
+
     /// The live connection, connecting (and saying hello) if there is none.
     pub async fn conn(&self) -> Result<RpcConn> {
-        let mut slot = self.conn.lock().await;
-        if let Some(c) = slot.as_ref().filter(|c| !c.is_closed()) {
-            return Ok(c.clone());
+        match self.conn_term().await {
+            Ok((c, _)) => Ok(c),
+            Err(r) => Err(r.into_error("connect to master")),
         }
-        let conn = RpcConn::connect(&self.addr, self.handler.clone(), self.opts.clone())
+    }
+
+    async fn conn_term(&self) -> std::result::Result<(RpcConn, u64), Refusal> {
+        let mut slot = self.conn.lock().await;
+        if let Some((c, t)) = slot.as_ref() {
+            if !c.is_closed() && self.current(*t) {
+                return Ok((c.clone(), *t));
+            }
+            // The leader changed: the old master keeps no channel to this process.
+            c.close();
+        }
+        *slot = None;
+        let (addr, term) = self.resolve().await.map_err(Refusal::Unreached)?;
+        self.term_tried.fetch_max(term, Ordering::AcqRel);
+        let conn = RpcConn::connect(&addr, self.handler.clone(), self.opts.clone())
             .await
-            .map_err(|e| Error::from_rpc("connect to master", e))?;
-        match conn.call::<_, MasterResponse>(&self.hello(), self.timeout).await {
-            Ok(MasterResponse::Hello { .. }) => {}
-            Ok(MasterResponse::Refused(e)) => {
-                conn.close();
-                return Err(Error::from_wire("connect to master", &e));
-            }
-            Ok(other) => {
-                conn.close();
-                return Err(Error::new(
-                    ErrorKind::Version,
-                    "connect to master",
-                    format!("unexpected answer {other:?}"),
-                ));
-            }
+            .map_err(|e| Refusal::Unreached(Error::from_rpc("connect to master", e)))?;
+        let term = match conn.call::<_, MasterResponse>(&self.hello(), self.timeout).await {
+            Ok(resp) => match self.check_hello(resp) {
+                Ok(t) => t,
+                Err(e) => {
+                    conn.close();
+                    return Err(e);
+                }
+            },
             Err(e) => {
                 conn.close();
-                return Err(Error::from_rpc("connect to master", e));
+                return Err(Refusal::Other(Error::from_rpc("connect to master", e)));
             }
-        }
-        *slot = Some(conn.clone());
-        Ok(conn)
+        };
+        *slot = Some((conn.clone(), term));
+        Ok((conn, term))
     }
 
     fn hello(&self) -> MasterRequest {
@@ -145,7 +299,9 @@ impl MasterLink {
         let idle = {
             let mut slot = self.direct.lock().unwrap_or_else(|e| e.into_inner());
             match std::mem::replace(&mut *slot, Direct::InUse) {
-                Direct::Idle(c) => Some(c),
+                // Made to a master that no longer leads: dropped, made again below.
+                Direct::Idle(c, term) if self.current(term) => Some((c, term)),
+                Direct::Idle(..) => None,
                 Direct::Closed { retry_at } if retry_at.is_none_or(|t| Instant::now() >= t) => None,
                 other => {
                     *slot = other;
@@ -154,7 +310,7 @@ impl MasterLink {
             }
         };
         let mut lease = DirectLease { slot: &self.direct, back: None, retry_at: None };
-        let mut conn = match idle {
+        let (mut conn, term) = match idle {
             Some(c) => c,
             None => match self.direct_connect().await {
                 Some(c) => c,
@@ -177,7 +333,7 @@ impl MasterLink {
         };
         match tokio::time::timeout(self.timeout, conn.call(req, spin)).await {
             Ok(Ok(resp)) => {
-                lease.back = Some(conn);
+                lease.back = Some((conn, term));
                 DirectOutcome::Answered(Ok(resp))
             }
             Ok(Err(e)) => DirectOutcome::Answered(Err(e)),
@@ -188,51 +344,124 @@ impl MasterLink {
         }
     }
 
-    async fn direct_connect(&self) -> Option<DirectConn> {
+    async fn direct_connect(&self) -> Option<(DirectConn, u64)> {
         let hello = async {
-            let mut c = DirectConn::connect(&self.addr, self.opts.clone()).await.ok()?;
-            match c.call::<_, MasterResponse>(&self.hello(), DIRECT_SPIN).await {
-                Ok(MasterResponse::Hello { .. }) => Some(c),
-                _ => None,
-            }
+            let (addr, term) = self.resolve().await.ok()?;
+            self.term_tried.fetch_max(term, Ordering::AcqRel);
+            let mut c = DirectConn::connect(&addr, self.opts.clone()).await.ok()?;
+            let resp = c.call::<_, MasterResponse>(&self.hello(), DIRECT_SPIN).await.ok()?;
+            let term = self.check_hello(resp).ok()?;
+            Some((c, term))
         };
         tokio::time::timeout(self.timeout, hello).await.ok().flatten()
     }
 
+    /// Drops both connections (the next call connects to whoever leads then).
+    async fn forget(&self) {
+        {
+            let mut slot = self.direct.lock().unwrap_or_else(|e| e.into_inner());
+            if let Direct::Idle(..) = &*slot {
+                *slot = Direct::Closed { retry_at: None };
+            }
+        }
+        if let Some((c, _)) = self.conn.lock().await.take() {
+            c.close();
+        }
+    }
+
+    /// After a `NotLeader` refusal or an unreachable leader: forgets the connections and waits
+    /// (within the call's timeout, at most a quarter second at a time) for a leader newer than
+    /// the one that failed. False for a fixed address, or when the call's time is up.
+    async fn next_leader(&self, started: Instant) -> bool {
+        let Some(l) = &self.leader else { return false };
+        // The term of the master that failed: the connections' (whichever the call used) or
+        // the one the link last tried to reach.
+        let direct_term = match &*self.direct.lock().unwrap_or_else(|e| e.into_inner()) {
+            Direct::Idle(_, t) => *t,
+            _ => 0,
+        };
+        let shared_term = self.conn.lock().await.as_ref().map_or(0, |(_, t)| *t);
+        let failed_term = direct_term.max(shared_term).max(self.term_tried.load(Ordering::Acquire));
+        self.forget().await;
+        let Some(w) = l.watch.get() else { return false };
+        let left = self.timeout.saturating_sub(started.elapsed());
+        if left.is_zero() {
+            return false;
+        }
+        // No newer leader within the wait: try again anyway (a leader that was briefly
+        // unreachable, a standby's refusal while the key is about to change), paced by it.
+        let _ = w.leader(failed_term + 1, left.min(Duration::from_millis(250))).await;
+        true
+    }
+
     /// Calls the master; see the module notes for the retry policy.
     pub async fn call(&self, op: &'static str, req: &MasterRequest) -> Result<MasterResponse> {
+        let started = Instant::now();
+        let idempotent =
+            !matches!(req, MasterRequest::PutStart { .. } | MasterRequest::RegisterNode(_));
+        loop {
+            // A leader that is deposed while it holds the call (stopped, cut off) would keep
+            // it until the timeout: a change of leader ends the wait. What it did is unknown,
+            // so only a call that may be repeated goes to the new leader.
+            let watch = self.leader.as_ref().and_then(|l| l.watch.get());
+            let term = watch.and_then(|w| w.current()).map(|c| c.term);
+            let r = match (watch, term) {
+                (Some(w), Some(t)) => tokio::select! {
+                    r = self.call_once(op, req) => r,
+                    _ = w.changed_from(t) => {
+                        let e = Error::new(
+                            ErrorKind::Unavailable,
+                            op,
+                            format!("the master's leader changed (term {t}) during the call"),
+                        );
+                        Err(if idempotent { Refusal::Unreached(e) } else { Refusal::Other(e) })
+                    }
+                },
+                _ => self.call_once(op, req).await,
+            };
+            match r {
+                Err(r @ (Refusal::NotLeader(_) | Refusal::Unreached(_))) => {
+                    if !self.next_leader(started).await {
+                        return Err(r.into_error(op));
+                    }
+                    tracing::debug!(op, "no leader answered; trying the leader again");
+                }
+                Err(r) => return Err(r.into_error(op)),
+                Ok(resp) => return Ok(resp),
+            }
+        }
+    }
+
+    async fn call_once(
+        &self,
+        op: &'static str,
+        req: &MasterRequest,
+    ) -> std::result::Result<MasterResponse, Refusal> {
+        let refused = |e: WireError| Refusal::wire(op, e);
         let idempotent =
             !matches!(req, MasterRequest::PutStart { .. } | MasterRequest::RegisterNode(_));
         if let DirectOutcome::Answered(r) = self.direct_call(req).await {
             match r {
-                Ok(MasterResponse::Refused(e)) => return Err(Error::from_wire(op, &e)),
+                Ok(MasterResponse::Refused(e)) => return Err(refused(e)),
                 Ok(resp) => return Ok(resp),
                 // The direct connection broke: the shared one retries what may be retried.
                 Err(RpcError::Closed(_) | RpcError::Decode(_)) if idempotent => {}
-                Err(e) => return Err(Error::from_rpc(op, e)),
+                Err(e) => return Err(Refusal::Other(Error::from_rpc(op, e))),
             }
         }
         let mut reconnected = false;
         loop {
-            let conn = self.conn().await?;
+            let (conn, _) = self.conn_term().await?;
             match conn.call::<_, MasterResponse>(req, self.timeout).await {
-                Ok(MasterResponse::Refused(e)) => return Err(Error::from_wire(op, &e)),
+                Ok(MasterResponse::Refused(e)) => return Err(refused(e)),
                 Ok(resp) => return Ok(resp),
                 Err(RpcError::Closed(_)) if idempotent && !reconnected => reconnected = true,
-                Err(e) => return Err(Error::from_rpc(op, e)),
+                Err(e) => return Err(Refusal::Other(Error::from_rpc(op, e))),
             }
         }
     }
 
     pub async fn close(&self) {
-        {
-            let mut slot = self.direct.lock().unwrap_or_else(|e| e.into_inner());
-            if let Direct::Idle(_) = &*slot {
-                *slot = Direct::Closed { retry_at: None };
-            }
-        }
-        if let Some(c) = self.conn.lock().await.take() {
-            c.close();
-        }
+        self.forget().await;
     }
 }

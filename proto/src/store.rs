@@ -25,11 +25,15 @@
 //! without a record round trip to those nodes, and sends a drop for the ranges of every
 //! pending put it abandons (revoked, timed out, first writer lost), which a writer may have
 //! committed on its nodes already.
+//!
+//! Protocol 7: high availability. [`MasterResponse::Hello`] carries the master's leadership
+//! term; a standby master or a leader whose lease lapsed refuses every request with
+//! [`ErrorCode::NotLeader`].
 
 use serde::{Deserialize, Serialize};
 
 /// Version of the store protocol; a master refuses a client or node that speaks another one.
-pub const STORE_PROTOCOL_VERSION: u32 = 6;
+pub const STORE_PROTOCOL_VERSION: u32 = 7;
 
 /// Storage medium of a segment or replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -115,6 +119,9 @@ pub enum ErrorCode {
     Corrupt,
     /// A tier or service the request needs is down or missing (object store, node).
     Unavailable,
+    /// This master does not lead its cluster (a standby, or a leader whose lease lapsed):
+    /// find the leader through etcd and call it.
+    NotLeader,
 }
 
 /// A failed item: its code and a human-readable message.
@@ -443,6 +450,9 @@ pub enum MasterResponse {
     Hello {
         version: u32,
         master: String,
+        /// The master's leadership term (the etcd create revision of its leader key); 0 for a
+        /// master without HA. Followers refuse a master whose term is older than one they saw.
+        term: u64,
     },
     PutStart(Vec<ItemResult<PutGrant>>),
     PutEnd(Vec<ItemResult<()>>),

@@ -137,6 +137,11 @@ enum BenchCmd {
     /// `/query` with tokens in JSON and in msgpack) with many instances x DP ranks and a long
     /// prompt (default 1,000 x 8 and 128k tokens, block sizes 16 and 512), p50 and p99.
     Conductor(bench::conductor::ConductorBenchArgs),
+    /// The leader master SIGKILLed under load (HA through etcd): a throwaway etcd, two masters
+    /// and nodes as processes, a directory of 1 M objects by default; reports when the new
+    /// leader was elected, the first get and put after the kill, call latency across the
+    /// failover, and objects lost (must be 0).
+    Failover(bench::failover::FailoverArgs),
     /// (internal) One participant of `kvfs bench reshard` (see `kvfs_reshard::rank`).
     #[command(hide = true)]
     ReshardRank {
@@ -414,6 +419,7 @@ fn run() -> anyhow::Result<()> {
                 .await
             }
             Cmd::Bench(BenchCmd::Trace(a)) => bench::trace::run(a),
+            Cmd::Bench(BenchCmd::Failover(a)) => bench::failover::run(a).await,
             Cmd::Bench(BenchCmd::Conductor(_)) => unreachable!("handled before the runtime"),
             Cmd::Bench(BenchCmd::ReshardRank { .. }) => {
                 unreachable!("run before the runtime starts")

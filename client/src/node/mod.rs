@@ -199,6 +199,7 @@ impl Node {
         if cfg.tiers.nvme_bytes > 0 && cfg.data_dir.is_none() {
             return invalid("an NVMe tier needs a data directory".into());
         }
+        crate::master::check_addr(&cfg.master)?;
         let (dir_lock, id) = match &cfg.data_dir {
             Some(dir) => {
                 let l = data_dir::lock(dir)?;
@@ -615,9 +616,24 @@ async fn register(inner: &Inner, link: &MasterLink) -> Result<Duration> {
 /// Heartbeats until the master forgets the node or the connection fails.
 async fn heartbeat_until_lost(inner: &Inner, link: &MasterLink, every: Duration) {
     loop {
-        tokio::time::sleep(every).await;
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            // A new leader (HA): register with it now rather than at the next heartbeat.
+            _ = link.leader_changed() => {
+                tracing::info!(node = inner.id, "the master's leader changed; registering with the new one");
+                return;
+            }
+        }
         let req = MasterRequest::Heartbeat { node: inner.id, stats: inner.stats() };
-        match link.call("heartbeat", &req).await {
+        let answer = tokio::select! {
+            a = link.call("heartbeat", &req) => a,
+            // A leader that stopped answering was replaced: do not wait out the call.
+            _ = link.leader_changed() => {
+                tracing::info!(node = inner.id, "the master's leader changed; registering with the new one");
+                return;
+            }
+        };
+        match answer {
             Ok(MasterResponse::Heartbeat(Ok(ack))) => inner.on_accessed(ack.accessed),
             Ok(MasterResponse::Heartbeat(Err(e))) if e.code == ErrorCode::NodeUnknown => {
                 tracing::warn!(

@@ -85,7 +85,7 @@ impl Op {
     }
 }
 
-const CODES: [&str; 16] = [
+const CODES: [&str; 17] = [
     "not_found",
     "already_exists",
     "put_in_progress",
@@ -102,6 +102,7 @@ const CODES: [&str; 16] = [
     "internal",
     "corrupt",
     "unavailable",
+    "not_leader",
 ];
 
 fn code_index(code: kvfs_proto::store::ErrorCode) -> usize {
@@ -123,6 +124,7 @@ fn code_index(code: kvfs_proto::store::ErrorCode) -> usize {
         C::Internal => 13,
         C::Corrupt => 14,
         C::Unavailable => 15,
+        C::NotLeader => 16,
     }
 }
 

@@ -30,9 +30,15 @@
 //! objects enter and leave the pool (and on which medium) and a publisher sends them over
 //! ZeroMQ as the reference store's master does, with a replay endpoint, for the conductor.
 //!
-//! Not handled here: HA and leader election (one master per cluster for now), tenants.
+//! HA (see `ha`): with `leadership` set, the service is its cluster's leader for one term. It
+//! refuses every request, and sends nodes no record, once the guard says the lease may have
+//! lapsed in etcd, so a deposed leader (stopped, cut off) cannot act after a standby could
+//! have taken over.
+//!
+//! Not handled here: tenants.
 
 mod convert;
+pub mod ha;
 mod http;
 mod kv_events;
 mod metadata_http;
@@ -92,6 +98,8 @@ pub struct ServiceConfig {
     pub persistence_defaults: Vec<(String, w::Persistence)>,
     /// Publish the pool's KV events over ZeroMQ (see `kv_events`); `None` disables them.
     pub kv_events: Option<KvEventsConfig>,
+    /// The leadership this service runs under (HA, see `ha`); `None`: the only master.
+    pub leadership: Option<kvfs_ha::LeaseGuard>,
 }
 
 impl Default for ServiceConfig {
@@ -112,6 +120,7 @@ impl Default for ServiceConfig {
             access_report_keys_max: 4096,
             persistence_defaults: Vec::new(),
             kv_events: None,
+            leadership: None,
         }
     }
 }
@@ -142,6 +151,25 @@ pub(crate) struct State {
 impl State {
     fn lock(&self) -> std::sync::MutexGuard<'_, Directory> {
         self.dir.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Why this service may not act (a lapsed leadership), if so.
+    fn fenced(&self) -> Option<WireError> {
+        let g = self.cfg.leadership.as_ref()?;
+        (!g.is_valid()).then(|| {
+            WireError::new(
+                ErrorCode::NotLeader,
+                format!(
+                    "{} no longer leads its cluster (term {}: its lease lapsed); find the leader through etcd",
+                    self.name,
+                    g.term()
+                ),
+            )
+        })
+    }
+
+    fn term(&self) -> u64 {
+        self.cfg.leadership.as_ref().map_or(0, |g| g.term())
     }
 
     fn recovering(&self, now: u64) -> bool {
@@ -234,13 +262,22 @@ impl Drop for MasterService {
 impl MasterService {
     /// Binds the RPC and admin listeners and starts serving on the current runtime.
     pub async fn start(cfg: ServiceConfig) -> std::io::Result<MasterService> {
+        let listener = TcpListener::bind(cfg.listen).await?;
+        MasterService::start_on(cfg, listener).await
+    }
+
+    /// Starts serving RPC on `listener` (bound already: a standby's, see `ha`), binding the
+    /// admin listeners from `cfg`.
+    pub async fn start_on(
+        cfg: ServiceConfig,
+        listener: TcpListener,
+    ) -> std::io::Result<MasterService> {
         let mut dir = Directory::new(cfg.directory.clone())
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
         if let Some(k) = &cfg.kv_events {
             dir.enable_pool_events(k.queue_max);
         }
         let kv_events = cfg.kv_events.clone().map(|k| Arc::new(kv_events::Publisher::new(k)));
-        let listener = TcpListener::bind(cfg.listen).await?;
         let rpc_addr = listener.local_addr()?;
         let admin = match cfg.admin_listen {
             Some(a) => Some(TcpListener::bind(a).await?),
@@ -288,7 +325,8 @@ impl MasterService {
         if let Some((l, m)) = metadata {
             tasks.push(tokio::spawn(metadata_http::serve(l, m)));
         }
-        tracing::info!(rpc = %rpc_addr, admin = ?admin_addr, metadata = ?metadata_addr, "master started");
+        let term = state.term();
+        tracing::info!(rpc = %rpc_addr, admin = ?admin_addr, metadata = ?metadata_addr, term, "master started");
         Ok(MasterService { state, rpc_addr, admin_addr, metadata_addr, tasks })
     }
 
@@ -307,6 +345,11 @@ impl MasterService {
 
     pub fn stats(&self) -> w::MasterStats {
         self.state.stats()
+    }
+
+    /// The leadership term it serves (0 without HA).
+    pub fn term(&self) -> u64 {
+        self.state.term()
     }
 }
 
@@ -392,7 +435,10 @@ fn op_of(req: &MasterRequest) -> (Op, usize) {
 async fn handle(state: Arc<State>, conn: RpcConn, req: MasterRequest) -> MasterResponse {
     let started = Instant::now();
     let (op, items) = op_of(&req);
-    let resp = dispatch(&state, &conn, req).await;
+    let resp = match state.fenced() {
+        Some(e) => MasterResponse::Refused(e),
+        None => dispatch(&state, &conn, req).await,
+    };
     count_errors(&state.metrics, &resp);
     state.metrics.request(op, items, started.elapsed());
     resp
@@ -432,9 +478,11 @@ async fn dispatch(state: &Arc<State>, conn: &RpcConn, req: MasterRequest) -> Mas
                 format!("store protocol {version} is not {}", w::STORE_PROTOCOL_VERSION),
             ))
         }
-        MasterRequest::Hello { .. } => {
-            MasterResponse::Hello { version: w::STORE_PROTOCOL_VERSION, master: state.name.clone() }
-        }
+        MasterRequest::Hello { .. } => MasterResponse::Hello {
+            version: w::STORE_PROTOCOL_VERSION,
+            master: state.name.clone(),
+            term: state.term(),
+        },
         MasterRequest::PutStart { client_host, items } => {
             put_start(state, client_host, items, now).await
         }
@@ -813,6 +861,12 @@ async fn flush_drops(state: Arc<State>) {
 /// Sends one node its records, after the drops queued for it, under its record lock.
 pub(crate) async fn send_records(st: &State, node: u64, (commits, drops, renames): Records) {
     let timeout = Duration::from_millis(st.cfg.node_call_timeout_ms);
+    if let Some(e) = st.fenced() {
+        // A deposed leader's records could undo a newer leader's: the node hears none.
+        st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(node, error = %e.message, "records not sent");
+        return;
+    }
     let conn = st.nodes.lock().unwrap_or_else(|e| e.into_inner()).get(&node).cloned();
     let Some(conn) = conn else {
         st.metrics.node_call_failures.fetch_add(1, Ordering::Relaxed);

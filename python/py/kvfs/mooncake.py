@@ -523,8 +523,10 @@ class MooncakeDistributedStore:
             log.error("setup: local_hostname must be a non-empty string")
             return INVALID_PARAMS
         master = str(master)
-        if "://" in master:
-            log.error("setup: %s: kvfs has one master; give its host:port", master)
+        if "://" in master and not master.startswith("etcd://"):
+            log.error(
+                "setup: %s: kvfs finds its leader master through etcd (etcd://host:port) or "
+                "takes a master's host:port", master)
             return NOT_SUPPORTED
         if enable_ssd_offload:
             log.warning("setup: enable_ssd_offload is ignored; kvfs nodes own their NVMe tier")

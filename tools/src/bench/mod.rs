@@ -3,6 +3,7 @@
 
 pub mod conductor;
 pub mod ep;
+pub mod failover;
 pub mod fs;
 pub mod limits;
 pub mod pg;

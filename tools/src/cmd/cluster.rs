@@ -502,7 +502,32 @@ pub struct MasterCmdArgs {
     #[command(flatten)]
     pub master: MasterArgs,
     #[command(flatten)]
+    pub ha: HaArgs,
+    #[command(flatten)]
     pub store: ObjectStoreArgs,
+}
+
+/// Several masters, one leader elected through etcd (`kvfs master --etcd`).
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "High availability")]
+pub struct HaArgs {
+    /// etcd endpoints (HOST:PORT, separated by ',' or ';'): run as one of the cluster's
+    /// candidate masters. One leads; the others stand by and take over when it dies or loses
+    /// etcd. Clients, nodes and mounts then take etcd://ENDPOINTS/CLUSTER as the master
+    /// address. Also spelled --etcd_endpoints and --ha_backend_connstring (the reference's).
+    #[arg(long, value_name = "ENDPOINTS", aliases = ["etcd_endpoints", "ha_backend_connstring"])]
+    pub etcd: Option<String>,
+    /// Name of the cluster: masters of one cluster elect one leader (--cluster_id).
+    #[arg(long, alias = "cluster_id", default_value = kvfs_ha::DEFAULT_CLUSTER)]
+    pub cluster: String,
+    /// The RPC address this master publishes in etcd when it leads (default: --listen, which
+    /// then must not be a wildcard address).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub advertise: Option<String>,
+    /// Seconds a leader that stopped renewing (stopped, cut off from etcd) keeps the lead;
+    /// one whose address refuses connections (dead) is replaced within a second.
+    #[arg(long, default_value_t = 2)]
+    pub lease_ttl_s: u64,
 }
 
 /// Options of `kvfs node`.
@@ -529,6 +554,9 @@ pub(crate) async fn wait_for_signal() {
 pub async fn master(args: MasterCmdArgs) -> anyhow::Result<()> {
     let mut cfg = args.master.service_config()?;
     cfg.object_store = args.store.config(None)?;
+    if let Some(endpoints) = &args.ha.etcd {
+        return master_ha(cfg, &args.ha, endpoints).await;
+    }
     let svc = MasterService::start(cfg)
         .await
         .with_context(|| format!("starting the master on {}", args.master.listen))?;
@@ -543,6 +571,49 @@ pub async fn master(args: MasterCmdArgs) -> anyhow::Result<()> {
     }
     wait_for_signal().await;
     Ok(())
+}
+
+async fn master_ha(cfg: ServiceConfig, a: &HaArgs, endpoints: &str) -> anyhow::Result<()> {
+    use kvfs_master::service::ha::{self, HaConfig, HaEvent};
+    let target = kvfs_ha::EtcdTarget::new(endpoints, &a.cluster)
+        .with_context(|| format!("--etcd {endpoints:?} --cluster {:?}", a.cluster))?;
+    let advertise = match &a.advertise {
+        Some(x) => x.clone(),
+        None if cfg.listen.ip().is_unspecified() => anyhow::bail!(
+            "--listen {} is a wildcard address: give --advertise HOST:PORT, the address clients and nodes reach this master at",
+            cfg.listen
+        ),
+        None => cfg.listen.to_string(),
+    };
+    if a.lease_ttl_s == 0 {
+        anyhow::bail!("--lease-ttl-s must be at least 1");
+    }
+    let mut h = HaConfig::new(target.clone(), advertise.clone());
+    h.lease_ttl = Duration::from_secs(a.lease_ttl_s);
+    println!(
+        "kvfs master: candidate for cluster {:?} in etcd {} as {advertise}; clients and nodes use --master {}",
+        target.cluster,
+        target.endpoints.join(","),
+        target.master_addr()
+    );
+    let events = |e: HaEvent| match e {
+        HaEvent::Standby { leader, term } => {
+            println!("kvfs master: standing by (the leader is {leader}, term {term})")
+        }
+        HaEvent::Leading { term, rpc, admin } => match admin {
+            Some(a) => println!(
+                "kvfs master: leading term {term}, listening on {rpc} (admin http://{a}/metrics)"
+            ),
+            None => println!("kvfs master: leading term {term}, listening on {rpc}"),
+        },
+        HaEvent::Lost { term, why } => {
+            println!("kvfs master: lost the leadership of term {term} ({why}); standing by")
+        }
+    };
+    let listen = cfg.listen;
+    ha::run(cfg, h, events, wait_for_signal())
+        .await
+        .with_context(|| format!("running the master on {listen}"))
 }
 
 pub async fn node(master: &str, args: NodeCmdArgs) -> anyhow::Result<()> {

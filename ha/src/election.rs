@@ -1,0 +1,249 @@
+//! Leader election: a candidate creates the leader key under its own lease if the key is
+//! absent; the winner keeps the lease alive and holds a [`LeaseGuard`]; the others wait for
+//! the key to go (and speed that up when the leader's process is gone).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::etcd::{Etcd, Kv, WatchEvent};
+use crate::{Error, Result, leader_key};
+
+/// Whether this process may still act as the leader of term `term`.
+///
+/// Valid until the moment the lease may have expired in etcd, counted from when the last
+/// successful keep-alive was *sent* (etcd extends the lease when it receives it, later), less
+/// a tenth of the TTL for clock-rate differences. Monotonic time keeps running while a process
+/// is stopped, so a leader resumed after SIGSTOP finds its guard lapsed before it can act.
+#[derive(Clone, Debug)]
+pub struct LeaseGuard {
+    inner: Arc<GuardInner>,
+}
+
+#[derive(Debug)]
+struct GuardInner {
+    term: u64,
+    base: Instant,
+    until_us: AtomicU64,
+}
+
+impl LeaseGuard {
+    fn new(term: u64, until: Instant) -> LeaseGuard {
+        let base = Instant::now();
+        let g =
+            LeaseGuard { inner: Arc::new(GuardInner { term, base, until_us: AtomicU64::new(0) }) };
+        g.extend(until);
+        g
+    }
+
+    /// The leadership's term: the leader key's create revision in etcd.
+    pub fn term(&self) -> u64 {
+        self.inner.term
+    }
+
+    pub fn is_valid(&self) -> bool {
+        (self.inner.base.elapsed().as_micros() as u64) < self.inner.until_us.load(Ordering::Acquire)
+    }
+
+    /// How long the guard stays valid without another keep-alive.
+    pub fn remaining(&self) -> Duration {
+        let now = self.inner.base.elapsed().as_micros() as u64;
+        Duration::from_micros(self.inner.until_us.load(Ordering::Acquire).saturating_sub(now))
+    }
+
+    fn extend(&self, until: Instant) {
+        let us = until.saturating_duration_since(self.inner.base).as_micros() as u64;
+        self.inner.until_us.fetch_max(us, Ordering::AcqRel);
+    }
+
+    fn invalidate(&self) {
+        self.inner.until_us.store(0, Ordering::Release);
+    }
+}
+
+/// A master that wants to lead its cluster.
+pub struct Candidate {
+    etcd: Etcd,
+    key: String,
+    addr: String,
+    ttl: Duration,
+}
+
+/// How an attempt to lead ended.
+pub enum Campaign {
+    Won(Leadership),
+    /// Another master leads: its key (value: its RPC address; create revision: its term).
+    Lost(Kv),
+}
+
+impl Candidate {
+    /// `addr` is what clients and nodes connect to; `ttl` (whole seconds, at least one) is how
+    /// long a leader that stopped renewing keeps the key.
+    pub fn new(etcd: Etcd, cluster: &str, addr: &str, ttl: Duration) -> Result<Candidate> {
+        if ttl < Duration::from_secs(1) {
+            return Err(Error::Invalid(format!("lease TTL {ttl:?} is under etcd's 1 s unit")));
+        }
+        let ttl = Duration::from_secs(ttl.as_secs());
+        Ok(Candidate { etcd, key: leader_key(cluster), addr: addr.to_string(), ttl })
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// One attempt: leads if nobody does.
+    pub async fn try_lead(&self) -> Result<Campaign> {
+        let sent = Instant::now();
+        let lease = self.etcd.lease_grant(self.ttl.as_secs() as i64).await?;
+        match self.etcd.create(&self.key, self.addr.as_bytes(), lease).await {
+            Ok(Ok(term)) => {
+                let guard = LeaseGuard::new(term, sent + self.ttl.mul_f64(0.9));
+                let (tx, lost) = watch::channel(None);
+                let task =
+                    tokio::spawn(keep_alive(self.etcd.clone(), lease, self.ttl, guard.clone(), tx));
+                tracing::info!(key = %self.key, term, lease, addr = %self.addr, "elected leader");
+                Ok(Campaign::Won(Leadership {
+                    etcd: self.etcd.clone(),
+                    key: self.key.clone(),
+                    term,
+                    lease,
+                    guard,
+                    lost,
+                    task,
+                }))
+            }
+            Ok(Err(current)) => {
+                let _ = self.etcd.lease_revoke(lease).await;
+                Ok(Campaign::Lost(current))
+            }
+            Err(e) => {
+                let _ = self.etcd.lease_revoke(lease).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits until the leader `current` is gone: its key deleted or replaced. Meanwhile it
+    /// probes the leader's address every `probe`: two refused connections in a row mean no
+    /// process listens there, and the dead leader's lease is revoked rather than waited out.
+    /// Returns early (Ok) when the watch breaks, so the caller reads the key again.
+    pub async fn wait_vacant(&self, current: &Kv, probe: Duration) -> Result<()> {
+        let mut watch = self.etcd.watch(&self.key, current.mod_revision + 1).await?;
+        let addr = String::from_utf8_lossy(&current.value).into_owned();
+        let mut tick = tokio::time::interval(probe);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut refused = 0u32;
+        loop {
+            tokio::select! {
+                ev = watch.next() => {
+                    let Ok(events) = ev else { return Ok(()) };
+                    for e in events {
+                        match e {
+                            WatchEvent::Delete { .. } => return Ok(()),
+                            WatchEvent::Put(kv) if kv.create_revision != current.create_revision => return Ok(()),
+                            WatchEvent::Put(_) => {}
+                        }
+                    }
+                }
+                _ = tick.tick() => {
+                    let c = tokio::time::timeout(probe, tokio::net::TcpStream::connect(&addr)).await;
+                    match c {
+                        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                            refused += 1;
+                            if refused >= 2 {
+                                tracing::warn!(leader = %addr, term = current.create_revision,
+                                    "the leader's address refuses connections: revoking its lease");
+                                self.etcd.lease_revoke(current.lease).await?;
+                                refused = 0;
+                            }
+                        }
+                        _ => refused = 0,
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// This process leads its cluster until [`Leadership::lost`] says otherwise.
+pub struct Leadership {
+    etcd: Etcd,
+    key: String,
+    term: u64,
+    lease: i64,
+    guard: LeaseGuard,
+    lost: watch::Receiver<Option<String>>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Leadership {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.guard.invalidate();
+    }
+}
+
+impl Leadership {
+    pub fn term(&self) -> u64 {
+        self.term
+    }
+
+    pub fn guard(&self) -> LeaseGuard {
+        self.guard.clone()
+    }
+
+    /// Resolves when the leadership is over (the lease expired, was revoked, or could not be
+    /// renewed within its life), with the reason.
+    pub async fn lost(&mut self) -> String {
+        loop {
+            if let Some(why) = self.lost.borrow_and_update().clone() {
+                return why;
+            }
+            if self.lost.changed().await.is_err() {
+                return "the keep-alive task ended".into();
+            }
+        }
+    }
+
+    /// Steps down: stops renewing and deletes the key, so a standby takes over at once.
+    pub async fn resign(self) {
+        self.task.abort();
+        self.guard.invalidate();
+        let _ = self.etcd.delete_if_created(&self.key, self.term).await;
+        let _ = self.etcd.lease_revoke(self.lease).await;
+    }
+}
+
+async fn keep_alive(
+    etcd: Etcd,
+    lease: i64,
+    ttl: Duration,
+    guard: LeaseGuard,
+    lost: watch::Sender<Option<String>>,
+) {
+    let period = (ttl / 4).max(Duration::from_millis(50));
+    let mut last_error = String::new();
+    loop {
+        tokio::time::sleep(period).await;
+        let sent = Instant::now();
+        match tokio::time::timeout(period, etcd.lease_keepalive(lease)).await {
+            Ok(Ok(t)) if t > 0 => guard.extend(sent + ttl.mul_f64(0.9)),
+            Ok(Ok(_)) => {
+                guard.invalidate();
+                let _ = lost.send(Some("the leader's lease expired or was revoked in etcd".into()));
+                return;
+            }
+            Ok(Err(e)) => last_error = e.to_string(),
+            Err(_) => last_error = format!("keep-alive took over {period:?}"),
+        }
+        if !guard.is_valid() {
+            let _ = lost.send(Some(format!(
+                "could not renew the leader's lease within its life ({last_error})"
+            )));
+            return;
+        }
+    }
+}

@@ -1,0 +1,230 @@
+//! High availability with real processes: a real etcd, two candidate masters (`kvfs master
+//! --etcd`), nodes and a client that follow the leader through `etcd://` addresses. The
+//! leader is SIGKILLed or SIGSTOPped; a standby takes over, every acknowledged object stays
+//! readable byte for byte, and a deposed leader refuses to act.
+
+use std::time::{Duration, Instant};
+
+use kvfs_client::{Client, ClientConfig, ErrorKind, PutOptions};
+use kvfs_ha::testing::EtcdServer;
+use kvfs_ha::{Etcd, leader_key};
+use kvfs_tests::{Proc, content, free_port};
+
+const CLUSTER: &str = "ha-test";
+
+struct Ha {
+    etcd: EtcdServer,
+    masters: Vec<(String, Option<Proc>)>,
+    nodes: Vec<Proc>,
+}
+
+impl Ha {
+    fn master_addr(&self) -> String {
+        format!("etcd://{}/{CLUSTER}", self.etcd.endpoint())
+    }
+
+    fn start_master(&mut self) {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let p = Proc::start(&[
+            "master".into(),
+            "--listen".into(),
+            addr.clone(),
+            "--admin".into(),
+            "off".into(),
+            "--etcd".into(),
+            self.etcd.endpoint(),
+            "--cluster".into(),
+            CLUSTER.into(),
+            "--heartbeat-ms".into(),
+            "200".into(),
+            "--node-ttl-ms".into(),
+            "3000".into(),
+            "--recovery-grace-ms".into(),
+            "1500".into(),
+        ]);
+        assert!(p.first_line.contains("candidate"), "{}", p.first_line);
+        self.masters.push((addr, Some(p)));
+    }
+
+    fn start_node(&mut self) {
+        let p = Proc::start(&[
+            "node".into(),
+            "--master".into(),
+            self.master_addr(),
+            "--dram".into(),
+            "128MiB".into(),
+            "--no-populate".into(),
+        ]);
+        self.nodes.push(p);
+    }
+
+    /// The leader's address and term as etcd has them.
+    async fn leader(&self) -> Option<(String, u64)> {
+        let e = Etcd::new(vec![self.etcd.client_url.clone()], Duration::from_secs(2)).ok()?;
+        let (_, kv) = e.get(&leader_key(CLUSTER)).await.ok()?;
+        kv.map(|kv| (String::from_utf8_lossy(&kv.value).into_owned(), kv.create_revision))
+    }
+
+    async fn wait_leader(&self, newer_than: u64) -> (String, u64) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some((a, t)) = self.leader().await
+                && t > newer_than
+            {
+                return (a, t);
+            }
+            assert!(Instant::now() < deadline, "no leader newer than term {newer_than}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn master_proc(&mut self, addr: &str) -> &mut Option<Proc> {
+        &mut self.masters.iter_mut().find(|(a, _)| a == addr).expect("a master at the address").1
+    }
+
+    async fn client(&self) -> Client {
+        let cfg = ClientConfig { master: self.master_addr(), ..ClientConfig::default() };
+        Client::connect(cfg).await.expect("client connects through etcd")
+    }
+
+    async fn wait_nodes(&self, c: &Client, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if c.stats().await.is_ok_and(|s| s.nodes == n) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the leader never saw {n} nodes");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+async fn cluster(nodes: usize) -> Ha {
+    let mut ha = Ha { etcd: EtcdServer::start(), masters: Vec::new(), nodes: Vec::new() };
+    ha.start_master();
+    let (first, _) = ha.wait_leader(0).await;
+    assert_eq!(first, ha.masters[0].0);
+    ha.start_master();
+    for _ in 0..nodes {
+        ha.start_node();
+    }
+    ha
+}
+
+/// Puts with retries on the errors a failover may show (each call bounded by its deadline).
+async fn put_retrying(c: &Client, key: &str, v: &[u8]) -> Duration {
+    let started = Instant::now();
+    loop {
+        match c.put(key, v, &PutOptions::default()).await {
+            Ok(()) => return started.elapsed(),
+            Err(e) if e.kind().retryable() || e.kind() == ErrorKind::Recovering => {
+                assert!(started.elapsed() < Duration::from_secs(30), "put {key}: {e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("put {key}: {e}"),
+        }
+    }
+}
+
+async fn get_retrying(c: &Client, key: &str) -> Vec<u8> {
+    let started = Instant::now();
+    loop {
+        match c.get(key).await {
+            Ok(v) => return v,
+            Err(e) if e.kind().retryable() || e.kind() == ErrorKind::NotFound => {
+                assert!(started.elapsed() < Duration::from_secs(30), "get {key}: {e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("get {key}: {e}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_leader_is_replaced_and_every_acknowledged_object_survives() {
+    let mut ha = cluster(2).await;
+    let c = ha.client().await;
+    ha.wait_nodes(&c, 2).await;
+    let (old, old_term) = ha.leader().await.expect("a leader");
+    let objects: Vec<(String, Vec<u8>)> = (0..200u64)
+        .map(|i| (format!("ha/{i}"), content(i, [100, 4096, 70_000, 1 << 20][i as usize % 4])))
+        .collect();
+    for (k, v) in &objects {
+        c.put(k, v, &PutOptions::default()).await.expect("put before the failover");
+    }
+    let killed = Instant::now();
+    ha.master_proc(&old).take().expect("leader running").kill();
+    let (new, new_term) = ha.wait_leader(old_term).await;
+    let elected = killed.elapsed();
+    assert_ne!(new, old);
+    assert!(new_term > old_term);
+    // Every acknowledged object, byte for byte, through the same client.
+    for (k, v) in &objects {
+        assert_eq!(&get_retrying(&c, k).await, v, "{k}");
+    }
+    put_retrying(&c, "ha/after", &content(999, 5000)).await;
+    let first_put = killed.elapsed();
+    assert_eq!(c.get("ha/after").await.expect("get"), content(999, 5000));
+    eprintln!(
+        "leader killed: new leader elected after {elected:?}, first put within {first_put:?}"
+    );
+    // Well inside the leader lease (2 s): the standby saw the dead address and revoked it.
+    assert!(elected < Duration::from_secs(2), "election took {elected:?}");
+    assert_eq!(c.stats().await.expect("stats").nodes, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_leader_is_deposed_and_refuses_to_act_when_it_resumes() {
+    let mut ha = cluster(1).await;
+    let c = ha.client().await;
+    ha.wait_nodes(&c, 1).await;
+    let (old, old_term) = ha.leader().await.expect("a leader");
+    for i in 0..20u64 {
+        c.put(&format!("s/{i}"), &content(i, 10_000), &PutOptions::default()).await.expect("put");
+    }
+    let stopped = Instant::now();
+    ha.master_proc(&old).as_ref().expect("leader running").signal(libc_sigstop());
+    let (new, new_term) = ha.wait_leader(old_term).await;
+    let elected = stopped.elapsed();
+    assert_ne!(new, old);
+    // A stopped process still holds its socket: only its lease's expiry deposes it.
+    assert!(elected >= Duration::from_secs(1), "deposed after only {elected:?}");
+    for i in 0..20u64 {
+        assert_eq!(get_retrying(&c, &format!("s/{i}")).await, content(i, 10_000));
+    }
+    put_retrying(&c, "s/new", &content(77, 3000)).await;
+    ha.master_proc(&old).as_ref().expect("old leader").signal(libc_sigcont());
+    // The resumed master must not act: a client pointed at it directly is refused.
+    let direct =
+        ClientConfig { master: old.clone(), rpc_timeout_ms: 2000, ..ClientConfig::default() };
+    match Client::connect(direct).await {
+        Ok(d) => {
+            let e = d
+                .put("s/through-old", &content(5, 100), &PutOptions::default())
+                .await
+                .expect_err("deposed leader");
+            assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+        }
+        Err(e) => {
+            // Refused while it stands down (its service dropped, its address bound again as a
+            // standby's), then answered as a standby.
+            let m = e.to_string();
+            assert!(
+                m.contains("no longer leads") || m.contains("standby") || m.contains("refused"),
+                "{m}"
+            );
+        }
+    }
+    // The cluster carries on under the new leader, and the old one stood by.
+    assert_eq!(get_retrying(&c, "s/new").await, content(77, 3000));
+    assert!(c.exists("s/through-old").await.is_ok_and(|e| !e));
+    assert_eq!(ha.leader().await.map(|l| l.1), Some(new_term));
+}
+
+fn libc_sigstop() -> i32 {
+    19
+}
+
+fn libc_sigcont() -> i32 {
+    18
+}
