@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 use crate::etcd::{Etcd, Kv, WatchEvent};
 use crate::{Error, Result, leader_key};
@@ -102,8 +101,14 @@ impl Candidate {
             Ok(Ok(term)) => {
                 let guard = LeaseGuard::new(term, sent + self.ttl.mul_f64(0.9));
                 let (tx, lost) = watch::channel(None);
-                let task =
-                    tokio::spawn(keep_alive(self.etcd.clone(), lease, self.ttl, guard.clone(), tx));
+                let task = match KeepAlive::start(&self.etcd, lease, self.ttl, guard.clone(), tx) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let _ = self.etcd.delete_if_created(&self.key, term).await;
+                        let _ = self.etcd.lease_revoke(lease).await;
+                        return Err(e);
+                    }
+                };
                 tracing::info!(key = %self.key, term, lease, addr = %self.addr, "elected leader");
                 Ok(Campaign::Won(Leadership {
                     etcd: self.etcd.clone(),
@@ -176,12 +181,12 @@ pub struct Leadership {
     lease: i64,
     guard: LeaseGuard,
     lost: watch::Receiver<Option<String>>,
-    task: JoinHandle<()>,
+    task: KeepAlive,
 }
 
 impl Drop for Leadership {
     fn drop(&mut self) {
-        self.task.abort();
+        self.task.stop();
         self.guard.invalidate();
     }
 }
@@ -210,10 +215,60 @@ impl Leadership {
 
     /// Steps down: stops renewing and deletes the key, so a standby takes over at once.
     pub async fn resign(self) {
-        self.task.abort();
+        self.task.stop();
         self.guard.invalidate();
         let _ = self.etcd.delete_if_created(&self.key, self.term).await;
         let _ = self.etcd.lease_revoke(self.lease).await;
+    }
+}
+
+/// The leader's renewals, on a thread and runtime of their own: a master busy rebuilding its
+/// directory (a million objects reported by its nodes) or otherwise starving its runtime's
+/// workers must not miss its renewals and lose the lead it is busy taking up.
+struct KeepAlive {
+    stop: Arc<tokio::sync::Notify>,
+    stopped: std::sync::atomic::AtomicBool,
+}
+
+impl KeepAlive {
+    fn start(
+        etcd: &Etcd,
+        lease: i64,
+        ttl: Duration,
+        guard: LeaseGuard,
+        lost: watch::Sender<Option<String>>,
+    ) -> Result<KeepAlive> {
+        let etcd = etcd.fresh()?;
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let s = stop.clone();
+        std::thread::Builder::new()
+            .name("kvfs-lease".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        guard.invalidate();
+                        let _ =
+                            lost.send(Some(format!("no runtime for the lease's renewals: {e}")));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    tokio::select! {
+                        _ = keep_alive(etcd, lease, ttl, guard, lost) => {}
+                        // `notify_one` stores a permit: a stop before this wait still ends it.
+                        _ = s.notified() => {}
+                    }
+                });
+            })
+            .map_err(|e| Error::Invalid(format!("cannot start the lease thread: {e}")))?;
+        Ok(KeepAlive { stop, stopped: std::sync::atomic::AtomicBool::new(false) })
+    }
+
+    fn stop(&self) {
+        if !self.stopped.swap(true, Ordering::AcqRel) {
+            self.stop.notify_one();
+        }
     }
 }
 

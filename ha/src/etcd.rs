@@ -91,6 +91,12 @@ impl Etcd {
         Ok(Etcd { http, endpoints: Arc::new(endpoints), next: Arc::default(), timeout })
     }
 
+    /// A client of the same endpoints with a connection pool of its own, for use on another
+    /// runtime (a connection pool belongs to the runtime that made its connections).
+    pub fn fresh(&self) -> Result<Etcd> {
+        Etcd::new(self.endpoints.to_vec(), self.timeout)
+    }
+
     pub fn endpoints(&self) -> &[String] {
         &self.endpoints
     }

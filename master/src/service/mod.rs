@@ -761,6 +761,7 @@ async fn register(
             .recovering_until_ms
             .fetch_max(state.started_ms + state.cfg.recovery_grace_ms, Ordering::AcqRel);
     }
+    let started = Instant::now();
     let mut fx = Vec::new();
     // The directory and the connection map change under one hold of the nodes lock (taken
     // before the directory's, as in `watch_node`), so the close of a previous connection can
@@ -782,7 +783,8 @@ async fn register(
     let m = &state.metrics;
     m.recovery_conflicts.fetch_add(reg.conflicts.len() as u64, Ordering::Relaxed);
     m.lost_objects.fetch_add(reg.lost_keys.len() as u64, Ordering::Relaxed);
-    tracing::info!(node, endpoint = %conn.peer(), adopted = reg.adopted, conflicts = reg.conflicts.len(), "node registered");
+    tracing::info!(node, endpoint = %conn.peer(), adopted = reg.adopted, conflicts = reg.conflicts.len(),
+        ms = started.elapsed().as_millis() as u64, "node registered");
     deliver(state, fx, false).await;
     MasterResponse::Registered(Ok(w::RegistrationAck {
         adopted: reg.adopted,

@@ -39,7 +39,7 @@ pub struct FailoverArgs {
     /// DRAM of each node (each object takes at least one 4 KiB range).
     #[arg(long, default_value = "3GiB", value_parser = parse_bytes)]
     pub node_dram: u64,
-    /// Concurrent put+get loops during the failover.
+    /// Concurrent loops during the failover (half put, half get; at least one of each).
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
     /// Seconds of load before the kill.
@@ -197,35 +197,38 @@ pub async fn run(a: FailoverArgs) -> anyhow::Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let mut loops = Vec::new();
-    for w in 0..a.workers as u64 {
+    // Half the loops put new objects, half get random loaded ones (at least one of each), so
+    // a put waiting out the recovery grace does not hide when gets came back.
+    for w in 0..a.workers.max(2) as u64 {
         let (c, stop) = (client.clone(), stop.clone());
         let (size, objects) = (a.object_size, a.objects);
+        let putter = w % 2 == 0;
         loops.push(tokio::spawn(async move {
             let mut calls = Vec::new();
             let mut acked = Vec::new();
             let mut n = 0u64;
             let mut rng = w.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
             while !stop.load(Ordering::Relaxed) {
-                let key = (w + 1) << 40 | n;
-                n += 1;
                 let t = Instant::now();
-                let ok = c
-                    .put(&format!("f/{key}"), &value(key, size), &PutOptions::default())
-                    .await
-                    .is_ok();
-                calls.push((t, t.elapsed(), ok, true));
-                if ok {
-                    acked.push(key);
-                }
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
-                let old = rng % objects;
-                let t = Instant::now();
-                let ok = c.get(&format!("f/{old}")).await.is_ok_and(|v| v == value(old, size));
-                calls.push((t, t.elapsed(), ok, false));
+                let ok = if putter {
+                    let key = (w + 1) << 40 | n;
+                    n += 1;
+                    let v = value(key, size);
+                    let ok = c.put(&format!("f/{key}"), &v, &PutOptions::default()).await.is_ok();
+                    if ok {
+                        acked.push(key);
+                    }
+                    ok
+                } else {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    let old = rng % objects;
+                    c.get(&format!("f/{old}")).await.is_ok_and(|v| v == value(old, size))
+                };
+                calls.push((t, t.elapsed(), ok, putter));
                 if !ok {
-                    // A failing call returns at once: do not spin on it.
+                    // A failing call may return at once: do not spin on it.
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
             }
@@ -269,7 +272,8 @@ pub async fn run(a: FailoverArgs) -> anyhow::Result<()> {
     let mut window: Vec<f64> = calls.iter().filter(|c| c.at_s >= -1.0).map(|c| c.us).collect();
     window.sort_by(f64::total_cmp);
     let pct = |p: f64| window.get(((window.len() as f64 - 1.0) * p).round() as usize).copied();
-    let failed = calls.iter().filter(|c| c.at_s >= -1.0 && !c.ok).count();
+    let failed =
+        |put: bool| calls.iter().filter(|c| c.at_s >= -1.0 && !c.ok && c.put == put).count();
     let before = calls.iter().filter(|c| c.at_s < 0.0).count();
 
     // Everything acknowledged, read back.
@@ -314,8 +318,10 @@ pub async fn run(a: FailoverArgs) -> anyhow::Result<()> {
         a.recovery_grace_ms
     );
     println!(
-        "  calls from 1 s before the kill on: {} (failed {failed}), p50 {}, p99 {}, max {}",
+        "  calls from 1 s before the kill on: {} (failed: {} gets, {} puts), p50 {}, p99 {}, max {}",
         window.len(),
+        failed(false),
+        failed(true),
         us(pct(0.5)),
         us(pct(0.99)),
         us(window.last().copied())
