@@ -178,6 +178,11 @@ impl MasterLink {
         &self.addr
     }
 
+    /// The bound of each call.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// The address to connect to and the leader's term (0 for a fixed address).
     async fn resolve(&self) -> Result<(String, u64)> {
         let Some(l) = &self.leader else { return Ok((self.addr.clone(), 0)) };
@@ -396,6 +401,17 @@ impl MasterLink {
 
     /// Calls the master; see the module notes for the retry policy.
     pub async fn call(&self, op: &'static str, req: &MasterRequest) -> Result<MasterResponse> {
+        self.call_within(op, req, self.timeout).await
+    }
+
+    /// [`call`](Self::call) with the master's answer awaited up to `timeout` (a registration
+    /// carrying a million objects takes the master seconds to adopt).
+    pub async fn call_within(
+        &self,
+        op: &'static str,
+        req: &MasterRequest,
+        timeout: Duration,
+    ) -> Result<MasterResponse> {
         let started = Instant::now();
         let idempotent =
             !matches!(req, MasterRequest::PutStart { .. } | MasterRequest::RegisterNode(_));
@@ -407,7 +423,7 @@ impl MasterLink {
             let term = watch.and_then(|w| w.current()).map(|c| c.term);
             let r = match (watch, term) {
                 (Some(w), Some(t)) => tokio::select! {
-                    r = self.call_once(op, req) => r,
+                    r = self.call_once(op, req, timeout) => r,
                     _ = w.changed_from(t) => {
                         let e = Error::new(
                             ErrorKind::Unavailable,
@@ -417,7 +433,7 @@ impl MasterLink {
                         Err(if idempotent { Refusal::Unreached(e) } else { Refusal::Other(e) })
                     }
                 },
-                _ => self.call_once(op, req).await,
+                _ => self.call_once(op, req, timeout).await,
             };
             match r {
                 Err(r @ (Refusal::NotLeader(_) | Refusal::Unreached(_))) => {
@@ -436,6 +452,7 @@ impl MasterLink {
         &self,
         op: &'static str,
         req: &MasterRequest,
+        timeout: Duration,
     ) -> std::result::Result<MasterResponse, Refusal> {
         let refused = |e: WireError| Refusal::wire(op, e);
         let idempotent =
@@ -452,7 +469,7 @@ impl MasterLink {
         let mut reconnected = false;
         loop {
             let (conn, _) = self.conn_term().await?;
-            match conn.call::<_, MasterResponse>(req, self.timeout).await {
+            match conn.call::<_, MasterResponse>(req, timeout).await {
                 Ok(MasterResponse::Refused(e)) => return Err(refused(e)),
                 Ok(resp) => return Ok(resp),
                 Err(RpcError::Closed(_)) if idempotent && !reconnected => reconnected = true,

@@ -594,7 +594,9 @@ async fn run(inner: Arc<Inner>, link: Arc<MasterLink>) {
 async fn register(inner: &Inner, link: &MasterLink) -> Result<Duration> {
     let reg = inner.registration();
     let held = reg.held.len();
-    match link.call("register", &MasterRequest::RegisterNode(reg)).await? {
+    // The master adopts every object before it answers (about 2 us each, more under load).
+    let timeout = link.timeout() + Duration::from_micros(20 * held as u64);
+    match link.call_within("register", &MasterRequest::RegisterNode(reg), timeout).await? {
         MasterResponse::Registered(Ok(ack)) => {
             inner.registered_once.store(true, Ordering::Release);
             tracing::info!(

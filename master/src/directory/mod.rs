@@ -1101,6 +1101,14 @@ impl Directory {
         id
     }
 
+    /// Makes room in the index for `more` keys at once (a node re-registering a million
+    /// objects with a new master would otherwise grow the table many times over).
+    pub(super) fn reserve_index(&mut self, more: usize) {
+        let key_of = key_reader(&self.objects, &self.keys);
+        let hasher = &self.hasher;
+        self.index.reserve(more, |&i| key_hash(hasher, key_of(i)));
+    }
+
     /// Enter a stored object's key in the index and the ordered set.
     fn index_key(&mut self, id: u32) {
         let key_of = key_reader(&self.objects, &self.keys);

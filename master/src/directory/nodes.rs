@@ -61,6 +61,10 @@ impl Directory {
             disconnected_ms: None,
         };
         self.nodes.insert(reg.node, node);
+        // A master rebuilding from its nodes (a restart, a takeover) adopts mostly new keys.
+        if reg.held.len() > self.index.len() {
+            self.reserve_index(reg.held.len());
+        }
         for held in &reg.held {
             self.adopt(reg.node, held, fx, &mut out);
         }
