@@ -47,12 +47,6 @@ impl LeaseGuard {
         (self.inner.base.elapsed().as_micros() as u64) < self.inner.until_us.load(Ordering::Acquire)
     }
 
-    /// How long the guard stays valid without another keep-alive.
-    pub fn remaining(&self) -> Duration {
-        let now = self.inner.base.elapsed().as_micros() as u64;
-        Duration::from_micros(self.inner.until_us.load(Ordering::Acquire).saturating_sub(now))
-    }
-
     fn extend(&self, until: Instant) {
         let us = until.saturating_duration_since(self.inner.base).as_micros() as u64;
         self.inner.until_us.fetch_max(us, Ordering::AcqRel);
@@ -87,10 +81,6 @@ impl Candidate {
         }
         let ttl = Duration::from_secs(ttl.as_secs());
         Ok(Candidate { etcd, key: leader_key(cluster), addr: addr.to_string(), ttl })
-    }
-
-    pub fn key(&self) -> &str {
-        &self.key
     }
 
     /// One attempt: leads if nobody does.

@@ -97,10 +97,6 @@ impl Etcd {
         Etcd::new(self.endpoints.to_vec(), self.timeout)
     }
 
-    pub fn endpoints(&self) -> &[String] {
-        &self.endpoints
-    }
-
     fn unreachable(&self, detail: String) -> Error {
         Error::Unreachable { endpoints: self.endpoints.join(","), detail }
     }
@@ -218,13 +214,6 @@ impl Etcd {
             Some(k) => Ok((rev, Some(kv("get", k)?))),
             None => Ok((rev, None)),
         }
-    }
-
-    /// Puts `key` (no lease); returns the revision.
-    pub async fn put(&self, key: &str, value: &[u8]) -> Result<u64> {
-        let body = json!({"key": b64(key.as_bytes()), "value": b64(value)});
-        let v = self.call("put", "/v3/kv/put", body).await?;
-        Ok(num(&v["header"]["revision"]).max(0) as u64)
     }
 
     /// Deletes `key` if it is still the one created at `create_revision`; true if deleted.

@@ -32,7 +32,6 @@ const REREAD: Duration = Duration::from_secs(2);
 
 /// The leader of one cluster, followed in the background. Dropping it stops the follower.
 pub struct LeaderWatch {
-    target: EtcdTarget,
     rx: watch::Receiver<Option<LeaderInfo>>,
     task: JoinHandle<()>,
 }
@@ -49,11 +48,7 @@ impl LeaderWatch {
         let etcd = Etcd::new(target.endpoints.clone(), timeout)?;
         let (tx, rx) = watch::channel(None);
         let task = tokio::spawn(follow(etcd, leader_key(&target.cluster), tx));
-        Ok(LeaderWatch { target: target.clone(), rx, task })
-    }
-
-    pub fn target(&self) -> &EtcdTarget {
-        &self.target
+        Ok(LeaderWatch { rx, task })
     }
 
     /// The leader as last seen (None: no leader, or not read yet).

@@ -1,96 +1,16 @@
-//! A real etcd for tests: `etcd` (Debian's `etcd-server`) started on free loopback ports with
-//! a data directory of its own, killed when dropped.
+//! A real etcd for tests: `etcd` (Debian's `etcd-server`) members started on free loopback
+//! ports with data directories of their own, killed when dropped.
 
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// One etcd member (a cluster of one) for a test.
-pub struct EtcdServer {
-    child: Child,
-    pub client_url: String,
-    _dir: tempfile::TempDir,
-    log: PathBuf,
-}
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
 }
 
-impl EtcdServer {
-    /// Starts etcd and waits until it answers (panics with the reason if it cannot).
-    pub fn start() -> EtcdServer {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (client, peer) = (free_port(), free_port());
-        let client_url = format!("http://127.0.0.1:{client}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
-        let log = dir.path().join("etcd.log");
-        let out = std::fs::File::create(&log).expect("log file");
-        let child = Command::new("etcd")
-            .args(["--name", "t", "--data-dir"])
-            .arg(dir.path().join("data"))
-            .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
-            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("t={peer_url}")])
-            // Elections within the member itself: fast start, short minimum lease TTL.
-            .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
-            .stdout(Stdio::null())
-            .stderr(out)
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start etcd ({e}): install Debian's etcd-server (scripts/setup)")
-            });
-        let mut s = EtcdServer { child, client_url, _dir: dir, log };
-        s.wait_ready();
-        s
-    }
-
-    fn wait_ready(&mut self) {
-        if let Ok(Some(status)) = self.child.try_wait() {
-            panic!("etcd exited with {status}: {}", self.log_tail());
-        }
-        let addr = self.client_url.trim_start_matches("http://").to_string();
-        let log = self.log.clone();
-        wait_healthy(&addr, || std::fs::read_to_string(&log).unwrap_or_default());
-    }
-
-    /// The endpoint as kvfs takes it (`HOST:PORT`).
-    pub fn endpoint(&self) -> String {
-        self.client_url.trim_start_matches("http://").to_string()
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    pub fn log_tail(&self) -> String {
-        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
-        s.lines()
-            .rev()
-            .take(20)
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
-            .collect::<Vec<_>>()
-            .join("\n")
-    }
-}
-
-impl Drop for EtcdServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A cluster of etcd members on loopback, each a process of its own.
-pub struct EtcdCluster {
-    pub members: Vec<Option<EtcdMember>>,
-    _dir: tempfile::TempDir,
-}
-
-/// One member of an [`EtcdCluster`].
+/// One etcd process.
 pub struct EtcdMember {
     child: Child,
     pub client_url: String,
@@ -104,6 +24,83 @@ impl Drop for EtcdMember {
     }
 }
 
+impl EtcdMember {
+    /// Starts member `name` of the cluster `initial` (`name=peer_url,...`) under `dir`.
+    fn spawn(dir: &Path, name: &str, client: u16, peer: u16, initial: &str) -> EtcdMember {
+        let client_url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let log = dir.join(format!("{name}.log"));
+        let out = std::fs::File::create(&log).expect("log file");
+        let child = Command::new("etcd")
+            .args(["--name", name, "--data-dir"])
+            .arg(dir.join(name))
+            .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
+            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", initial, "--initial-cluster-state", "new"])
+            // Elections within the cluster itself: fast start, short minimum lease TTL.
+            .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+            .stdout(Stdio::null())
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("cannot start etcd ({e}): install Debian's etcd-server (scripts/setup)")
+            });
+        EtcdMember { child, client_url, log }
+    }
+
+    /// The endpoint as kvfs takes it (`HOST:PORT`).
+    pub fn endpoint(&self) -> String {
+        self.client_url.trim_start_matches("http://").to_string()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The last lines of its log.
+    pub fn log_tail(&self) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        s.lines()
+            .rev()
+            .take(20)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Waits (at most 30 s) until it answers healthy; panics with its log if it does not.
+    fn wait_healthy(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let addr = self.endpoint();
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("etcd exited with {status}: {}", self.log_tail());
+            }
+            if let Ok(mut s) = std::net::TcpStream::connect(&addr) {
+                use std::io::{Read, Write};
+                let mut out = String::new();
+                let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+                if s.write_all(b"GET /health HTTP/1.0\r\n\r\n").is_ok()
+                    && s.read_to_string(&mut out).is_ok()
+                    && out.contains("\"health\":\"true\"")
+                {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "etcd at {addr} not healthy: {}", self.log_tail());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// A cluster of etcd members on loopback, each a process of its own.
+pub struct EtcdCluster {
+    pub members: Vec<Option<EtcdMember>>,
+    _dir: tempfile::TempDir,
+}
+
 impl EtcdCluster {
     /// Starts `n` members and waits until each answers healthy.
     pub fn start(n: usize) -> EtcdCluster {
@@ -115,43 +112,20 @@ impl EtcdCluster {
             .map(|(i, (_, p))| format!("m{i}=http://127.0.0.1:{p}"))
             .collect();
         let initial = initial.join(",");
-        let mut members = Vec::new();
-        for (i, (c, p)) in ports.iter().enumerate() {
-            let client_url = format!("http://127.0.0.1:{c}");
-            let peer_url = format!("http://127.0.0.1:{p}");
-            let log = dir.path().join(format!("m{i}.log"));
-            let out = std::fs::File::create(&log).expect("log file");
-            let child = Command::new("etcd")
-                .args(["--name", &format!("m{i}"), "--data-dir"])
-                .arg(dir.path().join(format!("m{i}")))
-                .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
-                .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
-                .args(["--initial-cluster", &initial, "--initial-cluster-state", "new"])
-                .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
-                .stdout(Stdio::null())
-                .stderr(out)
-                .spawn()
-                .unwrap_or_else(|e| {
-                    panic!("cannot start etcd ({e}): install Debian's etcd-server (scripts/setup)")
-                });
-            members.push(Some(EtcdMember { child, client_url, log }));
+        let mut members: Vec<EtcdMember> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, &(c, p))| EtcdMember::spawn(dir.path(), &format!("m{i}"), c, p, &initial))
+            .collect();
+        for m in &mut members {
+            m.wait_healthy();
         }
-        let c = EtcdCluster { members, _dir: dir };
-        for m in c.members.iter().flatten() {
-            let addr = m.client_url.trim_start_matches("http://").to_string();
-            wait_healthy(&addr, || std::fs::read_to_string(&m.log).unwrap_or_default());
-        }
-        c
+        EtcdCluster { members: members.into_iter().map(Some).collect(), _dir: dir }
     }
 
-    /// Every member's endpoint (`HOST:PORT`), comma-separated, as kvfs takes them.
+    /// Every live member's endpoint (`HOST:PORT`), comma-separated, as kvfs takes them.
     pub fn endpoints(&self) -> String {
-        self.members
-            .iter()
-            .flatten()
-            .map(|m| m.client_url.trim_start_matches("http://").to_string())
-            .collect::<Vec<_>>()
-            .join(",")
+        self.members.iter().flatten().map(EtcdMember::endpoint).collect::<Vec<_>>().join(",")
     }
 
     /// SIGKILLs member `i`.
@@ -160,21 +134,22 @@ impl EtcdCluster {
     }
 }
 
-fn wait_healthy(addr: &str, log: impl Fn() -> String) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(mut s) = std::net::TcpStream::connect(addr) {
-            use std::io::{Read, Write};
-            let mut out = String::new();
-            let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-            if s.write_all(b"GET /health HTTP/1.0\r\n\r\n").is_ok()
-                && s.read_to_string(&mut out).is_ok()
-                && out.contains("\"health\":\"true\"")
-            {
-                return;
-            }
-        }
-        assert!(Instant::now() < deadline, "etcd at {addr} did not become healthy: {}", log());
-        std::thread::sleep(Duration::from_millis(50));
+/// A single etcd member (a cluster of one) for a test.
+pub struct EtcdServer {
+    cluster: EtcdCluster,
+}
+
+impl std::ops::Deref for EtcdServer {
+    type Target = EtcdMember;
+
+    fn deref(&self) -> &EtcdMember {
+        self.cluster.members[0].as_ref().expect("the only member is never killed")
+    }
+}
+
+impl EtcdServer {
+    /// Starts etcd and waits until it answers (panics with the reason if it cannot).
+    pub fn start() -> EtcdServer {
+        EtcdServer { cluster: EtcdCluster::start(1) }
     }
 }

@@ -196,7 +196,7 @@ async fn a_stopped_leader_is_deposed_and_refuses_to_act_when_it_resumes() {
         c.put(&format!("s/{i}"), &content(i, 10_000), &PutOptions::default()).await.expect("put");
     }
     let stopped = Instant::now();
-    ha.master_proc(&old).as_ref().expect("leader running").signal(libc_sigstop());
+    ha.master_proc(&old).as_ref().expect("leader running").signal(libc::SIGSTOP);
     let (new, new_term) = ha.wait_leader(old_term).await;
     let elected = stopped.elapsed();
     assert_ne!(new, old);
@@ -206,7 +206,7 @@ async fn a_stopped_leader_is_deposed_and_refuses_to_act_when_it_resumes() {
         assert_eq!(get_retrying(&c, &format!("s/{i}")).await, content(i, 10_000));
     }
     put_retrying(&c, "s/new", &content(77, 3000)).await;
-    ha.master_proc(&old).as_ref().expect("old leader").signal(libc_sigcont());
+    ha.master_proc(&old).as_ref().expect("old leader").signal(libc::SIGCONT);
     // The resumed master must not act: a client pointed at it directly is refused.
     let direct =
         ClientConfig { master: old.clone(), rpc_timeout_ms: 2000, ..ClientConfig::default() };
@@ -232,14 +232,6 @@ async fn a_stopped_leader_is_deposed_and_refuses_to_act_when_it_resumes() {
     assert_eq!(get_retrying(&c, "s/new").await, content(77, 3000));
     assert!(c.exists("s/through-old").await.is_ok_and(|e| !e));
     assert_eq!(ha.leader().await.map(|l| l.1), Some(new_term));
-}
-
-fn libc_sigstop() -> i32 {
-    19
-}
-
-fn libc_sigcont() -> i32 {
-    18
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

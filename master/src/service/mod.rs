@@ -346,11 +346,6 @@ impl MasterService {
     pub fn stats(&self) -> w::MasterStats {
         self.state.stats()
     }
-
-    /// The leadership term it serves (0 without HA).
-    pub fn term(&self) -> u64 {
-        self.state.term()
-    }
 }
 
 async fn accept_loop(listener: TcpListener, state: Arc<State>) {
