@@ -360,6 +360,7 @@ impl Client {
             host.clone(),
             kvfs_rpc::no_handler(),
             timeout,
+            engine.config().cluster_secret,
         );
         master.conn().await?;
         let staging =

@@ -146,8 +146,9 @@ impl MasterLink {
         host: String,
         handler: Arc<dyn Handler>,
         timeout: Duration,
+        secret: Option<kvfs_rpc::ClusterSecret>,
     ) -> MasterLink {
-        let opts = RpcOptions { connect_timeout: timeout, ..RpcOptions::default() };
+        let opts = RpcOptions { connect_timeout: timeout, secret, ..RpcOptions::default() };
         let direct = Mutex::new(if role == Role::Client {
             Direct::Closed { retry_at: None }
         } else {
@@ -271,9 +272,13 @@ impl MasterLink {
         *slot = None;
         let (addr, term) = self.resolve().await.map_err(Refusal::Unreached)?;
         self.term_tried.fetch_max(term, Ordering::AcqRel);
-        let conn = RpcConn::connect(&addr, self.handler.clone(), self.opts.clone())
-            .await
-            .map_err(|e| Refusal::Unreached(Error::from_rpc("connect to master", e)))?;
+        let conn = RpcConn::connect(&addr, self.handler.clone(), self.opts.clone()).await.map_err(
+            |e| match e {
+                // Another try would be refused the same way: say so at once.
+                RpcError::Refused { .. } => Refusal::Other(Error::from_rpc("connect to master", e)),
+                e => Refusal::Unreached(Error::from_rpc("connect to master", e)),
+            },
+        )?;
         let term = match conn.call::<_, MasterResponse>(&self.hello(), self.timeout).await {
             Ok(resp) => match self.check_hello(resp) {
                 Ok(t) => t,

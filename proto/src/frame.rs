@@ -18,6 +18,10 @@ pub enum FrameError {
     TooLarge { len: usize, max: usize },
     #[error("malformed message: {0}")]
     Decode(#[from] postcard::Error),
+    /// The peer requires the cluster secret and this side did not prove it (see
+    /// [`crate::auth`]).
+    #[error("{0}")]
+    SecretRequired(String),
 }
 
 /// Writes one frame holding `body`.
@@ -48,6 +52,9 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
             return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
         }
         got += n;
+    }
+    if crate::auth::is_handshake_prefix(&len_buf) {
+        return Err(FrameError::SecretRequired(crate::auth::secret_required()));
     }
     let len = u32::from_le_bytes(len_buf) as usize;
     if len > max_len {

@@ -13,6 +13,7 @@
 //! panicking: bytes from the network are never trusted.
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod frame;
 pub mod store;
 pub mod transfer;

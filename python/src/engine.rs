@@ -374,12 +374,14 @@ impl TransferEngine {
         let timeout_s = env_u64("MC_TRANSFER_TIMEOUT").unwrap_or(30).max(5);
         let keep_name = !p2p && port.is_some();
         let start = async {
+            let secret = kvfs_transfer::ClusterSecret::from_env().map_err(Failure::invalid)?;
             let mut last = String::from("no port to try");
             for p in ports {
                 let Some(listen) = resolve(&host, p) else {
                     return Err(Failure::invalid(format!("{host:?} does not resolve")));
                 };
-                let mut cfg = EngineConfig { listen, ..EngineConfig::default() };
+                let mut cfg =
+                    EngineConfig { listen, cluster_secret: secret, ..EngineConfig::default() };
                 cfg.name = Some(if keep_name {
                     local_hostname.trim().trim_start_matches('/').to_string()
                 } else {

@@ -224,10 +224,11 @@ async fn start_engine(opts: &SessionOptions) -> Result<(Engine, Option<Node>), F
         }
         _ => vec![0],
     };
+    let secret = kvfs_transfer::ClusterSecret::from_env().map_err(Failure::invalid)?;
     let mut last = Failure::internal("no port to try");
     for port in ports {
         let listen = resolve(&host, port)?;
-        let mut ecfg = EngineConfig { listen, ..EngineConfig::default() };
+        let mut ecfg = EngineConfig { listen, cluster_secret: secret, ..EngineConfig::default() };
         if opts.local_hostname.is_some() && port != 0 {
             ecfg.name = Some(format!("{host}:{port}"));
         }

@@ -26,8 +26,13 @@
 //! reply for a bounded time and reads it itself, so a round trip wakes no other thread on the
 //! calling side (with [`RpcConn`] the reply wakes the reader task, which wakes the caller).
 //!
+//! Authentication. With a cluster secret in [`RpcOptions`], both sides prove it before the
+//! first frame ([`kvfs_proto::auth`]); a connection that does not is refused before any of its
+//! requests is read, and a side without the secret that is refused gets
+//! [`RpcError::Refused`] saying why.
+//!
 //! Not handled: reconnection (callers own a connection's lifecycle and make a new one), and
-//! authentication (the control plane runs on a private network).
+//! encryption.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -45,6 +50,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{Notify, oneshot};
+
+pub use kvfs_proto::auth::ClusterSecret;
+use kvfs_proto::auth::{self, AuthError};
 
 const KIND_REQUEST: u8 = 1;
 const KIND_RESPONSE: u8 = 2;
@@ -66,6 +74,9 @@ pub enum RpcError {
     Remote(String),
     #[error("frame of {len} bytes exceeds the limit of {max}")]
     TooLarge { len: usize, max: usize },
+    /// The cluster secret handshake failed (see [`kvfs_proto::auth`]).
+    #[error("{peer}: {detail}")]
+    Refused { peer: String, detail: String },
 }
 
 impl RpcError {
@@ -79,13 +90,46 @@ impl RpcError {
 #[derive(Debug, Clone)]
 pub struct RpcOptions {
     pub frame_bytes_max: usize,
+    /// Connect plus the secret handshake, on either side.
     pub connect_timeout: Duration,
+    /// The cluster secret both sides must prove at connect (none: no handshake).
+    pub secret: Option<ClusterSecret>,
 }
 
 impl Default for RpcOptions {
     fn default() -> Self {
-        RpcOptions { frame_bytes_max: 64 << 20, connect_timeout: Duration::from_secs(3) }
+        RpcOptions {
+            frame_bytes_max: 64 << 20,
+            connect_timeout: Duration::from_secs(3),
+            secret: None,
+        }
     }
+}
+
+/// Connects to `addr` and proves the cluster secret when there is one, within the connect
+/// timeout.
+async fn dial(addr: &str, opts: &RpcOptions) -> Result<TcpStream, RpcError> {
+    let err = |detail: String| RpcError::Connect { peer: addr.to_string(), detail };
+    let fut = async {
+        let mut stream = TcpStream::connect(addr).await.map_err(|e| err(e.to_string()))?;
+        if let Some(secret) = &opts.secret {
+            auth::connect(&mut stream, secret).await.map_err(|e| match e {
+                AuthError::Refused(detail) => RpcError::Refused { peer: addr.to_string(), detail },
+                AuthError::Io(detail) => err(detail),
+            })?;
+        }
+        Ok(stream)
+    };
+    tokio::time::timeout(opts.connect_timeout, fut)
+        .await
+        .map_err(|_| err(format!("no connection within {:?}", opts.connect_timeout)))?
+}
+
+/// The error for a frame that starts with the secret handshake's magic: the peer requires a
+/// secret this side did not prove.
+fn refused_frame(hdr: &[u8; HEADER]) -> Option<String> {
+    let first: &[u8; 4] = hdr[..4].try_into().expect("4 bytes");
+    auth::is_handshake_prefix(first).then(auth::secret_required)
 }
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>, String>> + Send>>;
@@ -154,6 +198,8 @@ struct Inner {
     next_id: AtomicU64,
     closed: AtomicBool,
     closed_notify: Notify,
+    /// Why the peer refused this connection (the secret handshake), once known.
+    refused: Mutex<Option<String>>,
     peer: String,
     opts: RpcOptions,
 }
@@ -183,15 +229,36 @@ impl RpcConn {
         handler: Arc<dyn Handler>,
         opts: RpcOptions,
     ) -> Result<RpcConn, RpcError> {
-        let err = |detail: String| RpcError::Connect { peer: addr.to_string(), detail };
-        let stream = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(addr))
-            .await
-            .map_err(|_| err(format!("no connection within {:?}", opts.connect_timeout)))?
-            .map_err(|e| err(e.to_string()))?;
+        let stream = dial(addr, &opts).await?;
         Ok(RpcConn::start(stream, handler, opts))
     }
 
-    /// Starts a connection on an established stream (the accepting side uses this).
+    /// Serves a connection an acceptor took: at once without a cluster secret, else from a
+    /// task of its own once the peer proved the secret (within the connect timeout; a peer
+    /// that does not is told why and closed).
+    pub fn accepted(stream: TcpStream, handler: Arc<dyn Handler>, opts: RpcOptions) {
+        let Some(secret) = opts.secret else {
+            RpcConn::start(stream, handler, opts);
+            return;
+        };
+        tokio::spawn(async move {
+            let mut stream = stream;
+            let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+            match tokio::time::timeout(opts.connect_timeout, auth::accept(&mut stream, &secret))
+                .await
+            {
+                Ok(Ok(())) => {
+                    RpcConn::start(stream, handler, opts);
+                }
+                Ok(Err(e)) => tracing::warn!(%peer, error = %e, "rpc connection refused"),
+                Err(_) => {
+                    tracing::warn!(%peer, "rpc connection refused: no secret handshake in time")
+                }
+            }
+        });
+    }
+
+    /// Starts a connection on an established stream whose handshake (if any) is done.
     pub fn start(stream: TcpStream, handler: Arc<dyn Handler>, opts: RpcOptions) -> RpcConn {
         tune(&stream);
         let peer = stream.peer_addr().map(|a: SocketAddr| a.to_string()).unwrap_or_default();
@@ -203,6 +270,7 @@ impl RpcConn {
                 next_id: AtomicU64::new(1),
                 closed: AtomicBool::new(false),
                 closed_notify: Notify::new(),
+                refused: Mutex::new(None),
                 peer,
                 opts,
             }),
@@ -247,7 +315,7 @@ impl RpcConn {
     ) -> Result<Resp, RpcError> {
         let inner = &self.inner;
         if self.is_closed() {
-            return Err(RpcError::Closed(inner.peer.clone()));
+            return Err(self.closed_error());
         }
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = encode(KIND_REQUEST, id, req)?;
@@ -269,7 +337,7 @@ impl RpcConn {
                 kvfs_proto::decode_body(&body).map_err(|e| RpcError::Decode(e.to_string()))
             }
             Ok(Ok((_, body))) => Err(RpcError::Remote(String::from_utf8_lossy(&body).into_owned())),
-            Ok(Err(_)) => Err(RpcError::Closed(inner.peer.clone())),
+            Ok(Err(_)) => Err(self.closed_error()),
             Err(_) => {
                 inner.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
                 Err(RpcError::Timeout {
@@ -277,6 +345,14 @@ impl RpcConn {
                     timeout_ms: timeout.as_millis() as u64,
                 })
             }
+        }
+    }
+
+    fn closed_error(&self) -> RpcError {
+        let inner = &self.inner;
+        match inner.refused.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            Some(detail) => RpcError::Refused { peer: inner.peer.clone(), detail },
+            None => RpcError::Closed(inner.peer.clone()),
         }
     }
 
@@ -365,6 +441,10 @@ async fn read_loop(rd: OwnedReadHalf, conn: RpcConn, handler: Arc<dyn Handler>) 
             Ok(f) => f,
             Err(e) => {
                 tracing::debug!(peer = %conn.inner.peer, error = %e, "rpc connection ended");
+                if e.kind() == std::io::ErrorKind::PermissionDenied {
+                    *conn.inner.refused.lock().unwrap_or_else(|e| e.into_inner()) =
+                        Some(e.to_string());
+                }
                 break;
             }
         };
@@ -393,6 +473,9 @@ async fn read_loop(rd: OwnedReadHalf, conn: RpcConn, handler: Arc<dyn Handler>) 
 async fn read_frame(rd: &mut Reader, max: usize) -> std::io::Result<(u8, u64, Vec<u8>)> {
     let mut hdr = [0u8; HEADER];
     rd.read_exact(&mut hdr).await?;
+    if let Some(why) = refused_frame(&hdr) {
+        return Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, why));
+    }
     let len = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]) as usize;
     if !(9..=max + 9).contains(&len) {
         return Err(std::io::Error::other(format!("frame length {len} out of bounds")));
@@ -451,11 +534,7 @@ pub struct DirectConn {
 
 impl DirectConn {
     pub async fn connect(addr: &str, opts: RpcOptions) -> Result<DirectConn, RpcError> {
-        let err = |detail: String| RpcError::Connect { peer: addr.to_string(), detail };
-        let stream = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(addr))
-            .await
-            .map_err(|_| err(format!("no connection within {:?}", opts.connect_timeout)))?
-            .map_err(|e| err(e.to_string()))?;
+        let stream = dial(addr, &opts).await?;
         tune(&stream);
         let peer = stream.peer_addr().map(|a: SocketAddr| a.to_string()).unwrap_or_default();
         let (rd, wr) = stream.into_split();
@@ -485,6 +564,9 @@ impl DirectConn {
         self.rd.spin_for_bytes(spin);
         let mut hdr = [0u8; HEADER];
         self.rd.read_exact(&mut hdr).await.map_err(|_| RpcError::Closed(self.peer.clone()))?;
+        if let Some(detail) = refused_frame(&hdr) {
+            return Err(RpcError::Refused { peer: self.peer.clone(), detail });
+        }
         let len = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]) as usize;
         if !(9..=self.opts.frame_bytes_max + 9).contains(&len) {
             return Err(RpcError::Decode(format!("frame length {len} out of bounds")));
@@ -584,6 +666,70 @@ mod tests {
         let client = RpcConn::connect(&addr, no_handler(), RpcOptions::default()).await.unwrap();
         let server = RpcConn::start(accept.await.unwrap(), h, RpcOptions::default());
         (client, server)
+    }
+
+    #[tokio::test]
+    async fn the_cluster_secret_is_proven_before_any_request() {
+        let secret = |s: &str| Some(ClusterSecret::from_bytes(s.as_bytes()).unwrap());
+        let server =
+            RpcOptions { secret: secret("a cluster secret of ours"), ..RpcOptions::default() };
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let served = Arc::new(AtomicU64::new(0));
+        let count = served.clone();
+        let h = handler_fn(move |_conn, v: u64| {
+            count.fetch_add(1, Ordering::Relaxed);
+            async move { v + 1 }
+        });
+        let opts = server.clone();
+        tokio::spawn(async move {
+            loop {
+                let (s, _) = l.accept().await.unwrap();
+                RpcConn::accepted(s, h.clone(), opts.clone());
+            }
+        });
+        let t = Duration::from_secs(5);
+        let c = RpcConn::connect(&addr, no_handler(), server.clone()).await.unwrap();
+        assert_eq!(c.call::<u64, u64>(&1, t).await.unwrap(), 2);
+        let mut d = DirectConn::connect(&addr, server.clone()).await.unwrap();
+        assert_eq!(d.call::<u64, u64>(&2, Duration::ZERO).await.unwrap(), 3);
+
+        // Without a secret: the connection opens, its first call is refused with the reason.
+        let c = RpcConn::connect(&addr, no_handler(), RpcOptions::default()).await.unwrap();
+        let e = c.call::<u64, u64>(&3, t).await.unwrap_err();
+        assert!(
+            matches!(&e, RpcError::Refused { detail, .. } if detail.contains("no cluster secret")),
+            "{e}"
+        );
+        assert!(!e.retryable());
+        let mut d = DirectConn::connect(&addr, RpcOptions::default()).await.unwrap();
+        let e = d.call::<u64, u64>(&3, Duration::ZERO).await.unwrap_err();
+        assert!(matches!(&e, RpcError::Refused { .. }), "{e}");
+
+        // Another secret: refused at connect.
+        let other =
+            RpcOptions { secret: secret("somebody else's secret"), ..RpcOptions::default() };
+        let e = RpcConn::connect(&addr, no_handler(), other.clone()).await.err().unwrap();
+        assert!(
+            matches!(&e, RpcError::Refused { detail, .. } if detail.contains("another cluster secret")),
+            "{e}"
+        );
+
+        // A secret the server does not have: refused at connect, at once.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let open = l.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (s, _) = l.accept().await.unwrap();
+            let c =
+                RpcConn::start(s, handler_fn(|_c, v: u64| async move { v }), RpcOptions::default());
+            c.closed().await;
+        });
+        let e = RpcConn::connect(&open, no_handler(), other).await.err().unwrap();
+        assert!(
+            matches!(&e, RpcError::Refused { detail, .. } if detail.contains("without a cluster secret")),
+            "{e}"
+        );
+        assert_eq!(served.load(Ordering::Relaxed), 2, "only proven connections were served");
     }
 
     #[tokio::test]

@@ -194,6 +194,8 @@ pub struct ClusterOpts {
     /// Give every node started a data directory of its own under this one (a node started
     /// again gets a new, empty one: a new node id, nothing carried over).
     pub data_root: Option<PathBuf>,
+    /// The cluster secret file given to the master, every node and mount, and the clients.
+    pub secret_file: Option<PathBuf>,
 }
 
 impl Default for ClusterOpts {
@@ -211,6 +213,7 @@ impl Default for ClusterOpts {
             ],
             node_args: vec!["--no-populate".into()],
             data_root: None,
+            secret_file: None,
         }
     }
 }
@@ -245,6 +248,7 @@ impl Cluster {
             "off".into(),
         ];
         args.extend(self.opts.master_args.iter().cloned());
+        args.extend(self.secret_args());
         self.master = Some(Proc::start(&args));
     }
 
@@ -258,6 +262,7 @@ impl Cluster {
             self.opts.dram.clone(),
         ];
         args.extend(self.opts.node_args.iter().cloned());
+        args.extend(self.secret_args());
         if let Some(root) = &self.opts.data_root {
             args.push("--data".into());
             args.push(root.join(format!("node{}", self.nodes.len())).display().to_string());
@@ -275,12 +280,13 @@ impl Cluster {
 
     /// Starts `kvfs mount` of this cluster at `dir` (made if missing).
     pub fn start_mount(&self, dir: &Path) -> MountProc {
-        let args = vec![
+        let mut args = vec![
             "mount".into(),
             "--master".into(),
             self.master_addr.clone(),
             dir.display().to_string(),
         ];
+        args.extend(self.secret_args());
         MountProc { proc: Some(Proc::start(&args)), dir: dir.to_path_buf() }
     }
 
@@ -296,8 +302,19 @@ impl Cluster {
         }
     }
 
+    fn secret_args(&self) -> Vec<String> {
+        match &self.opts.secret_file {
+            Some(f) => vec!["--cluster-secret-file".into(), f.display().to_string()],
+            None => Vec::new(),
+        }
+    }
+
     pub fn client_config(&self) -> ClientConfig {
-        ClientConfig { master: self.master_addr.clone(), ..ClientConfig::default() }
+        let mut cfg = ClientConfig { master: self.master_addr.clone(), ..ClientConfig::default() };
+        cfg.engine.cluster_secret = self.opts.secret_file.as_ref().map(|f| {
+            kvfs_transfer::ClusterSecret::from_file(f).expect("the test's secret file reads")
+        });
+        cfg
     }
 
     pub async fn client(&self) -> Client {

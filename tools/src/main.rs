@@ -19,6 +19,12 @@ struct Cli {
     /// Master address for the commands that talk to a cluster.
     #[arg(long, global = true, env = "KVFS_MASTER", default_value = "127.0.0.1:50051")]
     master: String,
+    /// The cluster secret: a file of at least 16 bytes that every master, node, client and
+    /// mount of the cluster is given. Each connection (control RPC, Transfer Engine tcp and
+    /// shm) proves it at its handshake, and one that does not is refused before it can read,
+    /// write or register memory. Without it, nothing is asked or proven.
+    #[arg(long, global = true, env = "KVFS_CLUSTER_SECRET_FILE", value_name = "FILE")]
+    cluster_secret_file: Option<std::path::PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -351,6 +357,11 @@ fn run() -> anyhow::Result<()> {
     if let Cmd::Bench(BenchCmd::Conductor(a)) = cli.cmd {
         // Its own runtime per case, with the client on this thread.
         return bench::conductor::run(a);
+    }
+    if let Some(path) = &cli.cluster_secret_file {
+        cmd::set_cluster_secret(
+            kvfs_transfer::ClusterSecret::from_file(path).map_err(anyhow::Error::msg)?,
+        );
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {

@@ -58,6 +58,9 @@ pub struct EngineConfig {
     /// A refused write's payload up to this size is drained to keep the connection; a larger
     /// one closes it.
     pub write_drain_bytes_max: u64,
+    /// The cluster secret every tcp, rdma control and shm connection proves before its
+    /// handshake, both ways (none: no proof asked or given; see `kvfs_proto::auth`).
+    pub cluster_secret: Option<kvfs_proto::auth::ClusterSecret>,
     /// Shm copies from this size up are spread over several threads (smaller ones run inline
     /// on the calling task).
     pub shm_parallel_bytes_min: u64,
@@ -102,6 +105,7 @@ impl Default for EngineConfig {
             notify_bytes_max: 64 << 10,
             notify_queue_max: 1024,
             write_drain_bytes_max: 64 << 20,
+            cluster_secret: None,
             shm_parallel_bytes_min: 2 << 20,
             shm_copy_threads_max: 4,
             socket_buffer_bytes: 0,

@@ -617,7 +617,13 @@ impl Engine {
         })?;
         let shm = match (&info.shm_socket, shared.cfg.transports.shm) {
             (Some(sock), true) if info.host_id == shared.host_id => {
-                match ShmPeer::open(sock.clone(), shared.cfg.connect_timeout()).await {
+                match ShmPeer::open(
+                    sock.clone(),
+                    shared.cfg.connect_timeout(),
+                    shared.cfg.cluster_secret,
+                )
+                .await
+                {
                     Ok(p) => Some(p),
                     Err(e) => {
                         tracing::warn!(segment = %name, error = %e, "shm unavailable, using tcp");

@@ -41,4 +41,5 @@ pub use engine::{
 };
 pub use error::{Error, ErrorKind, Result};
 pub use hostid::host_id;
+pub use kvfs_proto::auth::ClusterSecret;
 pub use memory::{Buffer, BufferOptions, PageKind};

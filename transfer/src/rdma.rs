@@ -596,6 +596,15 @@ impl RdmaPeer {
             TcpStream::connect(self.addr).await.map_err(|e| Error::io("rdma connect", e))?;
         tune_socket(&stream, 0);
         let mut stream = stream;
+        let timeout = self.shared.cfg.connect_timeout();
+        tokio::time::timeout(
+            timeout,
+            crate::tcp::prove(&mut stream, &self.shared, "rdma handshake"),
+        )
+        .await
+        .map_err(|_| {
+            Error::new(ErrorKind::Timeout, "rdma handshake", "no secret handshake in time")
+        })??;
         let hello = Hello {
             version: TE_PROTOCOL_VERSION,
             name: self.shared.name.clone(),

@@ -11,6 +11,9 @@
 //! owner may have registered new buffers); ranges that still do not map fall back to tcp
 //! (the owner may have registered raw memory, which cannot be shared).
 //!
+//! With a cluster secret configured, every connection to the socket proves it before its
+//! first request (`kvfs_proto::auth`): a local process without it never receives a memfd.
+//!
 //! Not handled: buffers the owner unregisters while peers still have them mapped keep their
 //! pages alive (the mapping holds them); the owner must stop addressing them, as with memory
 //! deregistered from an RDMA NIC.
@@ -24,6 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use kvfs_proto::auth::ClusterSecret;
 use kvfs_proto::transfer::{SHM_FDS_PER_MESSAGE_MAX, ShmBufferDesc, ShmBuffers, ShmRequest};
 use tokio::io::{AsyncReadExt, Interest};
 use tokio::task::JoinSet;
@@ -65,6 +69,14 @@ pub(crate) async fn serve(listener: tokio::net::UnixListener, shared: Arc<Shared
 }
 
 async fn serve_conn(mut stream: tokio::net::UnixStream, shared: Arc<Shared>) {
+    if let Some(secret) = &shared.cfg.cluster_secret {
+        let timeout = shared.cfg.connect_timeout();
+        match tokio::time::timeout(timeout, kvfs_proto::auth::accept(&mut stream, secret)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return tracing::warn!(error = %e, "shm connection refused"),
+            Err(_) => return tracing::warn!("shm connection refused: no secret handshake in time"),
+        }
+    }
     loop {
         let req = match kvfs_proto::read_msg::<_, ShmRequest>(&mut stream, REQUEST_FRAME_MAX).await
         {
@@ -184,12 +196,17 @@ fn recvmsg_fds(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::
 fn fetch_buffers(
     socket: &str,
     timeout: Duration,
+    secret: Option<ClusterSecret>,
 ) -> Result<(UnixStream, Vec<(ShmBufferDesc, OwnedFd)>)> {
     let io = |e| Error::io("shm fetch", e);
     let addr = SocketAddr::from_abstract_name(socket.as_bytes()).map_err(io)?;
     let mut s = UnixStream::connect_addr(&addr).map_err(io)?;
     s.set_read_timeout(Some(timeout)).map_err(io)?;
     s.set_write_timeout(Some(timeout)).map_err(io)?;
+    if let Some(secret) = &secret {
+        kvfs_proto::auth::connect_blocking(&mut s, secret)
+            .map_err(|e| crate::tcp::auth_error(e, "shm fetch"))?;
+    }
     let mut out = Vec::new();
     loop {
         let frame = kvfs_proto::encode_frame(&ShmRequest::Buffers { start: out.len() as u32 })
@@ -246,6 +263,7 @@ fn read_reply(s: &mut UnixStream) -> Result<(ShmBuffers, Vec<OwnedFd>)> {
 pub(crate) struct ShmPeer {
     socket: String,
     timeout: Duration,
+    secret: Option<ClusterSecret>,
     maps: RwLock<BTreeMap<u64, Arc<Buffer>>>,
     dead: Arc<AtomicBool>,
     /// Held while refreshing; holds when the last refresh finished.
@@ -258,14 +276,20 @@ pub(crate) struct ShmPeer {
 const REFRESH_INTERVAL: Duration = Duration::from_millis(200);
 
 impl ShmPeer {
-    pub async fn open(socket: String, timeout: Duration) -> Result<ShmPeer> {
+    pub async fn open(
+        socket: String,
+        timeout: Duration,
+        secret: Option<ClusterSecret>,
+    ) -> Result<ShmPeer> {
         let name = socket.clone();
-        let (watch, bufs) = tokio::task::spawn_blocking(move || fetch_buffers(&name, timeout))
-            .await
-            .map_err(|e| Error::new(ErrorKind::Io, "shm open", e.to_string()))??;
+        let (watch, bufs) =
+            tokio::task::spawn_blocking(move || fetch_buffers(&name, timeout, secret))
+                .await
+                .map_err(|e| Error::new(ErrorKind::Io, "shm open", e.to_string()))??;
         let peer = ShmPeer {
             socket,
             timeout,
+            secret,
             maps: RwLock::new(BTreeMap::new()),
             dead: Arc::new(AtomicBool::new(false)),
             refresh: tokio::sync::Mutex::new(None),
@@ -316,10 +340,11 @@ impl ShmPeer {
         if last.is_some_and(|t| t.elapsed() < REFRESH_INTERVAL) {
             return Ok(());
         }
-        let (name, timeout) = (self.socket.clone(), self.timeout);
-        let (_stream, bufs) = tokio::task::spawn_blocking(move || fetch_buffers(&name, timeout))
-            .await
-            .map_err(|e| Error::new(ErrorKind::Io, "shm refresh", e.to_string()))??;
+        let (name, timeout, secret) = (self.socket.clone(), self.timeout, self.secret);
+        let (_stream, bufs) =
+            tokio::task::spawn_blocking(move || fetch_buffers(&name, timeout, secret))
+                .await
+                .map_err(|e| Error::new(ErrorKind::Io, "shm refresh", e.to_string()))??;
         let installed = self.install(bufs);
         *last = Some(std::time::Instant::now());
         installed

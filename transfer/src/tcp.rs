@@ -40,8 +40,12 @@
 //! job; raw registrations are the caller's promise); a pack's range table is checked whole
 //! (count, lengths, total) before any byte moves, and a malformed one closes the connection.
 //!
-//! Not handled: encryption and authentication (peers are trusted cluster members on a private
-//! network, as in the reference system).
+//! Authentication: with a cluster secret configured, every connection (tcp data, rdma control)
+//! proves it both ways before its `Hello` ([`prove`], [`kvfs_proto::auth`]); a stranger is
+//! refused before it can read, write or learn the engine's shm socket.
+//!
+//! Not handled: encryption (peers are cluster members on a private network, as in the
+//! reference system).
 
 use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
@@ -184,6 +188,34 @@ pub(crate) struct PeerInfo {
     pub first_buffer_addr: u64,
 }
 
+/// The connecting side's proof of the cluster secret, when the engine has one (the caller
+/// bounds it with the connect timeout).
+pub(crate) async fn prove(
+    stream: &mut TcpStream,
+    shared: &Shared,
+    what: &'static str,
+) -> Result<()> {
+    let Some(secret) = &shared.cfg.cluster_secret else { return Ok(()) };
+    kvfs_proto::auth::connect(stream, secret).await.map_err(|e| auth_error(e, what))
+}
+
+/// The accepting side's check of the cluster secret, within the connect timeout.
+async fn check(stream: &mut TcpStream, shared: &Shared) -> Result<()> {
+    let Some(secret) = &shared.cfg.cluster_secret else { return Ok(()) };
+    let timeout = shared.cfg.connect_timeout();
+    match tokio::time::timeout(timeout, kvfs_proto::auth::accept(stream, secret)).await {
+        Ok(r) => r.map_err(|e| auth_error(e, "tcp accept")),
+        Err(_) => Err(Error::new(ErrorKind::Timeout, "tcp accept", "no secret handshake in time")),
+    }
+}
+
+pub(crate) fn auth_error(e: kvfs_proto::auth::AuthError, what: &'static str) -> Error {
+    match e {
+        kvfs_proto::auth::AuthError::Refused(m) => Error::new(ErrorKind::Refused, what, m),
+        kvfs_proto::auth::AuthError::Io(m) => Error::new(ErrorKind::PeerGone, what, m),
+    }
+}
+
 /// Connects and performs the handshake, within the connect timeout.
 async fn connect(addr: SocketAddr, shared: &Shared) -> Result<(TcpStream, Welcome)> {
     let cfg = &shared.cfg;
@@ -191,6 +223,7 @@ async fn connect(addr: SocketAddr, shared: &Shared) -> Result<(TcpStream, Welcom
         let stream = TcpStream::connect(addr).await.map_err(|e| Error::io("tcp connect", e))?;
         tune_socket(&stream, cfg.socket_buffer_bytes);
         let mut stream = stream;
+        prove(&mut stream, shared, "tcp handshake").await?;
         let hello = Hello {
             version: TE_PROTOCOL_VERSION,
             name: shared.name.clone(),
@@ -202,7 +235,7 @@ async fn connect(addr: SocketAddr, shared: &Shared) -> Result<(TcpStream, Welcom
             .map_err(|e| Error::new(ErrorKind::PeerGone, "tcp handshake", e.to_string()))?;
         let welcome: Welcome = read_msg(&mut stream, HANDSHAKE_FRAME_MAX)
             .await
-            .map_err(|e| Error::new(ErrorKind::PeerGone, "tcp handshake", e.to_string()))?
+            .map_err(|e| handshake_read_error(e, "tcp handshake"))?
             .ok_or_else(|| Error::new(ErrorKind::PeerGone, "tcp handshake", "closed"))?;
         if let Some(why) = &welcome.refused {
             return Err(Error::new(ErrorKind::Refused, "tcp handshake", why.clone()));
@@ -226,6 +259,14 @@ async fn connect(addr: SocketAddr, shared: &Shared) -> Result<(TcpStream, Welcom
             "tcp connect",
             format!("{addr} did not complete the handshake within {:?}", cfg.connect_timeout()),
         )),
+    }
+}
+
+/// A failed read of a `Welcome`: a refusal for want of the cluster secret says so.
+pub(crate) fn handshake_read_error(e: kvfs_proto::FrameError, what: &'static str) -> Error {
+    match e {
+        kvfs_proto::FrameError::SecretRequired(m) => Error::new(ErrorKind::Refused, what, m),
+        e => Error::new(ErrorKind::PeerGone, what, e.to_string()),
     }
 }
 
@@ -1025,6 +1066,10 @@ impl Drop for BusyGuard<'_> {
 /// Serves one accepted connection: handshake, then requests in order until the peer leaves.
 pub(crate) async fn serve_conn(mut stream: TcpStream, shared: Arc<Shared>) {
     tune_socket(&stream, shared.cfg.socket_buffer_bytes);
+    if let Err(e) = check(&mut stream, &shared).await {
+        let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        return tracing::warn!(%peer, error = %e, "transfer connection refused");
+    }
     let hello = match tokio::time::timeout(
         shared.cfg.connect_timeout(),
         read_msg::<_, Hello>(&mut stream, HANDSHAKE_FRAME_MAX),

@@ -304,6 +304,7 @@ impl Node {
             kvfs_transfer::host_id().to_string(),
             handler,
             timeout,
+            inner.engine.config().cluster_secret,
         ));
         let mut tasks = vec![tokio::spawn(run(inner.clone(), link.clone()))];
         tasks.extend(inner.tiers.start_tasks(&inner, &link));

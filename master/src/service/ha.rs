@@ -76,7 +76,7 @@ pub async fn run(
     let mut listener = TcpListener::bind(cfg.listen).await?;
     tokio::pin!(shutdown);
     loop {
-        let standby = Standby::start(listener);
+        let standby = Standby::start(listener, cfg.rpc.clone());
         let campaign = async {
             let mut last_leader = None;
             loop {
@@ -156,7 +156,7 @@ struct Standby {
 }
 
 impl Standby {
-    fn start(listener: TcpListener) -> Standby {
+    fn start(listener: TcpListener, opts: kvfs_rpc::RpcOptions) -> Standby {
         let listener = Arc::new(listener);
         let leader = Arc::new(Mutex::new(String::from("no leader is elected yet")));
         let (l, who) = (listener.clone(), leader.clone());
@@ -176,7 +176,7 @@ impl Standby {
                         ))
                     }
                 });
-                RpcConn::start(stream, handler, kvfs_rpc::RpcOptions::default());
+                RpcConn::accepted(stream, handler, opts.clone());
             }
         });
         Standby { listener, leader, task }

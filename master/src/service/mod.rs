@@ -35,6 +35,9 @@
 //! lapsed in etcd, so a deposed leader (stopped, cut off) cannot act after a standby could
 //! have taken over.
 //!
+//! Cluster secret: with `rpc.secret` set, every connection proves it before its first
+//! request (`kvfs_rpc`), the standby's answers included.
+//!
 //! Not handled here: tenants.
 
 mod convert;
@@ -364,7 +367,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>) {
             let st = st.clone();
             async move { handle(st, conn, req).await }
         });
-        RpcConn::start(stream, handler, state.cfg.rpc.clone());
+        RpcConn::accepted(stream, handler, state.cfg.rpc.clone());
     }
 }
 

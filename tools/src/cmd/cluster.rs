@@ -288,6 +288,7 @@ impl MasterArgs {
             kv_events: self.kv_events.config(r.enable_kv_events)?,
             ..ServiceConfig::default()
         };
+        cfg.rpc.secret = super::cluster_secret();
         if self.persist_timeout_ms >= self.put_timeout_ms {
             anyhow::bail!(
                 "--persist-timeout-ms {} must be below --put-timeout-ms {} (an eager put's range must outlive its upload)",
@@ -425,7 +426,11 @@ impl NodeArgs {
     }
 
     pub fn node_config(&self, master: &str) -> NodeConfig {
-        let mut engine = EngineConfig { listen: self.engine_listen, ..EngineConfig::default() };
+        let mut engine = EngineConfig {
+            listen: self.engine_listen,
+            cluster_secret: super::cluster_secret(),
+            ..EngineConfig::default()
+        };
         if self.tcp_only {
             engine.transports = Transports::tcp_only();
         }

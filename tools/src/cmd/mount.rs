@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use kvfs_client::{Client, ClientConfig, PutOptions};
+use kvfs_client::{Client, PutOptions};
 use kvfs_fs::{DirSource, Mount, MountConfig};
 
 use crate::bench::report::parse_bytes;
@@ -91,10 +91,9 @@ pub async fn start_with(
     args: &MountArgs,
     source: Option<std::sync::Arc<dyn kvfs_fs::PassthroughSource>>,
 ) -> anyhow::Result<Mount> {
-    let client =
-        Client::connect(ClientConfig { master: master.to_string(), ..ClientConfig::default() })
-            .await
-            .with_context(|| format!("connecting to the master at {master}"))?;
+    let client = Client::connect(super::client_config(master))
+        .await
+        .with_context(|| format!("connecting to the master at {master}"))?;
     // A missing mountpoint is made (a dead mount left by a killed daemon is still there, and
     // the mount clears it).
     if let Err(e) = std::fs::symlink_metadata(&mountpoint)

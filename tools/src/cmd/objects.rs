@@ -5,9 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
-use kvfs_client::{
-    Client, ClientConfig, DirEntry, ErrorKind, Persistence, Pin, PutOptions, RenameMode,
-};
+use kvfs_client::{Client, DirEntry, ErrorKind, Persistence, Pin, PutOptions, RenameMode};
 
 use crate::bench::report::human_bytes;
 
@@ -118,7 +116,7 @@ pub async fn mv(master: &str, a: MvArgs) -> anyhow::Result<()> {
 }
 
 pub async fn connect(master: &str) -> anyhow::Result<Client> {
-    let cfg = ClientConfig { master: master.to_string(), ..ClientConfig::default() };
+    let cfg = super::client_config(master);
     Client::connect(cfg).await.with_context(|| format!("connecting to the master at {master}"))
 }
 
