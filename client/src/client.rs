@@ -17,6 +17,7 @@
 //! (`put_from`, `get_into`) moves bytes directly from and into memory registered with the
 //! client's engine ([`Client::engine`]).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -34,6 +35,7 @@ use crate::master::MasterLink;
 use crate::node::LocalCommit;
 use crate::staging::{Staged, StagingPool};
 use crate::{Error, ErrorKind, Result};
+use kvfs_proto::store::{TENANT_PREFIX, valid_tenant};
 
 /// How a put places and protects its objects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,6 +83,11 @@ pub struct ClientConfig {
     /// Bytes the bytes API may stage at once (the reference system's `local_buffer_size`);
     /// a put or get that does not fit fails instead of growing the staging memory.
     pub staging_bytes_max: usize,
+    /// The tenant this client works for (the reference's `tenant_id`): its keys live in the
+    /// namespace `tenants/TENANT/`, which this client adds to every key it sends and strips
+    /// from every key it lists, and the master holds the tenant to its quotas. `None`: the
+    /// whole key space (an administrator sees tenants' objects under `tenants/`).
+    pub tenant: Option<String>,
 }
 
 impl Default for ClientConfig {
@@ -92,6 +99,7 @@ impl Default for ClientConfig {
             retry_budget_ms: 15_000,
             staging_cached_bytes_max: 256 << 20,
             staging_bytes_max: usize::MAX,
+            tenant: None,
         }
     }
 }
@@ -311,6 +319,8 @@ struct Inner {
     /// The node in this process whose engine this client shares, if any: puts into its
     /// segment record their commit there themselves (one master round trip fewer).
     embedded: Option<crate::node::Embedded>,
+    /// `tenants/TENANT/` for a tenant's client (see `ClientConfig::tenant`).
+    prefix: Option<String>,
 }
 
 /// A connection to a kvfs cluster. Cheap to clone; all clones share one engine and one master
@@ -354,6 +364,14 @@ impl Client {
         let host = kvfs_transfer::host_id().to_string();
         let timeout = Duration::from_millis(cfg.rpc_timeout_ms);
         crate::master::check_addr(&cfg.master)?;
+        let prefix = match &cfg.tenant {
+            Some(t) if !valid_tenant(t) => {
+                let detail = format!("tenant {t:?}: a tenant is 1 to 64 of A-Z a-z 0-9 . _ -");
+                return Err(Error::new(ErrorKind::InvalidArgument, "connect", detail));
+            }
+            Some(t) => Some(format!("{TENANT_PREFIX}{t}/")),
+            None => None,
+        };
         let master = MasterLink::new(
             cfg.master.clone(),
             Role::Client,
@@ -378,6 +396,7 @@ impl Client {
                 cache_hits: AtomicU64::new(0),
                 cache_misses: AtomicU64::new(0),
                 embedded,
+                prefix,
             }),
         })
     }
@@ -419,6 +438,14 @@ impl Client {
         items: &[PutFrom<'_>],
         opts: &PutOptions,
     ) -> Vec<Result<()>> {
+        let raw: Vec<&str> = items.iter().map(|i| i.key).collect();
+        let keys = self.scoped(&raw);
+        let items: Vec<PutFrom> = items
+            .iter()
+            .zip(&keys)
+            .map(|(i, k)| PutFrom { key: k, addr: i.addr, len: i.len })
+            .collect();
+        let items = &items[..];
         let chunks = pipeline_chunks(items.iter().map(|i| i.len));
         if chunks.len() > 1 {
             let runs = chunks.iter().map(|r| self.put_from_chunk(&items[r.clone()], opts));
@@ -1012,6 +1039,9 @@ impl Client {
     where
         F: FnMut(usize, &ObjectView) -> Result<((u64, u64), T)>,
     {
+        let scoped = self.scoped(keys);
+        let scoped: Vec<&str> = scoped.iter().map(|k| k.as_ref()).collect();
+        let keys = &scoped[..];
         let n = keys.len();
         let mut out: Vec<Option<Result<(u64, u64, T)>>> = (0..n).map(|_| None).collect();
         let mut todo: Vec<usize> = (0..n).collect();
@@ -1310,6 +1340,8 @@ impl Client {
 
     /// Existence of many keys in one round trip (grants read leases to those that exist).
     pub async fn exists_batch<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<bool>> {
+        let scoped = self.scoped(keys);
+        let keys = &scoped[..];
         let req = MasterRequest::Exists(keys.iter().map(|k| k.as_ref().to_string()).collect());
         match self.call("exists", &req).await {
             Ok(MasterResponse::Exists(v)) if v.len() == keys.len() => {
@@ -1329,6 +1361,8 @@ impl Client {
     }
 
     pub async fn stat_batch<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<ObjectInfo>> {
+        let scoped = self.scoped(keys);
+        let keys = &scoped[..];
         let req = MasterRequest::Stat(keys.iter().map(|k| k.as_ref().to_string()).collect());
         match self.call("stat", &req).await {
             Ok(MasterResponse::Stat(v)) if v.len() == keys.len() => v
@@ -1350,6 +1384,8 @@ impl Client {
     }
 
     pub async fn remove_batch<K: AsRef<str>>(&self, keys: &[K], force: bool) -> Vec<Result<()>> {
+        let scoped = self.scoped(keys);
+        let keys = &scoped[..];
         keys.iter().for_each(|k| self.inner.locations.forget(k.as_ref()));
         let req = MasterRequest::Remove {
             keys: keys.iter().map(|k| k.as_ref().to_string()).collect(),
@@ -1379,7 +1415,13 @@ impl Client {
     }
 
     /// Several renames in one call, applied in order; one result per item.
-    pub async fn rename_batch(&self, items: Vec<RenameItem>) -> Vec<Result<u64>> {
+    pub async fn rename_batch(&self, mut items: Vec<RenameItem>) -> Vec<Result<u64>> {
+        if let Some(p) = &self.inner.prefix {
+            for i in &mut items {
+                i.from.insert_str(0, p);
+                i.to.insert_str(0, p);
+            }
+        }
         for i in &items {
             self.inner.locations.forget(&i.from);
             self.inner.locations.forget(&i.to);
@@ -1400,6 +1442,8 @@ impl Client {
     /// protects the object (readers holding it keep their bytes until the lease ends).
     /// `Pinned` for a hard-pinned object (only a forced `remove` takes it).
     pub async fn unlink_batch<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<()>> {
+        let scoped = self.scoped(keys);
+        let keys = &scoped[..];
         keys.iter().for_each(|k| self.inner.locations.forget(k.as_ref()));
         let req = MasterRequest::Unlink(keys.iter().map(|k| k.as_ref().to_string()).collect());
         match self.call("unlink", &req).await {
@@ -1428,6 +1472,8 @@ impl Client {
         keys: &[K],
         endpoint: Option<&str>,
     ) -> Vec<Result<bool>> {
+        let scoped = self.scoped(keys);
+        let keys = &scoped[..];
         let req = MasterRequest::ClearReplicas {
             keys: keys.iter().map(|k| k.as_ref().to_string()).collect(),
             endpoint: endpoint.map(str::to_string),
@@ -1448,13 +1494,67 @@ impl Client {
     /// Removes every object whose key matches `pattern` (unanchored regex); counts what was
     /// removed and what leases or pins protected.
     pub async fn remove_regex(&self, pattern: &str, force: bool) -> Result<RemoveCounts> {
+        if self.inner.prefix.is_some() {
+            let re = regex::Regex::new(pattern).map_err(|e| {
+                Error::new(ErrorKind::InvalidArgument, "remove", format!("bad regex: {e}"))
+            })?;
+            return self.remove_listed(|k| re.is_match(k), force).await;
+        }
         self.remove_counted(MasterRequest::RemoveRegex { pattern: pattern.to_string(), force })
             .await
     }
 
-    /// Removes every object (leased and hard-pinned ones only with `force`).
+    /// Removes every object (leased and hard-pinned ones only with `force`); a tenant's
+    /// client removes its tenant's objects only.
     pub async fn remove_all(&self, force: bool) -> Result<RemoveCounts> {
+        if self.inner.prefix.is_some() {
+            return self.remove_listed(|_| true, force).await;
+        }
         self.remove_counted(MasterRequest::RemoveAll { force }).await
+    }
+
+    /// A tenant's removal by pattern: its keys page by page, the matching ones removed.
+    async fn remove_listed(
+        &self,
+        matches: impl Fn(&str) -> bool,
+        force: bool,
+    ) -> Result<RemoveCounts> {
+        let mut counts = RemoveCounts::default();
+        let mut after: Option<String> = None;
+        loop {
+            let page = self.list("", after.as_deref(), 1024).await?;
+            let keys: Vec<&str> =
+                page.entries.iter().map(|e| e.key.as_str()).filter(|k| matches(k)).collect();
+            for r in self.remove_batch(&keys, force).await {
+                match r.as_ref().map_err(|e| e.kind()) {
+                    Ok(()) => counts.removed += 1,
+                    Err(ErrorKind::Leased) => counts.skipped_leased += 1,
+                    Err(ErrorKind::Pinned) => counts.skipped_pinned += 1,
+                    Err(ErrorKind::NotFound) => {}
+                    Err(_) => return r.map(|()| counts),
+                }
+            }
+            match page.next_start_after {
+                Some(next) => after = Some(next),
+                None => return Ok(counts),
+            }
+        }
+    }
+
+    /// Keys in this client's namespace (see `ClientConfig::tenant`).
+    fn scoped<'a, K: AsRef<str>>(&self, keys: &'a [K]) -> Vec<Cow<'a, str>> {
+        match &self.inner.prefix {
+            None => keys.iter().map(|k| Cow::Borrowed(k.as_ref())).collect(),
+            Some(p) => keys.iter().map(|k| Cow::Owned(format!("{p}{}", k.as_ref()))).collect(),
+        }
+    }
+
+    /// A key the master named, as this client names it.
+    fn unscoped(&self, key: String) -> String {
+        match &self.inner.prefix {
+            Some(p) => key.strip_prefix(p.as_str()).map(str::to_string).unwrap_or(key),
+            None => key,
+        }
     }
 
     async fn remove_counted(&self, req: MasterRequest) -> Result<RemoveCounts> {
@@ -1472,13 +1572,23 @@ impl Client {
         start_after: Option<&str>,
         limit: u32,
     ) -> Result<ListPage> {
+        let scope = |k: &str| self.scoped(&[k]).remove(0).into_owned();
         let req = MasterRequest::List {
-            prefix: prefix.into(),
-            start_after: start_after.map(String::from),
+            prefix: scope(prefix),
+            start_after: start_after.map(scope),
             limit,
         };
         match self.call("list", &req).await? {
-            MasterResponse::List(r) => r.map_err(|e| Error::from_wire("list", &e)),
+            MasterResponse::List(r) => {
+                let mut page = r.map_err(|e| Error::from_wire("list", &e))?;
+                if self.inner.prefix.is_some() {
+                    for e in &mut page.entries {
+                        e.key = self.unscoped(std::mem::take(&mut e.key));
+                    }
+                    page.next_start_after = page.next_start_after.map(|k| self.unscoped(k));
+                }
+                Ok(page)
+            }
             other => Err(unexpected("list", &other)),
         }
     }
@@ -1491,7 +1601,7 @@ impl Client {
         limit: u32,
     ) -> Result<DirPage> {
         let req = MasterRequest::ListDir {
-            prefix: prefix.into(),
+            prefix: self.scoped(&[prefix]).remove(0).into_owned(),
             start_after: start_after.map(String::from),
             limit,
         };

@@ -35,6 +35,9 @@ pub enum ErrorKind {
     Corrupt,
     /// The master or a peer speaks another protocol version.
     Version,
+    /// The put would take the client's tenant over its byte quota, even after the master
+    /// evicted the tenant's own cold objects.
+    QuotaExceeded,
     Internal,
 }
 
@@ -57,6 +60,7 @@ impl ErrorKind {
             ErrorKind::Transfer => "transfer failed",
             ErrorKind::Corrupt => "checksum mismatch",
             ErrorKind::Version => "protocol version mismatch",
+            ErrorKind::QuotaExceeded => "tenant quota exceeded",
             ErrorKind::Internal => "internal error",
         }
     }
@@ -136,6 +140,7 @@ impl Error {
             ErrorCode::NodeUnknown | ErrorCode::Internal => ErrorKind::Internal,
             ErrorCode::Corrupt => ErrorKind::Corrupt,
             ErrorCode::Unavailable | ErrorCode::NotLeader => ErrorKind::Unavailable,
+            ErrorCode::QuotaExceeded => ErrorKind::QuotaExceeded,
         };
         Error::new(kind, op, e.message.clone())
     }

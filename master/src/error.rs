@@ -43,6 +43,10 @@ pub enum ErrorKind {
     /// A replica report names a range that overlaps another replica, or a segment the node
     /// did not register. `REPLICA_ALREADY_EXISTS -711`.
     Conflict,
+    /// A tenant's put would take it over its byte quota and evicting its own objects did not
+    /// make room (they are leased or pinned, or the object alone is larger than the quota).
+    /// `TENANT_QUOTA_EXCEEDED -1700`.
+    QuotaExceeded,
 }
 
 impl ErrorKind {
@@ -65,6 +69,7 @@ impl ErrorKind {
             Self::TooLarge => "too large",
             Self::NodeUnknown => "node unknown",
             Self::Conflict => "conflict",
+            Self::QuotaExceeded => "tenant quota exceeded",
         }
     }
 }

@@ -26,7 +26,7 @@ mod types;
 pub use config::Config;
 pub use directory::{
     Directory, LoadPlan, PendingView, PersistedObject, PoolEvent, PoolEventKind, PoolEventStats,
-    PoolMedium, ReportOutcome,
+    PoolMedium, Quota, ReportOutcome, TENANT_PREFIX, TenantUsage, tenant_of, valid_tenant,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use types::*;

@@ -33,7 +33,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Version of the store protocol; a master refuses a client or node that speaks another one.
-pub const STORE_PROTOCOL_VERSION: u32 = 7;
+pub const STORE_PROTOCOL_VERSION: u32 = 8;
 
 /// Storage medium of a segment or replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -122,6 +122,21 @@ pub enum ErrorCode {
     /// This master does not lead its cluster (a standby, or a leader whose lease lapsed):
     /// find the leader through etcd and call it.
     NotLeader,
+    /// The put would take its tenant over its byte quota, even after evicting the tenant's
+    /// own objects (version 8).
+    QuotaExceeded,
+}
+
+/// Where tenants' keys live: a tenant's client names its keys inside `tenants/TENANT/` and the
+/// master holds that namespace to the tenant's quotas.
+pub const TENANT_PREFIX: &str = "tenants/";
+
+/// Whether `name` may name a tenant: 1 to 64 of `[A-Za-z0-9._-]`, not `.` or `..`.
+pub fn valid_tenant(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name != "."
+        && name != ".."
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 /// A failed item: its code and a human-readable message.

@@ -31,6 +31,7 @@ pub mod code {
     pub const RPC_TIMEOUT: i64 = -901;
     pub const UNAVAILABLE_IN_CURRENT_STATUS: i64 = -1010;
     pub const NOT_SUPPORTED: i64 = -1012;
+    pub const TENANT_QUOTA_EXCEEDED: i64 = -1700;
 
     /// Every code above with its reference name (exported to Python as `kvfs.ErrorCode`).
     pub const ALL: &[(&str, i64)] = &[
@@ -51,6 +52,7 @@ pub mod code {
         ("RPC_TIMEOUT", RPC_TIMEOUT),
         ("UNAVAILABLE_IN_CURRENT_STATUS", UNAVAILABLE_IN_CURRENT_STATUS),
         ("NOT_SUPPORTED", NOT_SUPPORTED),
+        ("TENANT_QUOTA_EXCEEDED", TENANT_QUOTA_EXCEEDED),
     ];
 }
 
@@ -72,6 +74,7 @@ pub const KINDS: &[ErrorKind] = &[
     ErrorKind::Transfer,
     ErrorKind::Corrupt,
     ErrorKind::Version,
+    ErrorKind::QuotaExceeded,
     ErrorKind::Internal,
 ];
 
@@ -94,6 +97,7 @@ pub fn kind_code(kind: ErrorKind) -> i64 {
         ErrorKind::Transfer => code::TRANSFER_FAIL,
         ErrorKind::Corrupt => code::CHECKSUM_MISMATCH,
         ErrorKind::Version => code::INVALID_VERSION,
+        ErrorKind::QuotaExceeded => code::TENANT_QUOTA_EXCEEDED,
         _ => code::INTERNAL_ERROR,
     }
 }
@@ -117,6 +121,7 @@ pub fn kind_name(kind: ErrorKind) -> &'static str {
         ErrorKind::Transfer => "transfer",
         ErrorKind::Corrupt => "corrupt",
         ErrorKind::Version => "version",
+        ErrorKind::QuotaExceeded => "quota_exceeded",
         _ => "internal",
     }
 }

@@ -53,6 +53,8 @@ pub struct SessionOptions {
     pub call_timeout_ms: u64,
     /// How long setup waits for the embedded node to register with the master.
     pub register_timeout_ms: u64,
+    /// The tenant whose namespace and quota this process works in (`tenant_id`).
+    pub tenant: Option<String>,
 }
 
 impl Default for SessionOptions {
@@ -68,6 +70,7 @@ impl Default for SessionOptions {
             rpc_timeout_ms: 5_000,
             call_timeout_ms: 60_000,
             register_timeout_ms: 10_000,
+            tenant: None,
         }
     }
 }
@@ -98,6 +101,7 @@ impl Session {
             rpc_timeout_ms: opts.rpc_timeout_ms,
             staging_bytes_max: opts.staging_bytes_max,
             staging_cached_bytes_max: opts.staging_bytes_max.min(256 << 20),
+            tenant: opts.tenant.clone(),
             ..ClientConfig::default()
         };
         // A node in this process: the client records its puts' commits there itself.

@@ -372,7 +372,7 @@ impl MooncakeCore {
     /// Connects (and with `global_segment_size > 0` contributes a segment); returns a code.
     #[pyo3(signature = (local_hostname, master, global_segment_size, local_buffer_size,
         tcp_only=false, port_min=12300, port_max=14300, timeout_ms=60_000, rpc_timeout_ms=5_000,
-        populate=false))]
+        populate=false, tenant=None))]
     #[allow(clippy::too_many_arguments)]
     fn setup(
         &self,
@@ -387,6 +387,7 @@ impl MooncakeCore {
         timeout_ms: u64,
         rpc_timeout_ms: u64,
         populate: bool,
+        tenant: Option<String>,
     ) -> i64 {
         if self.session().is_ok() {
             // The reference re-runs setup over a live client; kvfs closes the old one first.
@@ -402,6 +403,7 @@ impl MooncakeCore {
             populate,
             rpc_timeout_ms,
             call_timeout_ms: timeout_ms,
+            tenant,
             ..SessionOptions::default()
         };
         let limit = Duration::from_millis(timeout_ms.max(rpc_timeout_ms) + 10_000);

@@ -196,6 +196,8 @@ pub struct ClusterOpts {
     pub data_root: Option<PathBuf>,
     /// The cluster secret file given to the master, every node and mount, and the clients.
     pub secret_file: Option<PathBuf>,
+    /// The master's admin endpoint (`--admin`): an address, or "off".
+    pub admin: String,
 }
 
 impl Default for ClusterOpts {
@@ -214,6 +216,7 @@ impl Default for ClusterOpts {
             node_args: vec!["--no-populate".into()],
             data_root: None,
             secret_file: None,
+            admin: "off".into(),
         }
     }
 }
@@ -245,7 +248,7 @@ impl Cluster {
             "--listen".into(),
             self.master_addr.clone(),
             "--admin".into(),
-            "off".into(),
+            self.opts.admin.clone(),
         ];
         args.extend(self.opts.master_args.iter().cloned());
         args.extend(self.secret_args());

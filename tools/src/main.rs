@@ -25,6 +25,11 @@ struct Cli {
     /// write or register memory. Without it, nothing is asked or proven.
     #[arg(long, global = true, env = "KVFS_CLUSTER_SECRET_FILE", value_name = "FILE")]
     cluster_secret_file: Option<std::path::PathBuf>,
+    /// The tenant the object commands and the mount work for: keys live under
+    /// tenants/TENANT/ (the mount shows only those), and the master holds them to the
+    /// tenant's quota (`kvfs master --tenant-quota`). Without it, the whole key space.
+    #[arg(long, global = true, env = "KVFS_TENANT", value_name = "TENANT")]
+    tenant: Option<String>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -358,6 +363,7 @@ fn run() -> anyhow::Result<()> {
         // Its own runtime per case, with the client on this thread.
         return bench::conductor::run(a);
     }
+    cmd::set_tenant(cli.tenant.clone());
     if let Some(path) = &cli.cluster_secret_file {
         cmd::set_cluster_secret(
             kvfs_transfer::ClusterSecret::from_file(path).map_err(anyhow::Error::msg)?,

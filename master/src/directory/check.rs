@@ -42,7 +42,10 @@ impl Directory {
         let mut extents: BTreeMap<NonZeroU32, Vec<(u64, u64)>> = BTreeMap::new();
         let (mut replicas, mut bytes) = ([0u64; 4], [0u64; 4]);
         let mut reps_seen = 0;
+        // Per tenant: memory, NVMe, pending memory, pending NVMe bytes.
+        let mut tenants: BTreeMap<Vec<u8>, [u64; 4]> = BTreeMap::new();
         for (id, o) in self.objects.iter() {
+            let tenant = super::tenant_of(self.key(id)).map(<[u8]>::to_vec);
             let key = String::from_utf8_lossy(self.key(id));
             if self.is_orphan(id) {
                 return Err(format!("object {key:?} has no replica"));
@@ -76,6 +79,10 @@ impl Directory {
                 replicas[s.tier.index()] += 1;
                 bytes[s.tier.index()] += o.size;
                 extents.entry(seg).or_default().push((offset, o.size));
+                if let Some(t) = &tenant {
+                    let i = if matches!(s.tier, Tier::Nvme) { 1 } else { 0 };
+                    tenants.entry(t.clone()).or_default()[i] += o.size;
+                }
             }
             if o.flags().persisted {
                 replicas[Tier::ObjectStore.index()] += 1;
@@ -91,10 +98,27 @@ impl Directory {
                 self.tier_replicas, self.tier_bytes
             ));
         }
-        for p in self.pending.values() {
+        for (key, p) in &self.pending {
             for &(seg, offset) in &p.ranges {
                 extents.entry(seg).or_default().push((offset, p.size));
             }
+            if let Some(t) = super::tenant_of(key.as_bytes()) {
+                let i = if matches!(p.tier, Tier::Nvme) { 3 } else { 2 };
+                tenants.entry(t.to_vec()).or_default()[i] += p.size * p.ranges.len() as u64;
+            }
+        }
+        for (name, u) in &self.tenants {
+            let kept = [u.memory_bytes, u.nvme_bytes, u.pending_memory_bytes, u.pending_nvme_bytes];
+            let counted = tenants.remove(name.as_bytes()).unwrap_or_default();
+            if kept != counted {
+                return Err(format!("tenant {name}: usage {kept:?}, counted {counted:?}"));
+            }
+        }
+        if let Some((name, _)) = tenants.into_iter().next() {
+            return Err(format!(
+                "tenant {:?} holds bytes but is not counted",
+                String::from_utf8_lossy(&name)
+            ));
         }
         for r in &self.retired {
             extents.entry(r.seg).or_default().push((r.offset, r.len));

@@ -56,6 +56,16 @@ impl Budget {
     pub(super) fn exhausted(&self) -> bool {
         self.evict_left == 0 || self.scan_left == 0
     }
+
+    /// One replica looked at (call only while not exhausted).
+    pub(super) fn scan(&mut self) {
+        self.scan_left -= 1;
+    }
+
+    /// One replica dropped (call only while not exhausted).
+    pub(super) fn spend(&mut self) {
+        self.evict_left -= 1;
+    }
 }
 
 impl Directory {
@@ -151,7 +161,7 @@ impl Directory {
         }
     }
 
-    fn evict_replica(&mut self, rep: u32, fx: &mut Vec<NodeEffect>, out: &mut Eviction) {
+    pub(super) fn evict_replica(&mut self, rep: u32, fx: &mut Vec<NodeEffect>, out: &mut Eviction) {
         let (id, _, _) = self.replica(rep);
         let (size, version) = (self.objects[id].size, self.objects[id].version);
         let key = self.key_arc(id);

@@ -39,7 +39,8 @@
 //! range is allocated in its segment's allocator and nothing else is; no two ranges overlap.
 //!
 //! Not handled here: networking, persistence of the directory itself (nodes re-report what they
-//! hold, see `register_node`), soft-pin TTLs, tenants/quotas, object groups.
+//! hold, see `register_node`), soft-pin TTLs, object groups. Tenants
+//! and their quotas: `tenants.rs`.
 
 mod check;
 mod events;
@@ -51,11 +52,13 @@ mod nodes;
 mod order;
 mod placement;
 mod rename;
+mod tenants;
 #[cfg(test)]
 mod tests;
 mod tiers;
 
 pub use events::{PoolEvent, PoolEventKind, PoolEventStats, PoolMedium};
+pub use tenants::{Quota, TENANT_PREFIX, TenantUsage, tenant_of, valid_tenant};
 pub use tiers::{LoadPlan, PendingView, PersistedObject, ReportOutcome};
 
 use std::collections::BTreeMap;
@@ -329,6 +332,8 @@ struct Pending {
     persistence: Persistence,
     pin: Pin,
     upsert: bool,
+    /// The tier of every range.
+    tier: Tier,
     ranges: Vec<(NonZeroU32, u64)>,
 }
 
@@ -396,6 +401,8 @@ pub struct Directory {
     counters: Counters,
     /// Pool events for the kv event publisher, when enabled (see `events`).
     events: Option<events::Journal>,
+    /// Usage and quotas of every tenant seen (see `tenants`).
+    tenants: hashbrown::HashMap<Box<str>, TenantUsage, FixedState>,
 }
 
 impl Directory {
@@ -412,6 +419,7 @@ impl Directory {
             index: HashTable::new(),
             order: order::KeyOrder::default(),
             pending: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
+            tenants: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
             retired: Vec::new(),
             loading: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
             unpersisted: Vec::new(),
@@ -488,6 +496,7 @@ impl Directory {
             return Err(Error::new(ErrorKind::NoSpace, OP).with_key(key).with_detail(detail));
         }
         let mut evicted = Vec::new();
+        self.check_quota(req, now_ms, fx, &mut evicted)?;
         let ranges = self.place(req, now_ms, fx, &mut evicted);
         if ranges.is_empty() {
             let detail = format!("no {:?} segment has {} free bytes", req.tier, req.size);
@@ -503,8 +512,10 @@ impl Directory {
             persistence: req.persistence,
             pin: req.pin,
             upsert: req.upsert,
+            tier: req.tier,
             ranges,
         };
+        self.tenant_pending(key, req.tier, req.size * pending.ranges.len() as u64, true);
         self.pending.insert(Arc::from(key), pending);
         Ok(grant)
     }
@@ -535,6 +546,7 @@ impl Directory {
         }
         let key_arc = key_arc.clone();
         let p = self.pending.remove(key).expect("looked up above");
+        self.tenant_pending(key, p.tier, p.size * p.ranges.len() as u64, false);
         if p.ranges.is_empty() {
             return not_found("every allocated segment was lost");
         }
@@ -1340,9 +1352,10 @@ impl Directory {
         let s = self.segments[seg.get() as usize].as_mut().expect("live segment");
         let links = &mut RepLinks { objects: &mut self.objects, reps: &mut self.reps };
         s.lru[list].push_back(links, rep);
-        let tier = s.tier.index();
-        self.tier_replicas[tier] += 1;
-        self.tier_bytes[tier] += size;
+        let tier = s.tier;
+        self.tier_replicas[tier.index()] += 1;
+        self.tier_bytes[tier.index()] += size;
+        self.tenant_replica(id, tier, size, true);
         self.medium_changed(id, before);
     }
 
@@ -1362,9 +1375,10 @@ impl Directory {
         let s = self.segments[seg.get() as usize].as_mut().expect("live segment");
         let links = &mut RepLinks { objects: &mut self.objects, reps: &mut self.reps };
         s.lru[list].unlink(links, rep);
-        let tier = s.tier.index();
-        self.tier_replicas[tier] -= 1;
-        self.tier_bytes[tier] -= size;
+        let tier = s.tier;
+        self.tier_replicas[tier.index()] -= 1;
+        self.tier_bytes[tier.index()] -= size;
+        self.tenant_replica(id, tier, size, false);
         if rep & MORE == 0 {
             self.objects[id].rep_seg = None;
             return (seg, offset);
@@ -1400,6 +1414,7 @@ impl Directory {
     /// `PutEnd` that will never complete it; a node that holds nothing of it ignores it).
     fn revoke_pending(&mut self, key: &str, fx: &mut Vec<NodeEffect>) -> bool {
         let Some((key, p)) = self.pending.remove_entry(key) else { return false };
+        self.tenant_pending(&key, p.tier, p.size * p.ranges.len() as u64, false);
         self.abandon_ranges(&key, &p, fx);
         true
     }

@@ -217,10 +217,18 @@ impl Directory {
             self.segments[seg.get() as usize] = None;
             self.free_seg_ids.push(seg);
         }
-        self.pending.retain(|_, p| {
+        let mut lost_ranges = Vec::new();
+        self.pending.retain(|key, p| {
+            let before = p.ranges.len();
             p.ranges.retain(|(s, _)| !segs.contains(s));
+            if p.ranges.len() < before {
+                lost_ranges.push((key.clone(), p.tier, p.size * (before - p.ranges.len()) as u64));
+            }
             !p.ranges.is_empty()
         });
+        for (key, tier, bytes) in lost_ranges {
+            self.tenant_pending(&key, tier, bytes, false);
+        }
         self.retired.retain(|r| !segs.contains(&r.seg));
         self.loading.retain(|_, l| !segs.contains(&l.seg));
     }

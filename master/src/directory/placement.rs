@@ -129,7 +129,7 @@ impl Directory {
     }
 
     /// Distinct nodes with a segment in the request's tier, counting those already chosen.
-    fn usable_nodes(&self, req: &PutStart, chosen: &[(NonZeroU32, u64)]) -> usize {
+    pub(super) fn usable_nodes(&self, req: &PutStart, chosen: &[(NonZeroU32, u64)]) -> usize {
         let mut nodes: Vec<NodeId> = self.tier_segs[req.tier.index()]
             .iter()
             .map(|&s| self.segment(s).node)

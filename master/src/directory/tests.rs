@@ -1144,3 +1144,54 @@ fn a_node_that_missed_a_rename_cannot_bring_the_old_name_back() {
     assert!(d.stat("final").is_ok());
     d.verify().unwrap();
 }
+
+#[test]
+fn a_tenant_over_its_quota_loses_its_own_oldest_objects_and_no_one_elses() {
+    let mut d = cluster(2, 64 * MIB);
+    d.set_quota("acme", Quota { memory_bytes: Some(4 * MIB), nvme_bytes: None }).unwrap();
+    for i in 0..4 {
+        put(&mut d, &format!("tenants/other/{i}"), MIB, 0);
+        put(&mut d, &format!("plain/{i}"), MIB, 0);
+    }
+    // Two replicas each: 2 MiB per put, so the quota holds two objects.
+    let two = |k: &str| PutStart { replicas: 2, ..PutStart::new(k, MIB) };
+    for i in 0..6 {
+        let fx = put_with(&mut d, &two(&format!("tenants/acme/{i}")), 1 + i).unwrap();
+        let dropped = drops(&fx);
+        assert!(dropped.iter().all(|k| k.starts_with("tenants/acme/")), "{dropped:?}");
+        d.verify().unwrap();
+    }
+    let u = d.tenant("acme").unwrap();
+    assert_eq!((u.memory_bytes, u.pending_memory_bytes), (4 * MIB, 0), "{u:?}");
+    assert_eq!(u.quota_evicted_bytes, 8 * MIB);
+    assert_eq!(kind(d.stat("tenants/acme/0")), ErrorKind::NotFound, "the oldest went");
+    d.stat("tenants/acme/5").unwrap();
+    assert_eq!(d.tenant("other").unwrap().memory_bytes, 4 * MIB, "other tenants keep theirs");
+    for i in 0..4 {
+        d.stat(&format!("tenants/other/{i}")).unwrap();
+        d.stat(&format!("plain/{i}")).unwrap();
+    }
+
+    // Pending puts count: a second put while one is in flight must evict for both.
+    let mut fx = Vec::new();
+    d.put_start(&two("tenants/acme/p1"), 100, &mut fx).unwrap();
+    assert_eq!(d.tenant("acme").unwrap().pending_memory_bytes, 2 * MIB);
+    d.verify().unwrap();
+    // Everything of acme's is leased or pending now: the next put is refused.
+    d.get("tenants/acme/4", 100).unwrap();
+    d.get("tenants/acme/5", 100).unwrap();
+    let r = d.put_start(&two("tenants/acme/p2"), 100, &mut fx);
+    assert_eq!(kind(r), ErrorKind::QuotaExceeded);
+    assert_eq!(d.tenant("acme").unwrap().refused_puts, 1);
+    // Larger than the quota on its own.
+    let r = d.put_start(&PutStart::new("tenants/acme/big", 5 * MIB), 100, &mut fx);
+    assert_eq!(kind(r), ErrorKind::QuotaExceeded);
+    d.put_revoke("tenants/acme/p1", &mut fx).unwrap();
+    assert_eq!(d.tenant("acme").unwrap().pending_memory_bytes, 0);
+    d.verify().unwrap();
+    // Lifting the quota lets the tenant grow; bad names are refused.
+    d.set_quota("acme", Quota::default()).unwrap();
+    put_with(&mut d, &PutStart::new("tenants/acme/big", 5 * MIB), 200).unwrap();
+    assert_eq!(kind(d.set_quota("a/b", Quota::default())), ErrorKind::InvalidArgument);
+    d.verify().unwrap();
+}

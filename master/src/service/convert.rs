@@ -79,6 +79,7 @@ pub fn code(kind: ErrorKind) -> w::ErrorCode {
         ErrorKind::TooLarge => w::ErrorCode::TooLarge,
         ErrorKind::NodeUnknown => w::ErrorCode::NodeUnknown,
         ErrorKind::Conflict => w::ErrorCode::Conflict,
+        ErrorKind::QuotaExceeded => w::ErrorCode::QuotaExceeded,
     }
 }
 

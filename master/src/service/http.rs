@@ -1,10 +1,12 @@
 //! The master's admin HTTP endpoint: Prometheus `/metrics`, `/health`, and the read-only
 //! queries operators and integrations poll (`/get_all_segments`, which SGLang polls to wait
-//! for the store; `/query_key?key=K`).
+//! for the store; `/query_key?key=K`), and tenants' quotas (`/api/v1/tenant_quotas`, see
+//! `tenants`).
 //!
-//! A deliberately small HTTP/1.1 server: GET only, one request per connection
-//! (`Connection: close`), request head bounded to 8 KiB and read within 5 s. It never touches
-//! object bytes and holds the directory lock only to copy figures out.
+//! A deliberately small HTTP/1.1 server: GET (PUT and DELETE for quotas), one request per
+//! connection (`Connection: close`), request head bounded to 8 KiB, a body to 64 KiB, both
+//! read within 5 s. It never touches object bytes and holds the directory lock only to copy
+//! figures out or set a quota.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +18,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::State;
 
 const HEAD_BYTES_MAX: usize = 8 << 10;
+const BODY_BYTES_MAX: usize = 64 << 10;
 
 pub async fn serve(listener: TcpListener, state: Arc<State>) {
     loop {
@@ -43,13 +46,39 @@ async fn handle(mut stream: TcpStream, state: Arc<State>) -> std::io::Result<()>
             return respond(&mut stream, 431, "text/plain", "request head too large\n").await;
         }
     }
+    let end = head.windows(4).position(|w| w == b"\r\n\r\n").expect("found above") + 4;
+    let mut body = head.split_off(end);
     let text = String::from_utf8_lossy(&head);
     let mut parts = text.lines().next().unwrap_or("").split_whitespace();
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    if method != "GET" {
-        return respond(&mut stream, 405, "text/plain", "only GET is served\n").await;
-    }
+    let header = |name: &str| {
+        text.lines().skip(1).find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+        })
+    };
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    if path == "/api/v1/tenant_quotas" {
+        let len = header("content-length").and_then(|v| v.parse::<usize>().ok()).unwrap_or(0);
+        if len > BODY_BYTES_MAX {
+            return respond(&mut stream, 413, "text/plain", "body too large\n").await;
+        }
+        while body.len() < len {
+            let n = stream.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            body.extend_from_slice(&buf[..n]);
+        }
+        body.truncate(len);
+        let tenant = query_param(query, "tenant_id");
+        let auth = header("authorization");
+        let (code, v) = super::tenants::handle(&state, method, tenant, auth.as_deref(), &body);
+        return respond(&mut stream, code, "application/json", &format!("{v}\n")).await;
+    }
+    if method != "GET" {
+        return respond(&mut stream, 405, "text/plain", "only GET is served here\n").await;
+    }
     match path {
         "/metrics" => {
             let body = state.render_metrics();
@@ -79,7 +108,8 @@ async fn handle(mut stream: TcpStream, state: Arc<State>) -> std::io::Result<()>
             None => respond(&mut stream, 400, "text/plain", "missing ?key=\n").await,
         },
         _ => {
-            let body = "kvfs master: /metrics /health /get_all_segments /query_key?key=K\n";
+            let body = "kvfs master: /metrics /health /get_all_segments /query_key?key=K \
+                        /api/v1/tenant_quotas[?tenant_id=T]\n";
             respond(&mut stream, 404, "text/plain", body).await
         }
     }
@@ -94,8 +124,10 @@ async fn respond(
     let reason = match code {
         200 => "OK",
         400 => "Bad Request",
+        401 => "Unauthorized",
         404 => "Not Found",
         405 => "Method Not Allowed",
+        413 => "Content Too Large",
         _ => "Request Header Fields Too Large",
     };
     let head = format!(

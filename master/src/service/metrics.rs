@@ -85,7 +85,7 @@ impl Op {
     }
 }
 
-const CODES: [&str; 17] = [
+const CODES: [&str; 18] = [
     "not_found",
     "already_exists",
     "put_in_progress",
@@ -103,6 +103,7 @@ const CODES: [&str; 17] = [
     "corrupt",
     "unavailable",
     "not_leader",
+    "quota_exceeded",
 ];
 
 fn code_index(code: kvfs_proto::store::ErrorCode) -> usize {
@@ -125,6 +126,7 @@ fn code_index(code: kvfs_proto::store::ErrorCode) -> usize {
         C::Corrupt => 14,
         C::Unavailable => 15,
         C::NotLeader => 16,
+        C::QuotaExceeded => 17,
     }
 }
 
@@ -349,7 +351,7 @@ impl Metrics {
     }
 }
 
-fn header(o: &mut String, name: &str, kind: &str, help: &str) {
+pub(super) fn header(o: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(o, "# HELP {name} {help}");
     let _ = writeln!(o, "# TYPE {name} {kind}");
 }

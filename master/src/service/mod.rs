@@ -46,6 +46,7 @@ mod http;
 mod kv_events;
 mod metadata_http;
 mod metrics;
+mod tenants;
 mod tiers;
 
 pub use kv_events::{KvEventsConfig, encode_batch as encode_kv_event_batch, key_hash};
@@ -103,6 +104,8 @@ pub struct ServiceConfig {
     pub kv_events: Option<KvEventsConfig>,
     /// The leadership this service runs under (HA, see `ha`); `None`: the only master.
     pub leadership: Option<kvfs_ha::LeaseGuard>,
+    /// Tenants' quotas at start (see `tenants`); the admin API changes them at run time.
+    pub tenant_quotas: Vec<(String, crate::Quota)>,
 }
 
 impl Default for ServiceConfig {
@@ -124,6 +127,7 @@ impl Default for ServiceConfig {
             persistence_defaults: Vec::new(),
             kv_events: None,
             leadership: None,
+            tenant_quotas: Vec::new(),
         }
     }
 }
@@ -191,6 +195,7 @@ impl State {
         let mut o = self.metrics.render(&s, self.recovering(now_ms()));
         tiers::render(self, &mut o);
         kv_events::render(self, &mut o);
+        tenants::render(self, &mut o);
         o
     }
 
@@ -279,6 +284,11 @@ impl MasterService {
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
         if let Some(k) = &cfg.kv_events {
             dir.enable_pool_events(k.queue_max);
+        }
+        for (tenant, quota) in &cfg.tenant_quotas {
+            dir.set_quota(tenant, *quota).map_err(|e| {
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string())
+            })?;
         }
         let kv_events = cfg.kv_events.clone().map(|k| Arc::new(kv_events::Publisher::new(k)));
         let rpc_addr = listener.local_addr()?;

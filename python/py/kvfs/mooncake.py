@@ -530,8 +530,9 @@ class MooncakeDistributedStore:
             return NOT_SUPPORTED
         if enable_ssd_offload:
             log.warning("setup: enable_ssd_offload is ignored; kvfs nodes own their NVMe tier")
-        if tenant_id not in ("", "default"):
-            log.warning("setup: tenant_id %r is ignored; kvfs has one namespace", tenant_id)
+        # The reference's "default" tenant is the shared namespace; any other tenant's keys
+        # live under tenants/TENANT_ID/ and count against its quota on the master.
+        tenant = None if tenant_id in (None, "", "default") else str(tenant_id)
         del metadata_server  # kvfs engines always handshake peer to peer (P2PHANDSHAKE)
         return self._core.setup(
             local_hostname,
@@ -540,6 +541,7 @@ class MooncakeDistributedStore:
             local_buffer,
             tcp_only=_tcp_only(protocol),
             timeout_ms=_timeout_ms(),
+            tenant=tenant,
         )
 
     def setup_dummy(self, mem_pool_size, local_buffer_size, server_address):

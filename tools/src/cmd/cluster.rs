@@ -76,6 +76,13 @@ pub struct MasterArgs {
     /// under the longest matching prefix get at least that persistence.
     #[arg(long = "persistence", value_parser = parse_persistence_default)]
     pub persistence_defaults: Vec<(String, kvfs_client::Persistence)>,
+    /// A tenant's byte quota, TENANT=MEMORY[:NVME] (repeatable; sizes like 8GiB): its keys
+    /// (under tenants/TENANT/, what clients with --tenant or tenant_id write) may hold that
+    /// much DRAM (and NVMe); a put over it evicts the tenant's own cold objects first, then is
+    /// refused. Read and change quotas at run time through the admin endpoint:
+    /// GET/PUT/DELETE /api/v1/tenant_quotas?tenant_id=TENANT.
+    #[arg(long = "tenant-quota", value_name = "TENANT=MEMORY[:NVME]", value_parser = parse_tenant_quota)]
+    pub tenant_quotas: Vec<(String, kvfs_master::Quota)>,
     #[command(flatten)]
     pub kv_events: KvEventsArgs,
     #[command(flatten)]
@@ -174,6 +181,24 @@ impl KvEventsArgs {
         c.emit_legacy_compat = self.emit_legacy_compat;
         Ok(Some(c))
     }
+}
+
+fn parse_tenant_quota(s: &str) -> Result<(String, kvfs_master::Quota), String> {
+    let (tenant, sizes) =
+        s.split_once('=').ok_or_else(|| format!("{s:?} is not TENANT=MEMORY[:NVME]"))?;
+    if !kvfs_master::valid_tenant(tenant) {
+        return Err(format!("{tenant:?} is not a tenant name (1-64 of A-Z a-z 0-9 . _ -)"));
+    }
+    let (memory, nvme) = match sizes.split_once(':') {
+        Some((m, n)) => (m, Some(n)),
+        None => (sizes, None),
+    };
+    let size = |v: &str| parse_bytes(v).map_err(|e| format!("{v:?}: {e}"));
+    let quota = kvfs_master::Quota {
+        memory_bytes: Some(size(memory)?),
+        nvme_bytes: nvme.map(size).transpose()?,
+    };
+    Ok((tenant.to_string(), quota))
 }
 
 fn parse_persistence_default(s: &str) -> Result<(String, kvfs_client::Persistence), String> {
@@ -286,6 +311,7 @@ impl MasterArgs {
             load_timeout_ms: self.load_timeout_ms,
             persistence_defaults: self.persistence_defaults.clone(),
             kv_events: self.kv_events.config(r.enable_kv_events)?,
+            tenant_quotas: self.tenant_quotas.clone(),
             ..ServiceConfig::default()
         };
         cfg.rpc.secret = super::cluster_secret();

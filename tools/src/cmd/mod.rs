@@ -22,9 +22,18 @@ pub fn cluster_secret() -> Option<ClusterSecret> {
     CLUSTER_SECRET.get().copied()
 }
 
-/// A client's configuration for the master at `master`, with this process's secret.
+static TENANT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+
+/// Sets the tenant the object commands and the mount work for (`--tenant`).
+pub fn set_tenant(tenant: Option<String>) {
+    let _ = TENANT.set(tenant);
+}
+
+/// A client's configuration for the master at `master`, with this process's secret and
+/// tenant.
 pub fn client_config(master: &str) -> kvfs_client::ClientConfig {
     let mut cfg = kvfs_client::ClientConfig { master: master.to_string(), ..Default::default() };
     cfg.engine.cluster_secret = cluster_secret();
+    cfg.tenant = TENANT.get().cloned().flatten();
     cfg
 }
