@@ -1,5 +1,6 @@
 //! A real etcd for tests: `etcd` (Debian's `etcd-server`) members started on free loopback
-//! ports with data directories of their own, killed when dropped.
+//! ports (or on given hosts' addresses, in network namespaces a test made) with data
+//! directories of their own, killed when dropped.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -25,13 +26,20 @@ impl Drop for EtcdMember {
 }
 
 impl EtcdMember {
-    /// Starts member `name` of the cluster `initial` (`name=peer_url,...`) under `dir`.
-    fn spawn(dir: &Path, name: &str, client: u16, peer: u16, initial: &str) -> EtcdMember {
-        let client_url = format!("http://127.0.0.1:{client}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
+    /// Starts member `name` of the cluster `initial` (`name=peer_url,...`) under `dir`, at
+    /// `host` with `etcd` (a command that runs the etcd binary).
+    fn spawn(
+        dir: &Path,
+        name: &str,
+        (host, mut etcd): (String, Command),
+        (client, peer): (u16, u16),
+        initial: &str,
+    ) -> EtcdMember {
+        let client_url = format!("http://{host}:{client}");
+        let peer_url = format!("http://{host}:{peer}");
         let log = dir.join(format!("{name}.log"));
         let out = std::fs::File::create(&log).expect("log file");
-        let child = Command::new("etcd")
+        let child = etcd
             .args(["--name", name, "--data-dir"])
             .arg(dir.join(name))
             .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
@@ -102,20 +110,30 @@ pub struct EtcdCluster {
 }
 
 impl EtcdCluster {
-    /// Starts `n` members and waits until each answers healthy.
+    /// Starts `n` members on loopback and waits until each answers healthy.
     pub fn start(n: usize) -> EtcdCluster {
+        EtcdCluster::start_on(
+            (0..n).map(|_| ("127.0.0.1".to_string(), Command::new("etcd"))).collect(),
+        )
+    }
+
+    /// Starts one member per `(address, command running etcd)` (a host in a network
+    /// namespace: `ip netns exec NS etcd`) and waits until each answers healthy.
+    pub fn start_on(hosts: Vec<(String, Command)>) -> EtcdCluster {
         let dir = tempfile::tempdir().expect("tempdir");
-        let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
-        let initial: Vec<String> = ports
+        let ports: Vec<(u16, u16)> = hosts.iter().map(|_| (free_port(), free_port())).collect();
+        let initial: Vec<String> = hosts
             .iter()
+            .zip(&ports)
             .enumerate()
-            .map(|(i, (_, p))| format!("m{i}=http://127.0.0.1:{p}"))
+            .map(|(i, ((h, _), (_, p)))| format!("m{i}=http://{h}:{p}"))
             .collect();
         let initial = initial.join(",");
-        let mut members: Vec<EtcdMember> = ports
-            .iter()
+        let mut members: Vec<EtcdMember> = hosts
+            .into_iter()
+            .zip(ports)
             .enumerate()
-            .map(|(i, &(c, p))| EtcdMember::spawn(dir.path(), &format!("m{i}"), c, p, &initial))
+            .map(|(i, (h, p))| EtcdMember::spawn(dir.path(), &format!("m{i}"), h, p, &initial))
             .collect();
         for m in &mut members {
             m.wait_healthy();

@@ -6,6 +6,9 @@
 //! builds it before running the suite). Every process is killed when its handle drops, so a
 //! failing test leaves nothing running; and every process gets SIGKILL when the test process
 //! itself dies (a test killed by its runner's timeout, a signal), see [`spawn_tied`].
+//! [`netns`] makes hosts of network namespaces for tests that cut links between them.
+
+pub mod netns;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -94,7 +97,12 @@ pub fn spawn_tied(cmd: Command) -> std::io::Result<Child> {
 impl Proc {
     /// Starts `kvfs ARGS` and waits (at most 20 s) for its first line on stdout.
     pub fn start(args: &[String]) -> Proc {
-        let mut cmd = Command::new(kvfs_bin());
+        Proc::start_cmd(Command::new(kvfs_bin()), args)
+    }
+
+    /// [`Proc::start`] with `cmd` running kvfs (in a network namespace: `ip netns exec NS
+    /// kvfs`).
+    pub fn start_cmd(mut cmd: Command, args: &[String]) -> Proc {
         cmd.args(args)
             .env("KVFS_LOG", std::env::var("KVFS_LOG").unwrap_or_else(|_| "warn".into()))
             .stdin(Stdio::null())
