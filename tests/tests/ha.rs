@@ -269,3 +269,54 @@ async fn an_etcd_member_lost_leaves_the_cluster_serving_and_able_to_fail_over() 
     }
     put_retrying(&c, "m/after", &content(1, 10)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvfs_up_ha_runs_its_etcd_and_leads_and_a_standby_joins() {
+    let dir = tempfile::tempdir().unwrap();
+    // The member's peer port is the client port + 1: find two free in a row.
+    let etcd = loop {
+        let p = free_port();
+        if std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            break p;
+        }
+    };
+    let up = Proc::start(&[
+        "up".into(),
+        "--ha".into(),
+        "--data".into(),
+        dir.path().display().to_string(),
+        "--etcd-listen".into(),
+        format!("127.0.0.1:{etcd}"),
+        "--listen".into(),
+        format!("127.0.0.1:{}", free_port()),
+        "--admin".into(),
+        "off".into(),
+        "--dram".into(),
+        "64MiB".into(),
+        "--no-populate".into(),
+    ]);
+    assert!(up.first_line.contains("kvfs is up: master etcd://"), "{}", up.first_line);
+    let addr = format!("etcd://127.0.0.1:{etcd}/{}", kvfs_ha::DEFAULT_CLUSTER);
+    let c =
+        Client::connect(ClientConfig { master: addr, ..ClientConfig::default() }).await.unwrap();
+    c.put("up-ha/1", &content(1, 100_000), &PutOptions::default()).await.unwrap();
+    assert!(c.get("up-ha/1").await.unwrap() == content(1, 100_000));
+    let standby = Proc::start(&[
+        "master".into(),
+        "--etcd".into(),
+        format!("127.0.0.1:{etcd}"),
+        "--listen".into(),
+        format!("127.0.0.1:{}", free_port()),
+        "--admin".into(),
+        "off".into(),
+    ]);
+    assert!(standby.first_line.contains("candidate"), "{}", standby.first_line);
+    // The etcd member goes with the process that started it.
+    up.kill();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", etcd)).is_ok() {
+        assert!(Instant::now() < deadline, "etcd outlived kvfs up");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    standby.kill();
+}

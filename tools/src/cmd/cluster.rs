@@ -694,8 +694,131 @@ pub struct UpArgs {
     /// its answers include what the pool holds; engines register themselves.
     #[arg(long, value_name = "ADDR")]
     pub conductor: Option<std::net::SocketAddr>,
+    /// Run the master as a candidate of a highly available cluster: start a local etcd member
+    /// (Debian's etcd-server; data under DATA/etcd, log in DATA/etcd.log) at --etcd-listen,
+    /// and make the node and the mount follow the leader through etcd://. More candidates
+    /// join from any machine with `kvfs master --etcd HOST:PORT --listen ADDR` and take over
+    /// when this one dies.
+    #[arg(long)]
+    pub ha: bool,
+    /// Client address of the etcd member --ha starts (its peer port is the next one).
+    #[arg(long, default_value = "127.0.0.1:2379", requires = "ha")]
+    pub etcd_listen: SocketAddr,
     #[command(flatten)]
     pub store: ObjectStoreArgs,
+}
+
+/// The etcd member `kvfs up --ha` runs: killed when dropped.
+struct LocalEtcd(std::process::Child);
+
+impl Drop for LocalEtcd {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts a one-member etcd under `data` and waits (at most 20 s) until it answers.
+async fn start_etcd(data: &std::path::Path, listen: SocketAddr) -> anyhow::Result<LocalEtcd> {
+    let dir = data.join("etcd");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let client = format!("http://{listen}");
+    let peer = format!("http://{}:{}", listen.ip(), listen.port().wrapping_add(1));
+    let log_path = data.join("etcd.log");
+    let log = std::fs::File::create(&log_path)
+        .with_context(|| format!("creating {}", log_path.display()))?;
+    let mut cmd = std::process::Command::new("etcd");
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent. The member dies
+    // with this process however it dies (it was spawned from a runtime worker, which lives as
+    // long as the process).
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd
+        .args(["--name", "kvfs-up", "--data-dir"])
+        .arg(&dir)
+        .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+        .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+        .args(["--initial-cluster", &format!("kvfs-up={peer}")])
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .context("starting etcd for --ha: install Debian's etcd-server (scripts/setup)")?;
+    let mut etcd = LocalEtcd(child);
+    let probe = kvfs_ha::Etcd::new(vec![client.clone()], Duration::from_secs(1))?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = etcd.0.try_wait()? {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(5).collect();
+            anyhow::bail!("etcd at {listen} exited with {status}: {}", tail.join(" | "));
+        }
+        if probe.get("/kvfs/up-probe").await.is_ok() {
+            return Ok(etcd);
+        }
+        if std::time::Instant::now() > deadline {
+            anyhow::bail!(
+                "etcd at {listen} did not answer within 20 s (see {})",
+                log_path.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `kvfs up --ha`'s master: a candidate in its own task, leading once this returns.
+struct HaMaster {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    admin: Option<SocketAddr>,
+}
+
+async fn start_ha_master(
+    cfg: ServiceConfig,
+    etcd: SocketAddr,
+) -> anyhow::Result<(HaMaster, String)> {
+    use kvfs_master::service::ha::{self, HaConfig, HaEvent};
+    let target = kvfs_ha::EtcdTarget::new(&etcd.to_string(), kvfs_ha::DEFAULT_CLUSTER)?;
+    if cfg.listen.ip().is_unspecified() {
+        anyhow::bail!(
+            "--listen {} is a wildcard address; give the address others reach",
+            cfg.listen
+        );
+    }
+    let h = HaConfig::new(target.clone(), cfg.listen.to_string());
+    let (lead_tx, lead_rx) = tokio::sync::oneshot::channel();
+    let lead_tx = std::sync::Mutex::new(Some(lead_tx));
+    let events = move |e: HaEvent| match e {
+        HaEvent::Leading { admin, .. } => {
+            if let Some(tx) = lead_tx.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                let _ = tx.send(admin);
+            }
+        }
+        HaEvent::Standby { leader, term } => {
+            println!("kvfs master: standing by (the leader is {leader}, term {term})")
+        }
+        HaEvent::Lost { term, why } => {
+            println!("kvfs master: lost the leadership of term {term} ({why}); standing by")
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(ha::run(cfg, h, events, async move {
+        let _ = stopped.await;
+    }));
+    let admin = match tokio::time::timeout(Duration::from_secs(20), lead_rx).await {
+        Ok(Ok(admin)) => admin,
+        _ => {
+            task.abort();
+            anyhow::bail!("the master did not become the leader within 20 s (another leads?)");
+        }
+    };
+    Ok((HaMaster { stop, task, admin }, target.master_addr()))
 }
 
 fn print_tiers(node: &Node, data: Option<&std::path::Path>) {
@@ -724,10 +847,17 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
     let store = args.store.config(Some(&default_store))?;
     let mut mcfg = args.master.service_config()?;
     mcfg.object_store = store.clone();
-    let svc = MasterService::start(mcfg)
-        .await
-        .with_context(|| format!("starting the master on {}", args.master.listen))?;
-    let master = svc.rpc_addr().to_string();
+    let (etcd, ha, svc, master) = if args.ha {
+        let etcd = start_etcd(&args.data, args.etcd_listen).await?;
+        let (ha, master) = start_ha_master(mcfg, args.etcd_listen).await?;
+        (Some(etcd), Some(ha), None, master)
+    } else {
+        let svc = MasterService::start(mcfg)
+            .await
+            .with_context(|| format!("starting the master on {}", args.master.listen))?;
+        let master = svc.rpc_addr().to_string();
+        (None, None, Some(svc), master)
+    };
     let mut ncfg = args.node.node_config(&master);
     ncfg.tiers = args.node.tier_config(store.clone());
     ncfg.data_dir = Some(args.data.clone());
@@ -740,8 +870,17 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         human_bytes(args.node.dram),
         node.endpoint()
     );
-    if let Some(a) = svc.admin_addr() {
+    if let Some(a) = svc.as_ref().and_then(|s| s.admin_addr()).or(ha.as_ref().and_then(|h| h.admin))
+    {
         println!("  metrics http://{a}/metrics   health http://{a}/health");
+    }
+    if ha.is_some() {
+        println!(
+            "  leading through etcd at {} (data {}); add a standby: kvfs master --etcd {} --listen HOST:PORT",
+            args.etcd_listen,
+            args.data.join("etcd").display(),
+            args.etcd_listen
+        );
     }
     println!("  data {}", args.data.display());
     // The node runs in this process: the mount serves its NVMe objects with FUSE passthrough.
@@ -789,6 +928,11 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
     }
     node.shutdown().await;
     drop(svc);
+    if let Some(h) = ha {
+        let _ = h.stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(5), h.task).await;
+    }
+    drop(etcd);
     Ok(())
 }
 
