@@ -32,7 +32,6 @@ use kvfs_transfer::{Engine, EngineConfig, SegmentHandle, TransferOp, TransferReq
 
 use crate::locations::{self, Location, Locations};
 use crate::master::MasterLink;
-use crate::node::LocalCommit;
 use crate::staging::{Staged, StagingPool};
 use crate::{Error, ErrorKind, Result};
 use kvfs_proto::store::{TENANT_PREFIX, valid_tenant};
@@ -65,6 +64,27 @@ impl Default for PutOptions {
             checksum: false,
         }
     }
+}
+
+/// A node in the client's own process (see [`Client::connect_local`]): a writer whose replica
+/// lies in its segment records the commit there itself.
+pub trait LocalNode: Send + Sync {
+    /// Records a complete object at `c.addr` of the node's DRAM segment; the node's id when it
+    /// did (`None`: the node has stopped, or the range is not in its segment).
+    fn commit(&self, c: &LocalCommit<'_>) -> Option<u64>;
+    /// Takes back a commit whose `PutEnd` failed (only that version at that range).
+    fn undo(&self, c: &LocalCommit<'_>);
+}
+
+/// An object a client wrote into its own process's node.
+pub struct LocalCommit<'a> {
+    pub key: &'a str,
+    /// Engine address of the replica (inside the node's DRAM segment).
+    pub addr: u64,
+    pub size: u64,
+    pub version: u64,
+    pub checksum: Option<[u8; 32]>,
+    pub pin: Pin,
 }
 
 /// Configuration of a client.
@@ -318,7 +338,7 @@ struct Inner {
     cache_misses: AtomicU64,
     /// The node in this process whose engine this client shares, if any: puts into its
     /// segment record their commit there themselves (one master round trip fewer).
-    embedded: Option<crate::node::Embedded>,
+    embedded: Option<Arc<dyn LocalNode>>,
     /// `tenants/TENANT/` for a tenant's client (see `ClientConfig::tenant`).
     prefix: Option<String>,
 }
@@ -347,19 +367,22 @@ impl Client {
         Client::connect_inner(cfg, engine, None).await
     }
 
-    /// Connects with the engine of a node running in this process (as
-    /// [`Client::connect_with_engine`] with `node.engine()`), and records the commits of the
-    /// objects it writes into that node's segment in the node itself before their `PutEnd`,
-    /// so such a put costs two master round trips instead of three (the master then sends the
-    /// node no commit record).
-    pub async fn connect_embedded(cfg: ClientConfig, node: &crate::Node) -> Result<Client> {
-        Client::connect_inner(cfg, node.engine().clone(), Some(node.embedded())).await
+    /// Connects with `engine`, the engine of a node running in this process, and records the
+    /// commits of the objects it writes into that node's segment in the node itself (`node`)
+    /// before their `PutEnd`, so such a put costs two master round trips instead of three (the
+    /// master then sends the node no commit record). `kvfs_node::Node::client` calls this.
+    pub async fn connect_local(
+        cfg: ClientConfig,
+        engine: Engine,
+        node: Arc<dyn LocalNode>,
+    ) -> Result<Client> {
+        Client::connect_inner(cfg, engine, Some(node)).await
     }
 
     async fn connect_inner(
         cfg: ClientConfig,
         engine: Engine,
-        embedded: Option<crate::node::Embedded>,
+        embedded: Option<Arc<dyn LocalNode>>,
     ) -> Result<Client> {
         let host = kvfs_transfer::host_id().to_string();
         let timeout = Duration::from_millis(cfg.rpc_timeout_ms);
@@ -1159,7 +1182,7 @@ impl Client {
         let engine = &self.inner.engine;
         let seg =
             engine.open_segment(&r.endpoint).await.map_err(|e| Error::from_transfer("get", &e))?;
-        let guard = crate::node::read_guard::encode(key, v.version);
+        let guard = crate::read_guard::encode(key, v.version);
         match engine.read_guarded(&seg, local, r.addr, v.size, guard).await {
             Ok(()) => {
                 self.inner.cache_hits.fetch_add(1, Ordering::Relaxed);

@@ -124,7 +124,7 @@ impl Error {
         self.kind.retryable()
     }
 
-    pub(crate) fn from_wire(op: &'static str, e: &WireError) -> Error {
+    pub fn from_wire(op: &'static str, e: &WireError) -> Error {
         let kind = match e.code {
             ErrorCode::NotFound => ErrorKind::NotFound,
             ErrorCode::AlreadyExists => ErrorKind::AlreadyExists,
@@ -145,11 +145,11 @@ impl Error {
         Error::new(kind, op, e.message.clone())
     }
 
-    pub(crate) fn from_rpc(op: &'static str, e: kvfs_rpc::RpcError) -> Error {
+    pub fn from_rpc(op: &'static str, e: kvfs_rpc::RpcError) -> Error {
         Error::new(ErrorKind::Unavailable, op, e.to_string())
     }
 
-    pub(crate) fn from_transfer(op: &'static str, e: &kvfs_transfer::Error) -> Error {
+    pub fn from_transfer(op: &'static str, e: &kvfs_transfer::Error) -> Error {
         let kind = match e.kind() {
             kvfs_transfer::ErrorKind::NotRegistered => ErrorKind::NotRegistered,
             kvfs_transfer::ErrorKind::InvalidArgument => ErrorKind::InvalidArgument,

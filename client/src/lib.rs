@@ -1,27 +1,26 @@
-//! kvfs-client: the embeddable store client, and the node that contributes memory (and its
-//! NVMe and object-store tiers) to the pool.
+//! kvfs-client: the embeddable store client.
 //!
 //! A [`Client`] talks to the master for metadata (where objects are, leases, listings) and
 //! moves bytes itself with its own Transfer Engine, directly between its memory and the nodes'
-//! segments: the master is never on the data path. A [`Node`] contributes a DRAM segment,
-//! serves transfers and keeps the master's directory rebuildable from what it holds.
-//! The CLI, the FUSE daemon and the Python package all use this crate.
+//! segments: the master is never on the data path. The CLI, the FUSE daemon and the Python
+//! package all use this crate; the node daemon (`kvfs-node`) uses its master link
+//! ([`master::MasterLink`]) and the read guard format ([`read_guard`]), and plugs into a client
+//! of its own process as a [`LocalNode`].
 
 mod client;
 mod error;
 mod locations;
-mod master;
-pub mod node;
+pub mod master;
+pub mod read_guard;
 mod staging;
 
 pub use client::{
-    Client, ClientConfig, Fetched, GetInto, Keeper, LEND_BYTES_MIN, ObjectInfo, PutFrom,
-    PutOptions, StagedBytes, pipeline_chunks,
+    Client, ClientConfig, Fetched, GetInto, Keeper, LEND_BYTES_MIN, LocalCommit, LocalNode,
+    ObjectInfo, PutFrom, PutOptions, StagedBytes, pipeline_chunks,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use kvfs_proto::store::{
     DirEntry, DirPage, ListEntry, ListPage, MasterStats, Persistence, Pin, RemoveCounts,
     RenameItem, RenameMode, ReplicaDesc, Strategy, Tier,
 };
-pub use node::{Node, NodeConfig, NodeStats, TierConfig};
 pub use staging::{advise_huge_pages, keep_freed_buffers, prefault};

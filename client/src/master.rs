@@ -33,7 +33,7 @@ use kvfs_rpc::{DirectConn, Handler, RpcConn, RpcError, RpcOptions};
 
 use crate::{Error, ErrorKind, Result};
 
-pub(crate) struct MasterLink {
+pub struct MasterLink {
     addr: String,
     role: Role,
     host: String,
@@ -130,7 +130,7 @@ impl Drop for DirectLease<'_> {
 }
 
 /// Checks a master address: `HOST:PORT`, or `etcd://...` well formed.
-pub(crate) fn check_addr(addr: &str) -> Result<()> {
+pub fn check_addr(addr: &str) -> Result<()> {
     match EtcdTarget::parse_master_addr(addr) {
         Some(Err(e)) => {
             Err(Error::new(ErrorKind::InvalidArgument, "master address", e.to_string()))

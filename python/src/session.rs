@@ -26,7 +26,8 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvfs_client::{Client, ClientConfig, Node, NodeConfig};
+use kvfs_client::{Client, ClientConfig};
+use kvfs_node::{Node, NodeConfig};
 use kvfs_transfer::{Engine, EngineConfig, Transports};
 use rand::Rng;
 
@@ -106,7 +107,7 @@ impl Session {
         };
         // A node in this process: the client records its puts' commits there itself.
         let client = match &node {
-            Some(n) => Client::connect_embedded(ccfg, n).await,
+            Some(n) => n.client(ccfg).await,
             None => Client::connect_with_engine(ccfg, engine.clone()).await,
         };
         let client = match client {

@@ -1,4 +1,4 @@
-//! Puts into a node of the writer's own process (`Client::connect_embedded`, as the Python
+//! Puts into a node of the writer's own process (`Node::client`, as the Python
 //! package runs a store that contributes a segment): the writer records the commit in its node
 //! before `PutEnd`, the master sends that node no record, and the node's index still ends up
 //! exactly what the master completed, so a master restart loses nothing. The master's drops
@@ -7,7 +7,8 @@
 
 use std::time::Duration;
 
-use kvfs_client::{Client, ErrorKind, Node, NodeConfig, PutOptions};
+use kvfs_client::{Client, ErrorKind, PutOptions};
+use kvfs_node::{Node, NodeConfig};
 use kvfs_tests::{Cluster, ClusterOpts, content};
 use kvfs_transfer::{EngineConfig, Transports};
 
@@ -21,7 +22,7 @@ async fn embedded(cluster: &Cluster) -> (Node, Client) {
     .await
     .expect("node starts");
     node.wait_registered(Duration::from_secs(30)).await.expect("node registers");
-    let client = Client::connect_embedded(cluster.client_config(), &node).await.expect("connects");
+    let client = node.client(cluster.client_config()).await.expect("connects");
     (node, client)
 }
 

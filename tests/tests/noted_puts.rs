@@ -9,7 +9,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvfs_client::{Client, Node, NodeConfig, PutOptions};
+use kvfs_client::{Client, PutOptions};
+use kvfs_node::{Node, NodeConfig};
 use kvfs_proto::store::{
     CommitNote, MasterRequest, MasterResponse, Persistence, Pin, PutStartItem, Role, Strategy,
 };

@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvfs_client::{Client, ClientConfig, Node, NodeConfig, PutOptions};
+use kvfs_client::{Client, ClientConfig, PutOptions};
 use kvfs_master::service::{MasterService, ServiceConfig};
+use kvfs_node::{Node, NodeConfig};
 
 const KVFS: &str = env!("CARGO_BIN_EXE_kvfs");
 

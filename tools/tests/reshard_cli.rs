@@ -4,8 +4,8 @@
 use std::process::Command;
 use std::time::Duration;
 
-use kvfs_client::{Node, NodeConfig};
 use kvfs_master::service::{MasterService, ServiceConfig};
+use kvfs_node::{Node, NodeConfig};
 use kvfs_reshard::ModelSpec;
 use kvfs_reshard::testing::linear_fragment;
 

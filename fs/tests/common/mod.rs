@@ -10,9 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use kvfs_client::{Client, ClientConfig, Node, NodeConfig, PutOptions, TierConfig};
+use kvfs_client::{Client, ClientConfig, PutOptions};
 use kvfs_fs::{Mount, MountConfig};
 use kvfs_master::service::{MasterService, ServiceConfig};
+use kvfs_node::{Node, NodeConfig, TierConfig};
 
 pub struct Cluster {
     pub rt: tokio::runtime::Runtime,

@@ -26,10 +26,11 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kvfs_client::{Client, ClientConfig, Node, NodeConfig, PutOptions};
+use kvfs_client::{Client, ClientConfig, PutOptions};
 use kvfs_fs::abi::{self, sys};
 use kvfs_fs::{Mount, MountConfig, MountProbe};
 use kvfs_master::service::{MasterService, ServiceConfig};
+use kvfs_node::{Node, NodeConfig};
 
 use super::limits::memcpy_gbps;
 use super::report::{Figure, Reporter, Samples};

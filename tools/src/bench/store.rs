@@ -21,8 +21,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kvfs_client::{Client, ClientConfig, GetInto, Node, NodeConfig, PutFrom, PutOptions};
+use kvfs_client::{Client, ClientConfig, GetInto, PutFrom, PutOptions};
 use kvfs_master::service::{MasterService, ServiceConfig};
+use kvfs_node::{Node, NodeConfig};
 use kvfs_transfer::{Buffer, BufferOptions, EngineConfig, Transports};
 use tokio::io::{AsyncBufReadExt, BufReader};
 

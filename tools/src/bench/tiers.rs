@@ -24,8 +24,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kvfs_client::{Client, ClientConfig, Node, NodeConfig, PutOptions, Tier, TierConfig};
+use kvfs_client::{Client, ClientConfig, PutOptions, Tier};
 use kvfs_master::service::{MasterService, ServiceConfig};
+use kvfs_node::{Node, NodeConfig, TierConfig};
 use kvfs_tiers::bench::{self as tb, DiskBenchConfig};
 use kvfs_tiers::{ObjectStoreConfig, ObjectStoreMedium, RingConfig};
 use kvfs_transfer::BufferOptions;

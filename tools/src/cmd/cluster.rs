@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use kvfs_client::{Node, NodeConfig, TierConfig};
 use kvfs_master::service::{KvEventsConfig, MasterService, MetadataHttpConfig, ServiceConfig};
+use kvfs_node::{Node, NodeConfig, TierConfig};
 use kvfs_transfer::{EngineConfig, Transports};
 
 use crate::bench::report::{human_bytes, parse_bytes};

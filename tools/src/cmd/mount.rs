@@ -70,7 +70,7 @@ impl MountArgs {
 
 /// The NVMe objects of a node in this process, for FUSE passthrough: each is a file holding
 /// exactly the object's bytes from offset 0.
-pub struct NodeSource(pub kvfs_client::node::NodeFiles);
+pub struct NodeSource(pub kvfs_node::NodeFiles);
 
 impl kvfs_fs::PassthroughSource for NodeSource {
     fn object_file(&self, key: &str) -> Option<(std::os::fd::OwnedFd, u64)> {

@@ -17,7 +17,7 @@ use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
-use crate::{Error, ErrorKind, Result};
+use kvfs_client::{Error, ErrorKind, Result};
 
 fn io_err(what: String, e: std::io::Error) -> Error {
     Error::new(ErrorKind::InvalidArgument, "node", format!("{what}: {e}"))

@@ -51,10 +51,10 @@ use kvfs_transfer::Buffer;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use super::held::{DRAM_SEGMENT, Held, Index, NVME_SEGMENT};
-use super::{Inner, NodeConfig, tier_err};
-use crate::master::MasterLink;
-use crate::{Error, ErrorKind, Result};
+use crate::held::{DRAM_SEGMENT, Held, Index, NVME_SEGMENT};
+use crate::{Inner, NodeConfig, tier_err};
+use kvfs_client::master::MasterLink;
+use kvfs_client::{Error, ErrorKind, Result};
 
 /// Counters of the tier flows.
 #[derive(Default)]

@@ -6,8 +6,9 @@ use std::io::Read;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use kvfs_client::{Client, ClientConfig, Node, NodeConfig, PutOptions, TierConfig};
+use kvfs_client::{Client, ClientConfig, PutOptions};
 use kvfs_master::service::{MasterService, ServiceConfig};
+use kvfs_node::{Node, NodeConfig, TierConfig};
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed) ^ (i >> 11) as u8).collect()

@@ -1,5 +1,7 @@
-//! The node: contributes a DRAM segment to the pool, serves transfers into and out of it, runs
-//! its tiers (NVMe, object store) and keeps the master informed.
+//! kvfs-node: the node daemon. It contributes a DRAM segment to the pool, serves transfers
+//! into and out of it, runs its tiers (NVMe, object store) and keeps the master informed
+//! (through `kvfs_client`'s master link). `kvfs node`, `kvfs up` and the Python package's
+//! embedded node run it.
 //!
 //! Mechanism. A node runs a Transfer Engine with one registered, shareable DRAM buffer (its
 //! segment 0). The master allocates ranges in it; writers and readers move bytes directly with
@@ -55,10 +57,10 @@ use kvfs_tiers::{NvmeConfig, NvmeMedium, ObjectStoreConfig, ObjectStoreMedium, R
 use kvfs_transfer::{Buffer, BufferOptions, Engine, EngineConfig};
 use tokio::task::JoinHandle;
 
-use crate::master::MasterLink;
-use crate::{Error, ErrorKind, Result};
-pub(crate) use held::read_guard;
 use held::{DRAM_SEGMENT, Index, NVME_SEGMENT};
+use kvfs_client::master::MasterLink;
+use kvfs_client::read_guard;
+use kvfs_client::{Client, ClientConfig, Error, ErrorKind, LocalCommit, LocalNode, Result};
 pub use kvfs_proto::store::NodeStats;
 
 /// Configuration of a node.
@@ -199,7 +201,7 @@ impl Node {
         if cfg.tiers.nvme_bytes > 0 && cfg.data_dir.is_none() {
             return invalid("an NVMe tier needs a data directory".into());
         }
-        crate::master::check_addr(&cfg.master)?;
+        kvfs_client::master::check_addr(&cfg.master)?;
         let (dir_lock, id) = match &cfg.data_dir {
             Some(dir) => {
                 let l = data_dir::lock(dir)?;
@@ -360,10 +362,12 @@ impl Node {
         NodeFiles(self.inner.clone())
     }
 
-    /// A handle through which a [`Client`](crate::Client) in this process records the commits
-    /// of the replicas it writes into this node (see [`crate::Client::connect_embedded`]).
-    pub(crate) fn embedded(&self) -> Embedded {
-        Embedded(Arc::downgrade(&self.inner))
+    /// A client of this process that shares the node's engine and records the commits of the
+    /// replicas it writes into this node's segment here, before their `PutEnd` (one master
+    /// round trip fewer per put; see [`Client::connect_local`]).
+    pub async fn client(&self, cfg: ClientConfig) -> Result<Client> {
+        let local = Arc::new(Embedded(Arc::downgrade(&self.inner)));
+        Client::connect_local(cfg, self.engine().clone(), local).await
     }
 
     /// Waits until the node is registered with the master (at most `timeout`).
@@ -401,12 +405,10 @@ impl Node {
 /// start from the master's record). The master's drops name the version they mean, so an older
 /// drop of the same range that arrives after such a commit leaves it alone.
 #[derive(Clone)]
-pub(crate) struct Embedded(std::sync::Weak<Inner>);
+struct Embedded(std::sync::Weak<Inner>);
 
-impl Embedded {
-    /// Records a complete object at `addr` of the node's DRAM segment; the node's id when it
-    /// did (`None`: the node has stopped, or the range is not in its segment).
-    pub fn commit(&self, c: &LocalCommit<'_>) -> Option<u64> {
+impl LocalNode for Embedded {
+    fn commit(&self, c: &LocalCommit<'_>) -> Option<u64> {
         let inner = self.0.upgrade()?;
         let offset = inner.dram_offset(c.addr, c.size)?;
         inner.commit(vec![kvfs_proto::store::CommitItem {
@@ -423,8 +425,7 @@ impl Embedded {
         Some(inner.id)
     }
 
-    /// Takes back a commit whose `PutEnd` failed (only that version at that range).
-    pub fn undo(&self, c: &LocalCommit<'_>) {
+    fn undo(&self, c: &LocalCommit<'_>) {
         let Some(inner) = self.0.upgrade() else { return };
         let Some(offset) = inner.dram_offset(c.addr, c.size) else { return };
         inner.drop_copies(vec![kvfs_proto::store::DropItem {
@@ -435,17 +436,6 @@ impl Embedded {
             version: c.version,
         }]);
     }
-}
-
-/// An object a client wrote into its own process's node.
-pub(crate) struct LocalCommit<'a> {
-    pub key: &'a str,
-    /// Engine address of the replica (inside the node's DRAM segment).
-    pub addr: u64,
-    pub size: u64,
-    pub version: u64,
-    pub checksum: Option<[u8; 32]>,
-    pub pin: kvfs_proto::store::Pin,
 }
 
 /// Looks for a CUDA driver; opens `hbm_bytes` of GPU memory when asked, as a proof the tier
@@ -510,7 +500,7 @@ impl Inner {
     /// that key around the range, and counted as an access for the tier policy like the reads
     /// the master reports.
     fn vouches(&self, addr: u64, len: u64, guard: &[u8]) -> bool {
-        let Some((version, key)) = held::read_guard::decode(guard) else { return false };
+        let Some((version, key)) = read_guard::decode(guard) else { return false };
         let Some(offset) = addr.checked_sub(self.dram.addr()) else { return false };
         let ok =
             self.index.lock().unwrap_or_else(|e| e.into_inner()).vouches(key, version, offset, len);
