@@ -56,6 +56,9 @@ use crate::{Inner, NodeConfig, tier_err};
 use kvfs_client::master::MasterLink;
 use kvfs_client::{Error, ErrorKind, Result};
 
+/// A demotion its tenant's NVMe quota refused is not tried again for this long.
+const QUOTA_RETRY_MS: u64 = 30_000;
+
 /// Counters of the tier flows.
 #[derive(Default)]
 struct Counters {
@@ -917,6 +920,10 @@ impl Inner {
         if !kept {
             if let Err(e) = &outcome {
                 tracing::debug!(key, error = %e, "demotion refused; NVMe copy removed");
+                if e.kind() == ErrorKind::QuotaExceeded {
+                    // Its tenant is at its NVMe quota: do not copy it again for a while.
+                    lock(&self.tiers.policy).defer(key, self.now_ms() + QUOTA_RETRY_MS);
+                }
             }
             free_off(self);
             remove_nvme_version(nvme, key, snap.version).await;

@@ -60,7 +60,7 @@ async fn quotas_hold_under_concurrent_puts_of_several_tenants() {
     let mut o = ClusterOpts { nodes: 2, ..ClusterOpts::default() };
     o.admin = admin.clone();
     o.master_args.extend(
-        ["--tenant-quota", "acme=8MiB", "--tenant-quota", "beta=16MiB", "--lease-ttl-ms", "2000"]
+        ["--tenant-quota", "acme=8MiB", "--tenant-quota", "beta=16MiB", "--lease-ttl-ms", "10000"]
             .map(String::from),
     );
     let cluster = Cluster::start(o).await;

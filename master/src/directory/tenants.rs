@@ -17,6 +17,10 @@
 //! `QuotaExceeded`, saying how much is in use. Other tenants' objects are never evicted for
 //! a tenant's quota (cluster-wide eviction for capacity still applies to everyone).
 //!
+//! A node's NVMe copy of a tenant's object (the tier manager's demotion) that would take the
+//! tenant over its NVMe quota is refused, and the node keeps the object in memory (where the
+//! memory quota and eviction govern it).
+//!
 //! Not handled: quotas on the object store tier; quotas persisted across a master restart
 //! (they are configuration: `--tenant-quota`, or set again through the admin API).
 
@@ -187,6 +191,29 @@ impl Directory {
             return refuse(self, detail);
         }
         Ok(())
+    }
+
+    /// Refuses a node's new NVMe copy of `key` (a demotion) that would take its tenant over
+    /// its NVMe quota; the node then keeps the object where it is.
+    pub(super) fn check_tenant_copy(&self, key: &str, tier: Tier, size: u64) -> Result<()> {
+        if tier != Tier::Nvme {
+            return Ok(());
+        }
+        let Some(name) = tenant_of(key.as_bytes()) else { return Ok(()) };
+        let name = std::str::from_utf8(name).expect("keys are str");
+        let Some(u) = self.tenants.get(name) else { return Ok(()) };
+        let Some(quota) = u.quota.nvme_bytes else { return Ok(()) };
+        let used = u.used(false);
+        if used + size <= quota {
+            return Ok(());
+        }
+        let detail = format!(
+            "tenant {name}: {used} bytes of its NVMe quota of {quota} are in use: no room for a \
+             copy of {size} bytes"
+        );
+        Err(Error::new(ErrorKind::QuotaExceeded, "report_replica")
+            .with_key(key)
+            .with_detail(detail))
     }
 
     /// Evicts the tenant's least recently used replicas on one medium until `bytes` are freed

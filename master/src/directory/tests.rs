@@ -1195,3 +1195,48 @@ fn a_tenant_over_its_quota_loses_its_own_oldest_objects_and_no_one_elses() {
     assert_eq!(kind(d.set_quota("a/b", Quota::default())), ErrorKind::InvalidArgument);
     d.verify().unwrap();
 }
+
+#[test]
+fn a_demotion_over_the_tenants_nvme_quota_is_refused_and_changes_nothing() {
+    let mut d = Directory::new(cfg()).unwrap();
+    let r = reg(1, "h", vec![seg(0, Tier::Dram, 64 * MIB), seg(1, Tier::Nvme, 64 * MIB)]);
+    d.register_node(&r, 0, &mut Vec::new()).unwrap();
+    d.set_quota("acme", Quota { memory_bytes: None, nvme_bytes: Some(MIB) }).unwrap();
+    put(&mut d, "tenants/acme/a", MIB, 0);
+    put(&mut d, "tenants/acme/b", MIB, 0);
+    let dram = |d: &Directory, k: &str| match d.stat(k).unwrap().replicas[0].location {
+        Location::Node(n) => n,
+        _ => panic!("a node replica"),
+    };
+    let nvme =
+        |offset| NodeLocation { node: NodeId(1), segment: 1, tier: Tier::Nvme, addr: 0, offset };
+    let (a, b) = (dram(&d, "tenants/acme/a"), dram(&d, "tenants/acme/b"));
+    let va = d.stat("tenants/acme/a").unwrap().version;
+    let vb = d.stat("tenants/acme/b").unwrap().version;
+    let out = d
+        .report_replica(
+            "tenants/acme/a",
+            va,
+            None,
+            Some(&Location::Node(nvme(0))),
+            Some(&Location::Node(a)),
+            0,
+        )
+        .unwrap();
+    assert!(out.added && out.removed);
+    let r = d.report_replica(
+        "tenants/acme/b",
+        vb,
+        None,
+        Some(&Location::Node(nvme(MIB))),
+        Some(&Location::Node(b)),
+        0,
+    );
+    assert_eq!(kind(r), ErrorKind::QuotaExceeded);
+    let view = d.stat("tenants/acme/b").unwrap();
+    assert_eq!(view.replicas.len(), 1);
+    assert_eq!(view.replicas[0].tier(), Tier::Dram, "the refused demotion left b in DRAM");
+    let u = d.tenant("acme").unwrap();
+    assert_eq!((u.nvme_bytes, u.memory_bytes), (MIB, MIB));
+    d.verify().unwrap();
+}

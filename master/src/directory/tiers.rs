@@ -301,6 +301,9 @@ impl Directory {
         let mut out = ReportOutcome::default();
         if let Some(loc) = add {
             if !self.has_replica(id, loc) {
+                if let Location::Node(n) = loc {
+                    self.check_tenant_copy(key, n.tier, self.objects[id].size)?;
+                }
                 self.add_replica(key, loc)?;
             }
             out.added = true;
