@@ -461,14 +461,22 @@ impl Client {
         items: &[PutFrom<'_>],
         opts: &PutOptions,
     ) -> Vec<Result<()>> {
-        let raw: Vec<&str> = items.iter().map(|i| i.key).collect();
-        let keys = self.scoped(&raw);
-        let items: Vec<PutFrom> = items
-            .iter()
-            .zip(&keys)
-            .map(|(i, k)| PutFrom { key: k, addr: i.addr, len: i.len })
-            .collect();
-        let items = &items[..];
+        // Keys are copied into the tenant's namespace only for a tenant's client: the common
+        // put path allocates nothing more.
+        let names: Vec<String>;
+        let scoped: Vec<PutFrom>;
+        let items = match &self.inner.prefix {
+            None => items,
+            Some(p) => {
+                names = items.iter().map(|i| format!("{p}{}", i.key)).collect();
+                scoped = items
+                    .iter()
+                    .zip(&names)
+                    .map(|(i, k)| PutFrom { key: k, addr: i.addr, len: i.len })
+                    .collect();
+                &scoped[..]
+            }
+        };
         let chunks = pipeline_chunks(items.iter().map(|i| i.len));
         if chunks.len() > 1 {
             let runs = chunks.iter().map(|r| self.put_from_chunk(&items[r.clone()], opts));
@@ -1062,9 +1070,17 @@ impl Client {
     where
         F: FnMut(usize, &ObjectView) -> Result<((u64, u64), T)>,
     {
-        let scoped = self.scoped(keys);
-        let scoped: Vec<&str> = scoped.iter().map(|k| k.as_ref()).collect();
-        let keys = &scoped[..];
+        // As in `put_from_batch`: a copy of the keys only for a tenant's client.
+        let names: Vec<String>;
+        let scoped: Vec<&str>;
+        let keys = match &self.inner.prefix {
+            None => keys,
+            Some(p) => {
+                names = keys.iter().map(|k| format!("{p}{k}")).collect();
+                scoped = names.iter().map(String::as_str).collect();
+                &scoped[..]
+            }
+        };
         let n = keys.len();
         let mut out: Vec<Option<Result<(u64, u64, T)>>> = (0..n).map(|_| None).collect();
         let mut todo: Vec<usize> = (0..n).collect();
