@@ -17,6 +17,17 @@ pub fn leader_key(cluster: &str) -> String {
     format!("/kvfs/{cluster}/leader")
 }
 
+/// The term of the last leader that began serving (each leader writes it before it serves).
+pub fn term_key(cluster: &str) -> String {
+    format!("/kvfs/{cluster}/term")
+}
+
+/// Where a leader records that it stopped mirroring its grants to `standby` (the session it
+/// dropped), so that standby knows its copy is incomplete should it take over.
+pub fn mirror_dropped_key(cluster: &str, standby: &str) -> String {
+    format!("/kvfs/{cluster}/mirror-dropped/{standby}")
+}
+
 impl EtcdTarget {
     /// Parses `etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]`; `None` when `addr` is not an etcd
     /// address at all (a plain `HOST:PORT` master).

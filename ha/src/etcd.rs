@@ -42,6 +42,12 @@ pub struct Etcd {
     timeout: Duration,
 }
 
+impl std::fmt::Debug for Etcd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Etcd").field("endpoints", &self.endpoints).finish()
+    }
+}
+
 fn b64(s: &[u8]) -> String {
     B64.encode(s)
 }
@@ -225,6 +231,26 @@ impl Etcd {
             "success": [{"request_delete_range": {"key": k}}],
         });
         let v = self.call("delete", "/v3/kv/txn", body).await?;
+        Ok(v["succeeded"].as_bool() == Some(true))
+    }
+
+    /// Writes `key` = `value` only while `guard_key` is still the one created at
+    /// `create_revision` (a leader's write that must not land once it is deposed); true if
+    /// written.
+    pub async fn put_if_created(
+        &self,
+        guard_key: &str,
+        create_revision: u64,
+        key: &str,
+        value: &[u8],
+    ) -> Result<bool> {
+        let g = b64(guard_key.as_bytes());
+        let body = json!({
+            "compare": [{"key": g, "target": "CREATE", "result": "EQUAL",
+                         "create_revision": create_revision.to_string()}],
+            "success": [{"request_put": {"key": b64(key.as_bytes()), "value": b64(value)}}],
+        });
+        let v = self.call("put", "/v3/kv/txn", body).await?;
         Ok(v["succeeded"].as_bool() == Some(true))
     }
 

@@ -392,6 +392,24 @@ pub struct Registration {
     /// Objects that had replicas only on this node's previous incarnation and were not
     /// reported again: they are gone.
     pub lost_keys: Vec<Arc<str>>,
+    /// Ranges a previous leader granted on this node, kept from new placements until their
+    /// writers' deadlines (see [`crate::Directory::inherit`]).
+    pub reserved: u64,
+}
+
+/// A range handed to a writer that has not settled yet: a pending put's replica or a load's
+/// DRAM copy (see [`crate::Directory::outstanding_grants`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrantedRange {
+    pub key: Arc<str>,
+    pub version: u64,
+    pub node: NodeId,
+    /// The segment's index on its node.
+    pub segment: u32,
+    pub offset: u64,
+    pub len: u64,
+    /// Wall-clock ms after which the writer can no longer complete.
+    pub deadline_ms: u64,
 }
 
 /// Outcome of `expire` / `unregister_node`.

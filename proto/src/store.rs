@@ -457,6 +457,14 @@ pub enum MasterRequest {
     /// lease; readers holding a lease keep the bytes until it ends. Hard-pinned objects are
     /// refused (`Pinned`). Answered with `Remove`.
     Unlink(Vec<String>),
+    /// A standby master subscribes to the leader's grants (HA): the leader answers with its
+    /// session, then calls the standby on this connection with [`MirrorRequest`]s, first the
+    /// ranges outstanding now, then each new grant before the client that asked for it is
+    /// answered. `standby` names the standby (its advertised address) for the leader's
+    /// drop marker in etcd.
+    Mirror {
+        standby: String,
+    },
 }
 
 /// Answers of the master, one variant per request.
@@ -490,6 +498,50 @@ pub enum MasterResponse {
     ClearReplicas(Vec<ItemResult<bool>>),
     /// Per item of a `Rename`: the renamed object's new version.
     Rename(Vec<ItemResult<u64>>),
+    /// The leader's answer to `Mirror`.
+    Mirror(ItemResult<MirrorSession>),
+}
+
+/// A standby's subscription to its leader's grants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MirrorSession {
+    pub term: u64,
+    pub session: u64,
+}
+
+/// A range the leader handed to a writer (a put's replica, a load's DRAM copy): whoever
+/// follows it as leader must not hand it out again before `ttl_ms` has passed, unless a node
+/// reports an object there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MirrorGrant {
+    pub key: String,
+    pub version: u64,
+    pub node: u64,
+    pub segment: u32,
+    pub offset: u64,
+    pub len: u64,
+    /// Until the writer's deadline, from when the leader sent it.
+    pub ttl_ms: u64,
+}
+
+/// Calls of a leader to a subscribed standby.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MirrorRequest {
+    Grants {
+        term: u64,
+        session: u64,
+        /// The first call of a session: every range outstanding when it began.
+        snapshot: bool,
+        grants: Vec<MirrorGrant>,
+        /// Puts that ended (key, version): their ranges are objects or free again.
+        released: Vec<(String, u64)>,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MirrorResponse {
+    Ack,
+    Refused(WireError),
 }
 
 /// An object the node now holds (sent after the put completed on the master).

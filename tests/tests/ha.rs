@@ -8,6 +8,10 @@ use std::time::{Duration, Instant};
 use kvfs_client::{Client, ClientConfig, ErrorKind, PutOptions};
 use kvfs_ha::testing::{EtcdCluster, EtcdServer};
 use kvfs_ha::{Etcd, leader_key};
+use kvfs_proto::store::{
+    MasterRequest, MasterResponse, Persistence, Pin, PutEndItem, PutStartItem, Role, Strategy,
+};
+use kvfs_rpc::{RpcConn, RpcOptions, no_handler};
 use kvfs_tests::{Proc, content, free_port};
 
 const CLUSTER: &str = "ha-test";
@@ -19,6 +23,10 @@ struct Ha {
     etcd_cluster: Option<EtcdCluster>,
     masters: Vec<(String, Option<Proc>)>,
     nodes: Vec<Proc>,
+    /// Each master's admin HTTP address, by RPC address (only with `admin`).
+    admins: Vec<(String, String)>,
+    admin: bool,
+    recovery_grace_ms: u64,
 }
 
 impl Ha {
@@ -28,12 +36,16 @@ impl Ha {
 
     fn start_master(&mut self) {
         let addr = format!("127.0.0.1:{}", free_port());
+        let admin = if self.admin { format!("127.0.0.1:{}", free_port()) } else { "off".into() };
+        if self.admin {
+            self.admins.push((addr.clone(), admin.clone()));
+        }
         let p = Proc::start(&[
             "master".into(),
             "--listen".into(),
             addr.clone(),
             "--admin".into(),
-            "off".into(),
+            admin,
             "--etcd".into(),
             self.endpoints.clone(),
             "--cluster".into(),
@@ -43,7 +55,7 @@ impl Ha {
             "--node-ttl-ms".into(),
             "3000".into(),
             "--recovery-grace-ms".into(),
-            "1500".into(),
+            self.recovery_grace_ms.to_string(),
         ]);
         assert!(p.first_line.contains("candidate"), "{}", p.first_line);
         self.masters.push((addr, Some(p)));
@@ -106,11 +118,33 @@ impl Ha {
 async fn cluster(nodes: usize) -> Ha {
     let etcd = EtcdServer::start();
     let endpoints = etcd.endpoint();
-    start(
-        Ha { endpoints, _etcd: Some(etcd), etcd_cluster: None, masters: vec![], nodes: vec![] },
-        nodes,
-    )
-    .await
+    start(Ha::new(endpoints, Some(etcd), None), nodes).await
+}
+
+impl Ha {
+    fn new(endpoints: String, etcd: Option<EtcdServer>, cluster: Option<EtcdCluster>) -> Ha {
+        Ha {
+            endpoints,
+            _etcd: etcd,
+            etcd_cluster: cluster,
+            masters: vec![],
+            nodes: vec![],
+            admins: vec![],
+            admin: false,
+            recovery_grace_ms: 1500,
+        }
+    }
+
+    /// A metric's value on the master at `addr` (its admin endpoint).
+    fn metric(&self, addr: &str, name: &str) -> Option<u64> {
+        use std::io::{Read, Write};
+        let admin = &self.admins.iter().find(|(a, _)| a == addr)?.1;
+        let mut s = std::net::TcpStream::connect(admin).ok()?;
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        out.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+    }
 }
 
 async fn start(mut ha: Ha, nodes: usize) -> Ha {
@@ -238,9 +272,7 @@ async fn a_stopped_leader_is_deposed_and_refuses_to_act_when_it_resumes() {
 async fn an_etcd_member_lost_leaves_the_cluster_serving_and_able_to_fail_over() {
     let etcd = EtcdCluster::start(3);
     let endpoints = etcd.endpoints();
-    let ha =
-        Ha { endpoints, _etcd: None, etcd_cluster: Some(etcd), masters: vec![], nodes: vec![] };
-    let mut ha = start(ha, 1).await;
+    let mut ha = start(Ha::new(endpoints, None, Some(etcd)), 1).await;
     let c = ha.client().await;
     ha.wait_nodes(&c, 1).await;
     let (_, term) = ha.leader().await.expect("a leader");
@@ -319,4 +351,111 @@ async fn kvfs_up_ha_runs_its_etcd_and_leads_and_a_standby_joins() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     standby.kill();
+}
+
+/// A standby that mirrors the leader's grants takes over without the recovery grace (set to a
+/// minute here, so waiting it out would show), and the range a writer of the dead leader still
+/// holds is not handed to anyone else: the new leader fills its node around it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mirroring_standby_takes_over_at_once_and_keeps_the_dead_leaders_grants() {
+    let etcd = EtcdServer::start();
+    let mut ha = Ha::new(etcd.endpoint(), Some(etcd), None);
+    ha.admin = true;
+    ha.recovery_grace_ms = 60_000;
+    let mut ha = start(ha, 1).await;
+    let c = ha.client().await;
+    ha.wait_nodes(&c, 1).await;
+    let (old, old_term) = ha.leader().await.expect("a leader");
+    let objects: Vec<(String, Vec<u8>)> =
+        (0..40u64).map(|i| (format!("mirror/{i}"), content(i, 100_000))).collect();
+    for (k, v) in &objects {
+        c.put(k, v, &PutOptions::default()).await.expect("put before the failover");
+    }
+    // The standby subscribes to the leader's mirror.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ha.metric(&old, "kvfs_master_mirror_standbys") != Some(1) {
+        assert!(Instant::now() < deadline, "the standby never subscribed to the mirror");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A writer takes an 8 MiB range from the leader and is still writing when it dies.
+    let writer = RpcConn::connect(&old, no_handler(), RpcOptions::default()).await.unwrap();
+    let call = |req: MasterRequest| {
+        let w = writer.clone();
+        async move { w.call::<_, MasterResponse>(&req, Duration::from_secs(5)).await }
+    };
+    let hello = MasterRequest::Hello {
+        version: kvfs_proto::store::STORE_PROTOCOL_VERSION,
+        role: Role::Client,
+        host: "slow-writer".into(),
+    };
+    assert!(matches!(call(hello).await.unwrap(), MasterResponse::Hello { .. }));
+    let start = MasterRequest::PutStart {
+        client_host: "slow-writer".into(),
+        items: vec![PutStartItem {
+            key: "mirror/in-flight".into(),
+            size: 8 << 20,
+            replicas: 1,
+            persistence: Persistence::None,
+            pin: Pin::None,
+            strategy: Strategy::default(),
+            preferred_endpoints: Vec::new(),
+            upsert: false,
+        }],
+    };
+    let MasterResponse::PutStart(mut grants) = call(start).await.unwrap() else { panic!("grant") };
+    let grant = grants.pop().unwrap().expect("granted");
+    let held = grant.replicas[0].clone();
+    assert!(ha.metric(&old, "kvfs_master_mirror_grants_total").is_some_and(|n| n >= 1));
+
+    ha.master_proc(&old).take().expect("leader running").kill();
+    let (new, _) = ha.wait_leader(old_term).await;
+    assert_ne!(new, old);
+    ha.wait_nodes(&c, 1).await;
+    // The writer's grant, and perhaps ends of puts whose release was not sent yet (their
+    // ranges hold the objects the node reports, so they reserve nothing).
+    assert!(ha.metric(&new, "kvfs_master_inherited_grants").is_some_and(|n| n >= 1));
+    assert!(
+        !c.stats().await.expect("stats").recovering,
+        "no recovery grace after a mirrored takeover"
+    );
+    // Every acknowledged object, byte for byte.
+    for (k, v) in &objects {
+        assert_eq!(&get_retrying(&c, k).await, v, "{k}");
+    }
+    // Fill the node past its size (eviction makes room): puts succeed without waiting out the
+    // grace, and none lands on the range the dead leader's writer holds.
+    let mut placed = Vec::new();
+    for i in 0..40u64 {
+        let key = format!("mirror/after/{i}");
+        match c.put(&key, &content(1000 + i, 4 << 20), &PutOptions::default()).await {
+            Ok(()) => placed.push(key),
+            Err(e) if e.kind() == ErrorKind::NoSpace => break,
+            Err(e) => panic!("put {key} after the takeover: {e}"),
+        }
+    }
+    assert!(placed.len() >= 10, "only {} puts fit", placed.len());
+    let (lo, hi) = (held.addr, held.addr + held.len);
+    for key in &placed {
+        let Ok(info) = c.stat(key).await else { continue }; // evicted
+        for r in info.replicas.iter().filter(|r| r.node == held.node && r.segment == held.segment) {
+            assert!(
+                r.addr + r.len <= lo || r.addr >= hi,
+                "{key} at {:#x}+{} overlaps the writer's range {lo:#x}..{hi:#x}",
+                r.addr,
+                r.len
+            );
+        }
+    }
+    // The writer's late end is refused by the new leader; nothing of it appears.
+    let end = MasterRequest::PutEnd(vec![PutEndItem {
+        key: "mirror/in-flight".into(),
+        checksum: None,
+        version: Some(grant.version),
+        committed_on: Vec::new(),
+    }]);
+    let late = c.exists("mirror/in-flight").await.expect("exists");
+    assert!(!late);
+    let direct = RpcConn::connect(&new, no_handler(), RpcOptions::default()).await.unwrap();
+    let r: MasterResponse = direct.call(&end, Duration::from_secs(5)).await.unwrap();
+    assert!(matches!(&r, MasterResponse::PutEnd(v) if v[0].is_err()), "{r:?}");
 }

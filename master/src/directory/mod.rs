@@ -61,7 +61,7 @@ pub use events::{PoolEvent, PoolEventKind, PoolEventStats, PoolMedium};
 pub use tenants::{Quota, TENANT_PREFIX, TenantUsage, tenant_of, valid_tenant};
 pub use tiers::{LoadPlan, PendingView, PersistedObject, ReportOutcome};
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::num::{NonZeroU32, NonZeroU64};
 use std::sync::Arc;
 
@@ -346,14 +346,16 @@ struct DroppedCopy {
     version: u64,
 }
 
-/// A range of a replaced object kept allocated until its readers' lease ends.
+/// A range kept allocated until `release_at_ms`: a replaced object's, until its readers'
+/// lease ends (`key` names it, for the node's drop), or one a previous leader granted, until
+/// its writer's deadline (`key` is `None`: no object of ours lies there).
 #[derive(Debug)]
 struct Retired {
     release_at_ms: u64,
     seg: NonZeroU32,
     offset: u64,
     len: u64,
-    key: Arc<str>,
+    key: Option<Arc<str>>,
     version: u64,
 }
 
@@ -382,6 +384,11 @@ pub struct Directory {
     order: order::KeyOrder,
     pending: hashbrown::HashMap<Arc<str>, Pending, FixedState>,
     retired: Vec<Retired>,
+    /// Ranges the previous leader granted, per node, reserved when the node registers (see
+    /// [`Directory::inherit`]); pruned at their deadlines.
+    inherited: HashMap<NodeId, Vec<crate::GrantedRange>>,
+    /// Objects adopted before this time get a read lease until it (see `inherit`).
+    adopted_lease_until_ms: u64,
     /// DRAM ranges being filled by loads (see `tiers`), keyed by object key.
     loading: hashbrown::HashMap<Arc<str>, tiers::Loading, FixedState>,
     /// Persisted objects removed or replaced, whose object-store copy must go (see `tiers`).
@@ -421,6 +428,8 @@ impl Directory {
             pending: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
             tenants: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
             retired: Vec::new(),
+            inherited: HashMap::new(),
+            adopted_lease_until_ms: 0,
             loading: hashbrown::HashMap::with_hasher(FixedState::with_seed(cfg.seed)),
             unpersisted: Vec::new(),
             renamed_away: rename::RenamedAway::default(),
@@ -944,18 +953,24 @@ impl Directory {
         for r in due {
             let seg = self.segment(r.seg);
             let (node, index) = (seg.node, seg.index);
-            fx.push(NodeEffect::Drop {
-                node,
-                key: r.key,
-                segment: index,
-                offset: r.offset,
-                len: r.len,
-                version: r.version,
-                readers_until_ms: 0,
-            });
+            if let Some(key) = r.key {
+                fx.push(NodeEffect::Drop {
+                    node,
+                    key,
+                    segment: index,
+                    offset: r.offset,
+                    len: r.len,
+                    version: r.version,
+                    readers_until_ms: 0,
+                });
+            }
             self.free_range(r.seg, r.offset, r.len);
             tick.released_ranges += 1;
         }
+        self.inherited.retain(|_, v| {
+            v.retain(|g| g.deadline_ms > now_ms);
+            !v.is_empty()
+        });
         tick
     }
 
@@ -1243,7 +1258,7 @@ impl Directory {
                 seg,
                 offset,
                 len: size,
-                key: key.clone(),
+                key: Some(key.clone()),
                 version,
             });
         }

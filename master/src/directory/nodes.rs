@@ -32,7 +32,7 @@
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
-use super::{Directory, Flags, NIL, Node, Obj, Segment};
+use super::{Directory, Flags, NIL, Node, Obj, Retired, Segment};
 use crate::alloc::Allocator;
 use crate::error::{Error, ErrorKind, Result};
 use crate::slab::List;
@@ -68,8 +68,84 @@ impl Directory {
         for held in &reg.held {
             self.adopt(reg.node, held, fx, &mut out);
         }
+        // After the node's objects: a range it reports an object in is that object's (the
+        // writer of an inherited grant finished it there); the rest stays reserved.
+        let inherited = self.inherited.get(&reg.node).cloned().unwrap_or_default();
+        for g in inherited.iter().filter(|g| g.deadline_ms > now_ms) {
+            out.reserved += u64::from(self.reserve_inherited(reg.node, g));
+        }
         out.lost_keys = self.sweep_orphans(touched);
         Ok(out)
+    }
+
+    /// A new leader takes over what its predecessor had handed out: `grants` (the ranges its
+    /// writers may still be writing, from the standby's mirror of the old leader) are kept
+    /// from new placements until their deadlines, reserved as each node registers; and every
+    /// object adopted before `adopted_lease_until_ms` is read-leased until then, since the old
+    /// leader's readers may hold leases this directory never saw. Together they replace the
+    /// recovery grace (no put waits) when the mirror was complete.
+    pub fn inherit(&mut self, grants: Vec<crate::GrantedRange>, adopted_lease_until_ms: u64) {
+        for g in grants {
+            self.inherited.entry(g.node).or_default().push(g);
+        }
+        self.adopted_lease_until_ms = adopted_lease_until_ms;
+    }
+
+    /// Every range handed to a writer that has not settled: pending puts' replicas (until
+    /// their deadlines) and loads in flight (until `load_deadline_ms`). What a standby must
+    /// know to take over without a grace.
+    pub fn outstanding_grants(&self, load_deadline_ms: u64) -> Vec<crate::GrantedRange> {
+        let mut out = Vec::with_capacity(self.pending.len() + self.loading.len());
+        for (key, p) in &self.pending {
+            for &(seg, offset) in &p.ranges {
+                let s = self.segment(seg);
+                out.push(crate::GrantedRange {
+                    key: key.clone(),
+                    version: p.version,
+                    node: s.node,
+                    segment: s.index,
+                    offset,
+                    len: p.size,
+                    deadline_ms: p.deadline_ms,
+                });
+            }
+        }
+        for (key, l) in &self.loading {
+            let s = self.segment(l.seg);
+            out.push(crate::GrantedRange {
+                key: key.clone(),
+                version: l.version,
+                node: s.node,
+                segment: s.index,
+                offset: l.offset,
+                len: l.size,
+                deadline_ms: load_deadline_ms,
+            });
+        }
+        out
+    }
+
+    /// Reserves an inherited grant's range on `node` if all of it is free (a node object in
+    /// any of it means the writer finished: ranges the old leader handed out were disjoint
+    /// from its objects). True if reserved.
+    fn reserve_inherited(&mut self, node: NodeId, g: &crate::GrantedRange) -> bool {
+        let Some(seg) =
+            self.nodes[&node].segs.iter().copied().find(|&s| self.segment(s).index == g.segment)
+        else {
+            return false;
+        };
+        if self.segment_mut(seg).alloc.reserve(g.offset, g.len).is_err() {
+            return false;
+        }
+        self.retired.push(Retired {
+            release_at_ms: g.deadline_ms,
+            seg,
+            offset: g.offset,
+            len: g.len,
+            key: None,
+            version: g.version,
+        });
+        true
     }
 
     /// Refresh a node's liveness. `NodeUnknown` (retryable) tells it to re-register with what
@@ -336,6 +412,8 @@ impl Directory {
             self.set_persisted(id, true);
         }
         self.attach_replica(id, seg, h.offset);
+        let o = &mut self.objects[id];
+        o.lease_end_ms = o.lease_end_ms.max(self.adopted_lease_until_ms);
         if let Some(paused) = paused {
             self.events_resume(paused, id, None);
         }

@@ -760,6 +760,57 @@ fn master_restart_rebuilds_from_node_reports() {
 }
 
 #[test]
+fn a_takeover_keeps_the_previous_leaders_grants_until_their_deadlines() {
+    // The old leader: two objects done, two puts granted and not ended.
+    let c = Config { put_timeout_ms: 30_000, lease_ttl_ms: 10_000, ..cfg() };
+    let mut old = cluster_with(c.clone(), 1, 8 * MIB);
+    let mut commits = put(&mut old, "done-a", MIB, 0);
+    commits.extend(put(&mut old, "done-b", MIB, 0));
+    let mut fx = Vec::new();
+    let in_flight = old.put_start(&PutStart::new("in-flight", 2 * MIB), 100, &mut fx).unwrap();
+    let finished = old.put_start(&PutStart::new("finished", MIB), 100, &mut fx).unwrap();
+    let grants = old.outstanding_grants(0);
+    assert_eq!(grants.len(), 2);
+    let g = grants.iter().find(|g| &*g.key == "in-flight").unwrap();
+    assert_eq!((g.version, g.len, g.deadline_ms), (in_flight.version, 2 * MIB, 30_100));
+    // "finished" was committed on the node by a noted write: the node reports it.
+    let done = PutEnd::new("finished".to_string(), Some([7; 32]));
+    commits.extend({
+        let mut fx = Vec::new();
+        old.put_end(&done, 150, &mut fx).unwrap();
+        fx
+    });
+    assert_eq!(finished.replicas.len(), 1);
+
+    // The new leader inherits both grants; the node registers with three objects.
+    let mut new = Directory::new(c).unwrap();
+    new.inherit(grants, 1_000 + 10_000);
+    let mut r = reg(1, "host1", vec![seg(0, Tier::Dram, 8 * MIB)]);
+    r.held = held_from(&commits, NodeId(1));
+    let out = new.register_node(&r, 1_000, &mut fx).unwrap();
+    assert_eq!((out.adopted, out.conflicts.len(), out.reserved), (3, 0, 1), "{out:?}");
+    new.verify().unwrap();
+    // 8 MiB less 3 MiB of objects less the 2 MiB in flight: 3 MiB fit, 4 do not.
+    let mut fx = Vec::new();
+    assert_eq!(
+        kind(new.put_start(&PutStart::new("big", 4 * MIB), 1_100, &mut fx)),
+        ErrorKind::NoSpace
+    );
+    new.put_start(&PutStart::new("fits", 3 * MIB), 1_100, &mut fx).unwrap();
+    new.put_revoke("fits", &mut fx).unwrap();
+    // Adopted objects are leased until the old leader's leases must have ended.
+    assert_eq!(kind(new.remove("done-a", false, 5_000, &mut fx)), ErrorKind::Leased);
+    new.remove("done-a", false, 11_001, &mut fx).unwrap();
+    // After the writer's deadline the range is free again (no drop: no object of ours there).
+    let mut fx = Vec::new();
+    let tick = new.tick(30_100, &mut fx);
+    assert_eq!(tick.released_ranges, 1);
+    assert!(drops(&fx).is_empty(), "{fx:?}");
+    new.put_start(&PutStart::new("big", 4 * MIB), 30_200, &mut fx).unwrap();
+    new.verify().unwrap();
+}
+
+#[test]
 fn recovery_conflicts_resolve_the_same_way_in_any_order() {
     let held = |key: &str, version: u64, offset: u64, segment: u32| HeldObject {
         key: key.to_string(),

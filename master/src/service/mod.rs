@@ -46,11 +46,13 @@ mod http;
 mod kv_events;
 mod metadata_http;
 mod metrics;
+mod mirror;
 mod tenants;
 mod tiers;
 
 pub use kv_events::{KvEventsConfig, encode_batch as encode_kv_event_batch, key_hash};
 pub use metadata_http::MetadataHttpConfig;
+pub use mirror::MirrorConfig;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -106,6 +108,13 @@ pub struct ServiceConfig {
     pub leadership: Option<kvfs_ha::LeaseGuard>,
     /// Tenants' quotas at start (see `tenants`); the admin API changes them at run time.
     pub tenant_quotas: Vec<(String, crate::Quota)>,
+    /// A leader's grant mirror to its standbys (HA, see `mirror`); `None`: no standby learns
+    /// the grants, and a takeover waits out the recovery grace.
+    pub mirror: Option<MirrorConfig>,
+    /// A takeover with a complete mirror of the previous leader: the ranges it had granted.
+    /// They are reserved until their deadlines, objects adopted within `lease_ttl_ms` are
+    /// leased until then, and puts do not wait out `recovery_grace_ms`.
+    pub inherited: Option<Vec<crate::GrantedRange>>,
 }
 
 impl Default for ServiceConfig {
@@ -128,6 +137,8 @@ impl Default for ServiceConfig {
             kv_events: None,
             leadership: None,
             tenant_quotas: Vec::new(),
+            mirror: None,
+            inherited: None,
         }
     }
 }
@@ -153,6 +164,8 @@ pub(crate) struct State {
     record_locks: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<()>>>>,
     /// The pool's KV event publisher, when enabled.
     kv_events: Option<Arc<kv_events::Publisher>>,
+    /// Standbys that mirror this leader's grants (see `mirror`).
+    mirrors: mirror::Mirrors,
 }
 
 impl State {
@@ -196,6 +209,7 @@ impl State {
         tiers::render(self, &mut o);
         kv_events::render(self, &mut o);
         tenants::render(self, &mut o);
+        mirror::render(self, &mut o);
         o
     }
 
@@ -261,6 +275,7 @@ impl Drop for MasterService {
         for t in &self.tasks {
             t.abort();
         }
+        self.state.mirrors.close_all();
         for conn in self.state.nodes.lock().unwrap_or_else(|e| e.into_inner()).values() {
             conn.close();
         }
@@ -284,6 +299,13 @@ impl MasterService {
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
         if let Some(k) = &cfg.kv_events {
             dir.enable_pool_events(k.queue_max);
+        }
+        if let Some(grants) = &cfg.inherited {
+            tracing::info!(
+                grants = grants.len(),
+                "taking over with the previous leader's grants: no recovery grace"
+            );
+            dir.inherit(grants.clone(), now_ms() + cfg.directory.lease_ttl_ms);
         }
         for (tenant, quota) in &cfg.tenant_quotas {
             dir.set_quota(tenant, *quota).map_err(|e| {
@@ -322,6 +344,7 @@ impl MasterService {
             queued_drops: Mutex::new(HashMap::new()),
             record_locks: Mutex::new(HashMap::new()),
             kv_events: kv_events.clone(),
+            mirrors: mirror::Mirrors::default(),
         });
         let mut tasks = vec![tokio::spawn(accept_loop(listener, state.clone()))];
         tasks.push(tokio::spawn(tiers::scan(state.clone())));
@@ -411,6 +434,7 @@ async fn timer(state: Arc<State>) {
         }
         deliver(&state, fx, false).await;
         tiers::delete_unpersisted(&state).await;
+        mirror::flush(&state).await;
     }
 }
 
@@ -437,6 +461,7 @@ fn op_of(req: &MasterRequest) -> (Op, usize) {
         MasterRequest::ClearReplicas { keys, .. } => (Op::Remove, keys.len()),
         MasterRequest::Rename(v) => (Op::Rename, v.len()),
         MasterRequest::Unlink(v) => (Op::Remove, v.len()),
+        MasterRequest::Mirror { .. } => (Op::Hello, 0),
     }
 }
 
@@ -498,6 +523,11 @@ async fn dispatch(state: &Arc<State>, conn: &RpcConn, req: MasterRequest) -> Mas
         MasterRequest::PutRevoke(keys) => {
             let mut fx = Vec::new();
             let r = state.lock().put_revoke_batch(&keys, &mut fx);
+            for (k, r) in keys.iter().zip(&r) {
+                if r.is_ok() {
+                    mirror::release(state, k, u64::MAX);
+                }
+            }
             deliver(state, fx, false).await;
             MasterResponse::PutRevoke(results(r, |()| ()))
         }
@@ -548,6 +578,7 @@ async fn dispatch(state: &Arc<State>, conn: &RpcConn, req: MasterRequest) -> Mas
             MasterResponse::ClearReplicas(results(r, |b| b))
         }
         MasterRequest::Rename(items) => rename(state, items, now).await,
+        MasterRequest::Mirror { standby } => mirror::subscribe(state, conn, standby).await,
         MasterRequest::Unlink(keys) => {
             let mut fx = Vec::new();
             let r = state.lock().unlink_batch(&keys, now, &mut fx);
@@ -633,6 +664,10 @@ async fn put_start(
         return MasterResponse::PutStart(items.iter().map(|_| Err(e.clone())).collect());
     }
     let mut fx = Vec::new();
+    let mirrored = state.cfg.mirror.is_some() && state.mirrors.subscribers() > 0;
+    let mut mirror = Vec::new();
+    let keys: Vec<String> =
+        if mirrored { items.iter().map(|i| i.key.clone()).collect() } else { Vec::new() };
     let out = {
         let dir = &mut *state.lock();
         // Only batches that name preferred nodes pay for the endpoint map.
@@ -669,6 +704,25 @@ async fn put_start(
             })
             .collect();
         let grants = dir.put_start_batch(&reqs, now, &mut fx);
+        if mirrored {
+            let ttl = state.cfg.directory.put_timeout_ms;
+            for (r, req) in grants.iter().zip(&reqs) {
+                let Ok(g) = r else { continue };
+                for rep in &g.replicas {
+                    if let crate::Location::Node(n) = rep.location {
+                        mirror.push(w::MirrorGrant {
+                            key: req.key.clone(),
+                            version: g.version,
+                            node: n.node.0,
+                            segment: n.segment,
+                            offset: n.offset,
+                            len: rep.len,
+                            ttl_ms: ttl,
+                        });
+                    }
+                }
+            }
+        }
         grants
             .into_iter()
             .zip(&reqs)
@@ -680,9 +734,25 @@ async fn put_start(
                 })
                 .map_err(|e| convert::error(&e))
             })
-            .collect()
+            .collect::<Vec<_>>()
     };
     deliver(state, fx, false).await;
+    if !mirror.is_empty() {
+        // Every standby knows these ranges before any writer does (see `mirror`); a
+        // leader deposed meanwhile answers nothing it granted.
+        let refused = match mirror::replicate(state, mirror).await {
+            Err(e) => Some(e),
+            Ok(()) => state.fenced(),
+        };
+        if let Some(e) = refused {
+            let keys: Vec<String> =
+                out.iter().zip(&keys).filter(|(r, _)| r.is_ok()).map(|(_, k)| k.clone()).collect();
+            let mut fx = Vec::new();
+            let _ = state.lock().put_revoke_batch(&keys, &mut fx);
+            deliver(state, fx, false).await;
+            return MasterResponse::PutStart(out.iter().map(|_| Err(e.clone())).collect());
+        }
+    }
     MasterResponse::PutStart(out)
 }
 
@@ -704,6 +774,11 @@ async fn put_end(state: &Arc<State>, mut items: Vec<w::PutEndItem>, now: u64) ->
         .collect();
     let mut fx = Vec::new();
     let r = state.lock().put_end_batch(&ends, now_ms().max(now), &mut fx);
+    for (end, r) in ends.iter().zip(&r) {
+        if r.is_ok() {
+            mirror::release(state, &end.key, end.version.unwrap_or(u64::MAX));
+        }
+    }
     if !committed.is_empty() {
         fx.retain(|e| match e {
             // Only objects without persistence: a lazy one's write-back and an eager one's
@@ -763,7 +838,10 @@ async fn register(
     now: u64,
 ) -> MasterResponse {
     let node = reg.node;
-    if reg.reconnect && !reg.held.is_empty() && now < state.started_ms + state.cfg.recovery_grace_ms
+    if reg.reconnect
+        && !reg.held.is_empty()
+        && state.cfg.inherited.is_none()
+        && now < state.started_ms + state.cfg.recovery_grace_ms
     {
         state
             .recovering_until_ms

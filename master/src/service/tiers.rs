@@ -367,6 +367,22 @@ async fn load(state: &Arc<State>, key: &str) -> Result<(), WireError> {
             Ok(Some(p)) => p,
             Err(e) => return Err(convert::error(&e)),
         };
+        // The node writes the range: a standby must know it before the node is asked.
+        let grant = w::MirrorGrant {
+            key: key.to_string(),
+            version: plan.version,
+            node: plan.node.0,
+            segment: plan.segment,
+            offset: plan.offset,
+            len: plan.size,
+            ttl_ms: state.cfg.load_timeout_ms,
+        };
+        if let Err(e) = super::mirror::replicate(state, vec![grant]).await {
+            let mut fx = Vec::new();
+            state.lock().end_load(&plan, None, now_ms(), &mut fx);
+            deliver(state, fx, false).await;
+            return Err(e);
+        }
         let source = match plan.source {
             Location::ObjectStore => w::Tier::ObjectStore,
             Location::Node(_) => w::Tier::Nvme,
