@@ -322,6 +322,9 @@ struct Node {
     last_seen_ms: u64,
     /// When its control connection closed; such a node gets no new replicas.
     disconnected_ms: Option<u64>,
+    /// Its registration's objects are still being adopted (`adopt_held`); their ranges are
+    /// reserved meanwhile (`register_node_begin`).
+    adopting: bool,
 }
 
 #[derive(Debug)]

@@ -59,6 +59,7 @@ impl Directory {
             segs,
             last_seen_ms: now_ms,
             disconnected_ms: None,
+            adopting: false,
         };
         self.nodes.insert(reg.node, node);
         // A master rebuilding from its nodes (a restart, a takeover) adopts mostly new keys.
@@ -68,14 +69,119 @@ impl Directory {
         for held in &reg.held {
             self.adopt(reg.node, held, fx, &mut out);
         }
-        // After the node's objects: a range it reports an object in is that object's (the
-        // writer of an inherited grant finished it there); the rest stays reserved.
-        let inherited = self.inherited.get(&reg.node).cloned().unwrap_or_default();
-        for g in inherited.iter().filter(|g| g.deadline_ms > now_ms) {
-            out.reserved += u64::from(self.reserve_inherited(reg.node, g));
-        }
+        self.reserve_inherited_of(reg.node, now_ms, &mut out);
         out.lost_keys = self.sweep_orphans(touched);
         Ok(out)
+    }
+
+    /// Whether the node is registered (or registering).
+    pub fn knows_node(&self, node: NodeId) -> bool {
+        self.nodes.contains_key(&node)
+    }
+
+    /// Registers a node this directory does not know yet (a restart, a takeover) whose
+    /// objects are then adopted a chunk at a time with [`Directory::adopt_held`], so other
+    /// calls run between chunks, and which [`Directory::register_node_end`] completes.
+    /// `extents` (segment index, start, end: aligned, disjoint) cover every range the node
+    /// holds objects in: they are reserved at once, with the inherited grants on the node
+    /// (those that do not overlap them), so the node takes new replicas from the start, in
+    /// the space nobody holds. `held` counts the objects to come. A node it knows must
+    /// re-register whole ([`Directory::register_node`]): its objects' replicas there would be
+    /// missing between chunks. Answers how many inherited grants were reserved.
+    pub fn register_node_begin(
+        &mut self,
+        reg: &NodeRegistration,
+        held: usize,
+        extents: &[(u32, u64, u64)],
+        now_ms: u64,
+    ) -> Result<u64> {
+        self.check_registration(reg)?;
+        if self.nodes.contains_key(&reg.node) {
+            return Err(Error::new(ErrorKind::InvalidArgument, "register_node")
+                .with_detail(format!("node {} is known: it re-registers whole", reg.node.0)));
+        }
+        let segs: Vec<NonZeroU32> =
+            reg.segments.iter().map(|spec| self.add_segment(reg.node, spec)).collect();
+        for &(index, start, end) in extents {
+            let Some(&seg) = segs.iter().find(|&&s| self.segment(s).index == index) else {
+                continue;
+            };
+            if end > start {
+                // An extent the segment cannot hold reserves nothing; its objects conflict.
+                let _ = self.segment_mut(seg).alloc.reserve(start, end - start);
+            }
+        }
+        let node = Node {
+            host: reg.host.clone(),
+            endpoint: reg.endpoint.clone(),
+            segs,
+            last_seen_ms: now_ms,
+            disconnected_ms: None,
+            adopting: true,
+        };
+        self.nodes.insert(reg.node, node);
+        self.reserve_index(held);
+        let mut out = Registration::default();
+        self.reserve_inherited_of(reg.node, now_ms, &mut out);
+        Ok(out.reserved)
+    }
+
+    /// Adopts a chunk of a registering node's objects (see `register_node_begin`). With
+    /// `reserved`, each object's range is one `register_node_begin` reserved: it is released
+    /// and taken again by the object, under this one hold, or stays free if the object is
+    /// refused. `NodeUnknown` if the node went meanwhile (expired, unregistered).
+    pub fn adopt_held(
+        &mut self,
+        node: NodeId,
+        held: &[HeldObject],
+        reserved: bool,
+        now_ms: u64,
+        fx: &mut Vec<NodeEffect>,
+        out: &mut Registration,
+    ) -> Result<()> {
+        let segs = match self.nodes.get_mut(&node) {
+            // Still alive: it waits for this registration's answer, not heartbeating.
+            Some(n) if n.adopting => {
+                n.last_seen_ms = n.last_seen_ms.max(now_ms);
+                n.segs.clone()
+            }
+            _ => {
+                return Err(Error::new(ErrorKind::NodeUnknown, "register_node")
+                    .with_detail(format!("node {} is no longer registering", node.0)));
+            }
+        };
+        for h in held {
+            if reserved
+                && let Some(&seg) = segs.iter().find(|&&s| self.segment(s).index == h.segment)
+                && h.size > 0
+            {
+                let _ = self.segment_mut(seg).alloc.free(h.offset, h.size);
+            }
+            self.adopt(node, h, fx, out);
+        }
+        Ok(())
+    }
+
+    /// Completes a chunked registration.
+    pub fn register_node_end(&mut self, node: NodeId, now_ms: u64) -> Result<()> {
+        match self.nodes.get_mut(&node) {
+            Some(n) if n.adopting => {
+                n.adopting = false;
+                n.last_seen_ms = n.last_seen_ms.max(now_ms);
+                Ok(())
+            }
+            _ => Err(Error::new(ErrorKind::NodeUnknown, "register_node")
+                .with_detail(format!("node {} is no longer registering", node.0))),
+        }
+    }
+
+    /// After the node's objects: a range it reports an object in is that object's (the writer
+    /// of an inherited grant finished it there); the rest stays reserved.
+    fn reserve_inherited_of(&mut self, node: NodeId, now_ms: u64, out: &mut Registration) {
+        let inherited = self.inherited.get(&node).cloned().unwrap_or_default();
+        for g in inherited.iter().filter(|g| g.deadline_ms > now_ms) {
+            out.reserved += u64::from(self.reserve_inherited(node, g));
+        }
     }
 
     /// A new leader takes over what its predecessor had handed out: `grants` (the ranges its

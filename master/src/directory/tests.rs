@@ -811,6 +811,49 @@ fn a_takeover_keeps_the_previous_leaders_grants_until_their_deadlines() {
 }
 
 #[test]
+fn a_node_registered_in_chunks_takes_puts_at_once_around_what_it_holds() {
+    let mut old = cluster(1, 64 * MIB);
+    let mut commits = Vec::new();
+    for i in 0..10 {
+        commits.extend(put(&mut old, &key(i), MIB, 0));
+    }
+    let mut held = held_from(&commits, NodeId(1));
+    held.sort_by_key(|h| h.offset);
+    let extents: Vec<(u32, u64, u64)> =
+        held.iter().map(|h| (0, h.offset, h.offset + MIB)).collect();
+    // A restarted master: node 1 registers in chunks.
+    let mut d = Directory::new(cfg()).unwrap();
+    let r1 = reg(1, "host1", vec![seg(0, Tier::Dram, 64 * MIB)]);
+    assert_eq!(d.register_node_begin(&r1, held.len(), &extents, 10).unwrap(), 0);
+    assert!(d.knows_node(NodeId(1)));
+    let (mut fx, mut out) = (Vec::new(), Registration::default());
+    d.adopt_held(NodeId(1), &held[..4], true, 10, &mut fx, &mut out).unwrap();
+    assert_eq!(nodes_of(&d.stat(&held[0].key).unwrap()), vec![NodeId(1)]);
+    assert_eq!(kind(d.stat(&held[9].key)), ErrorKind::NotFound, "not adopted yet");
+    // Between chunks the node takes puts, in the space none of its objects holds: all of it.
+    for i in 100..154 {
+        put(&mut d, &key(i), MIB, 20);
+    }
+    assert!(d.stats().evicted_objects == 0, "the 54 MiB nobody held was enough");
+    // An object refused at adoption leaves its range free.
+    let mut stale = held[9].clone();
+    stale.tier = Tier::Nvme;
+    d.adopt_held(NodeId(1), &held[4..9], true, 30, &mut fx, &mut out).unwrap();
+    d.adopt_held(NodeId(1), &[stale], true, 30, &mut fx, &mut out).unwrap();
+    d.register_node_end(NodeId(1), 40).unwrap();
+    assert_eq!((out.adopted, out.conflicts.len()), (9, 1), "{out:?}");
+    d.verify().unwrap();
+    put(&mut d, "in-the-refused-range", MIB, 50);
+    d.verify().unwrap();
+    // A known node re-registers whole; chunks of a node that is not registering are refused.
+    assert_eq!(kind(d.register_node_begin(&r1, 1, &[], 60)), ErrorKind::InvalidArgument);
+    assert_eq!(
+        kind(d.adopt_held(NodeId(1), &held, true, 60, &mut fx, &mut out)),
+        ErrorKind::NodeUnknown
+    );
+}
+
+#[test]
 fn recovery_conflicts_resolve_the_same_way_in_any_order() {
     let held = |key: &str, version: u64, offset: u64, segment: u32| HeldObject {
         key: key.to_string(),

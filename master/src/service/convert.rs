@@ -126,11 +126,13 @@ pub fn view(dir: &Directory, v: &ObjectView) -> w::ObjectView {
     }
 }
 
-pub fn registration(r: &w::NodeRegistration) -> NodeRegistration {
+/// Takes the wire registration apart (its keys move: half a million of them are worth not
+/// copying).
+pub fn registration(r: w::NodeRegistration) -> NodeRegistration {
     NodeRegistration {
         node: NodeId(r.node),
-        host: r.host.clone(),
-        endpoint: r.endpoint.clone(),
+        host: r.host,
+        endpoint: r.endpoint,
         segments: r
             .segments
             .iter()
@@ -143,9 +145,9 @@ pub fn registration(r: &w::NodeRegistration) -> NodeRegistration {
             .collect(),
         held: r
             .held
-            .iter()
+            .into_iter()
             .map(|h| HeldObject {
-                key: h.key.clone(),
+                key: h.key,
                 size: h.size,
                 checksum: h.checksum,
                 version: h.version,
@@ -155,7 +157,7 @@ pub fn registration(r: &w::NodeRegistration) -> NodeRegistration {
                 persistence: persistence_in(h.persistence),
                 pin: pin_in(h.pin),
                 persisted: h.persisted,
-                renamed_from: h.renamed_from.clone(),
+                renamed_from: h.renamed_from,
             })
             .collect(),
     }

@@ -59,7 +59,7 @@ impl HaConfig {
             advertise,
             lease_ttl: Duration::from_secs(2),
             etcd_timeout: Duration::from_secs(1),
-            probe: Duration::from_millis(200),
+            probe: Duration::from_millis(100),
             mirror_timeout: Duration::from_millis(500),
         }
     }

@@ -166,6 +166,8 @@ pub(crate) struct State {
     kv_events: Option<Arc<kv_events::Publisher>>,
     /// Standbys that mirror this leader's grants (see `mirror`).
     mirrors: mirror::Mirrors,
+    /// Held by a node's registration: one at a time.
+    registering: tokio::sync::Mutex<()>,
 }
 
 impl State {
@@ -345,6 +347,7 @@ impl MasterService {
             record_locks: Mutex::new(HashMap::new()),
             kv_events: kv_events.clone(),
             mirrors: mirror::Mirrors::default(),
+            registering: tokio::sync::Mutex::new(()),
         });
         let mut tasks = vec![tokio::spawn(accept_loop(listener, state.clone()))];
         tasks.push(tokio::spawn(tiers::scan(state.clone())));
@@ -847,17 +850,31 @@ async fn register(
             .recovering_until_ms
             .fetch_max(state.started_ms + state.cfg.recovery_grace_ms, Ordering::AcqRel);
     }
+    // One registration at a time: a node whose objects are adopted in chunks is placed on
+    // as soon as its own chunks are done, not after every other node's.
+    let _one = state.registering.lock().await;
     let started = Instant::now();
+    if !reg.held.is_empty() && !state.lock().knows_node(NodeId(node)) {
+        return register_chunked(state, conn, reg, now).await;
+    }
     let mut fx = Vec::new();
     // The directory and the connection map change under one hold of the nodes lock (taken
     // before the directory's, as in `watch_node`), so the close of a previous connection can
     // never mark this registration disconnected.
-    let (r, previous) = {
+    // Converted before any lock is taken: half a million held objects take a while.
+    let converted = convert::registration(reg);
+    let convert_ms = started.elapsed().as_millis() as u64;
+    let (r, previous, wait_ms) = {
         let mut nodes = state.nodes.lock().unwrap_or_else(|e| e.into_inner());
-        let r = state.lock().register_node(&convert::registration(&reg), now, &mut fx);
+        let mut dir = state.lock();
+        let wait_ms = started.elapsed().as_millis() as u64 - convert_ms;
+        let r = dir.register_node(&converted, now, &mut fx);
+        drop(dir);
         let previous = if r.is_ok() { nodes.insert(node, conn.clone()) } else { None };
-        (r, previous)
+        (r, previous, wait_ms)
     };
+    let adopt_ms = started.elapsed().as_millis() as u64 - convert_ms - wait_ms;
+    drop(converted);
     let reg = match r {
         Ok(reg) => reg,
         Err(e) => return MasterResponse::Registered(Err(convert::error(&e))),
@@ -870,7 +887,8 @@ async fn register(
     m.recovery_conflicts.fetch_add(reg.conflicts.len() as u64, Ordering::Relaxed);
     m.lost_objects.fetch_add(reg.lost_keys.len() as u64, Ordering::Relaxed);
     tracing::info!(node, endpoint = %conn.peer(), adopted = reg.adopted, conflicts = reg.conflicts.len(),
-        ms = started.elapsed().as_millis() as u64, "node registered");
+        reserved = reg.reserved, convert_ms, wait_ms, adopt_ms, ms = started.elapsed().as_millis() as u64,
+        "node registered");
     deliver(state, fx, false).await;
     MasterResponse::Registered(Ok(w::RegistrationAck {
         adopted: reg.adopted,
@@ -879,6 +897,117 @@ async fn register(
         heartbeat_ms: state.cfg.heartbeat_ms,
         node_ttl_ms: state.cfg.directory.node_ttl_ms,
     }))
+}
+
+/// Objects adopted per hold of the directory lock in a chunked registration.
+const ADOPT_CHUNK: usize = 16_384;
+
+/// Registers a node the directory does not know (after a restart or a takeover): the ranges
+/// of everything it holds are reserved first, so it takes new replicas at once, then its
+/// objects are adopted a chunk at a time, so puts and gets go on between chunks.
+async fn register_chunked(
+    state: &Arc<State>,
+    conn: &RpcConn,
+    reg: w::NodeRegistration,
+    now: u64,
+) -> MasterResponse {
+    let node = reg.node;
+    let started = Instant::now();
+    let mut converted = convert::registration(reg);
+    let held = std::mem::take(&mut converted.held);
+    let count = held.len();
+    let (held, overlapping, extents) =
+        held_extents(held, &converted.segments, state.cfg.directory.segment_align_bytes);
+    let begun = {
+        let mut nodes = state.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        let r = state.lock().register_node_begin(&converted, count, &extents, now);
+        if r.is_ok()
+            && let Some(prev) = nodes.insert(node, conn.clone())
+            && !prev.is_closed()
+            && prev.peer() != conn.peer()
+        {
+            prev.close();
+        }
+        r
+    };
+    let reserved = match begun {
+        Ok(r) => r,
+        Err(e) => return MasterResponse::Registered(Err(convert::error(&e))),
+    };
+    let placeable_ms = started.elapsed().as_millis() as u64;
+    watch_node(state, node, conn.clone());
+    let mut out = crate::Registration { reserved, ..Default::default() };
+    let mut fx = Vec::new();
+    let mut failed = None;
+    let chunks = held.chunks(ADOPT_CHUNK).map(|c| (c, true));
+    // Objects overlapping another of the node's own are refused (`Overlap`) like any other.
+    for (chunk, reserved) in chunks.chain(std::iter::once((&overlapping[..], false))) {
+        let r = state.lock().adopt_held(NodeId(node), chunk, reserved, now_ms(), &mut fx, &mut out);
+        if let Err(e) = r {
+            failed = Some(e);
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    let ended = match failed {
+        Some(e) => Err(e),
+        None => state.lock().register_node_end(NodeId(node), now_ms()),
+    };
+    drop(held);
+    let m = &state.metrics;
+    m.recovery_conflicts.fetch_add(out.conflicts.len() as u64, Ordering::Relaxed);
+    deliver(state, fx, false).await;
+    if let Err(e) = ended {
+        tracing::warn!(node, error = %e, "node registration abandoned");
+        return MasterResponse::Registered(Err(convert::error(&e)));
+    }
+    tracing::info!(node, endpoint = %conn.peer(), adopted = out.adopted, conflicts = out.conflicts.len(),
+        reserved = out.reserved, extents = extents.len(), placeable_ms, chunks = count.div_ceil(ADOPT_CHUNK),
+        ms = started.elapsed().as_millis() as u64, "node registered");
+    MasterResponse::Registered(Ok(w::RegistrationAck {
+        adopted: out.adopted,
+        conflicts: out.conflicts.len() as u64,
+        lost: 0,
+        heartbeat_ms: state.cfg.heartbeat_ms,
+        node_ttl_ms: state.cfg.directory.node_ttl_ms,
+    }))
+}
+
+/// Segment index, start, end: an aligned run of a node's segment its objects cover.
+type Extent = (u32, u64, u64);
+
+/// A registering node's objects in (segment, offset) order, those whose aligned range overlaps
+/// an earlier one's (refused later), and the merged aligned extents (segment index, start,
+/// end) the others cover. Objects outside every segment cover nothing (they are refused too).
+fn held_extents(
+    mut held: Vec<crate::HeldObject>,
+    segments: &[crate::SegmentSpec],
+    align: u64,
+) -> (Vec<crate::HeldObject>, Vec<crate::HeldObject>, Vec<Extent>) {
+    held.sort_unstable_by_key(|h| (h.segment, h.offset));
+    let mut kept = Vec::with_capacity(held.len());
+    let mut overlapping = Vec::new();
+    let mut extents: Vec<Extent> = Vec::new();
+    for h in held {
+        let cap = segments.iter().find(|s| s.index == h.segment).map(|s| s.capacity);
+        let end =
+            h.offset.checked_add(h.size).filter(|&e| h.size > 0 && cap.is_some_and(|c| e <= c));
+        let Some(end) = end else {
+            kept.push(h);
+            continue;
+        };
+        let (start, end) = (h.offset & !(align - 1), end.next_multiple_of(align));
+        match extents.last_mut() {
+            Some((seg, _, last_end)) if *seg == h.segment && start < *last_end => {
+                overlapping.push(h);
+                continue;
+            }
+            Some((seg, _, last_end)) if *seg == h.segment && start == *last_end => *last_end = end,
+            _ => extents.push((h.segment, start, end)),
+        }
+        kept.push(h);
+    }
+    (kept, overlapping, extents)
 }
 
 /// Forgets a node's connection when it closes and stops placing on the node at once (it is
