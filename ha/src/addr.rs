@@ -22,6 +22,12 @@ pub fn term_key(cluster: &str) -> String {
     format!("/kvfs/{cluster}/term")
 }
 
+/// Where the quotas set through a leader's admin API live, one key per tenant (JSON), so the
+/// next leader applies them too.
+pub fn tenant_quotas_prefix(cluster: &str) -> String {
+    format!("/kvfs/{cluster}/tenant-quotas/")
+}
+
 /// Where a leader records that it stopped mirroring its grants to `standby` (the session it
 /// dropped), so that standby knows its copy is incomplete should it take over.
 pub fn mirror_dropped_key(cluster: &str, standby: &str) -> String {

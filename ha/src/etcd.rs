@@ -222,6 +222,21 @@ impl Etcd {
         }
     }
 
+    /// Every key under `prefix`, in key order.
+    pub async fn get_prefix(&self, prefix: &str) -> Result<Vec<Kv>> {
+        let mut end = prefix.as_bytes().to_vec();
+        match end.last_mut() {
+            Some(b) if *b < 0xff => *b += 1,
+            _ => return Err(Error::Invalid(format!("prefix {prefix:?} has no end"))),
+        }
+        let body = json!({"key": b64(prefix.as_bytes()), "range_end": b64(&end)});
+        let v = self.call("get", "/v3/kv/range", body).await?;
+        match v["kvs"].as_array() {
+            Some(kvs) => kvs.iter().map(|k| kv("get", k)).collect(),
+            None => Ok(Vec::new()),
+        }
+    }
+
     /// Deletes `key` if it is still the one created at `create_revision`; true if deleted.
     pub async fn delete_if_created(&self, key: &str, create_revision: u64) -> Result<bool> {
         let k = b64(key.as_bytes());
@@ -229,6 +244,24 @@ impl Etcd {
             "compare": [{"key": k, "target": "CREATE", "result": "EQUAL",
                          "create_revision": create_revision.to_string()}],
             "success": [{"request_delete_range": {"key": k}}],
+        });
+        let v = self.call("delete", "/v3/kv/txn", body).await?;
+        Ok(v["succeeded"].as_bool() == Some(true))
+    }
+
+    /// Deletes `key` only while `guard_key` is still the one created at `create_revision`;
+    /// true if the guard held.
+    pub async fn delete_if_guarded(
+        &self,
+        guard_key: &str,
+        create_revision: u64,
+        key: &str,
+    ) -> Result<bool> {
+        let g = b64(guard_key.as_bytes());
+        let body = json!({
+            "compare": [{"key": g, "target": "CREATE", "result": "EQUAL",
+                         "create_revision": create_revision.to_string()}],
+            "success": [{"request_delete_range": {"key": b64(key.as_bytes())}}],
         });
         let v = self.call("delete", "/v3/kv/txn", body).await?;
         Ok(v["succeeded"].as_bool() == Some(true))

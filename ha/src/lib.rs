@@ -29,7 +29,9 @@ mod etcd;
 mod follow;
 pub mod testing;
 
-pub use addr::{DEFAULT_CLUSTER, EtcdTarget, leader_key, mirror_dropped_key, term_key};
+pub use addr::{
+    DEFAULT_CLUSTER, EtcdTarget, leader_key, mirror_dropped_key, tenant_quotas_prefix, term_key,
+};
 pub use election::{Campaign, Candidate, Leadership, LeaseGuard};
 pub use etcd::{Etcd, Kv, WatchEvent, WatchStream};
 pub use follow::{LeaderInfo, LeaderWatch};

@@ -135,14 +135,25 @@ impl Ha {
         }
     }
 
-    /// A metric's value on the master at `addr` (its admin endpoint).
-    fn metric(&self, addr: &str, name: &str) -> Option<u64> {
+    /// One HTTP call to the admin endpoint of the master at `addr`: status and body.
+    fn admin(&self, addr: &str, method: &str, target: &str, body: &str) -> Option<(u16, String)> {
         use std::io::{Read, Write};
         let admin = &self.admins.iter().find(|(a, _)| a == addr)?.1;
         let mut s = std::net::TcpStream::connect(admin).ok()?;
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
+        let req = format!(
+            "{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).ok()?;
         let mut out = String::new();
         s.read_to_string(&mut out).ok()?;
+        let code = out.split_whitespace().nth(1)?.parse().ok()?;
+        Some((code, out.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default()))
+    }
+
+    /// A metric's value on the master at `addr` (its admin endpoint).
+    fn metric(&self, addr: &str, name: &str) -> Option<u64> {
+        let (_, out) = self.admin(addr, "GET", "/metrics", "")?;
         out.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
     }
 }
@@ -377,6 +388,10 @@ async fn a_mirroring_standby_takes_over_at_once_and_keeps_the_dead_leaders_grant
         assert!(Instant::now() < deadline, "the standby never subscribed to the mirror");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // A quota set through the leader's admin API outlives it.
+    let q = r#"{"memory_bytes": 5000000, "nvme_bytes": null}"#;
+    let (code, body) = ha.admin(&old, "PUT", "/api/v1/tenant_quotas?tenant_id=acme", q).unwrap();
+    assert_eq!(code, 200, "{body}");
     // A writer takes an 8 MiB range from the leader and is still writing when it dies.
     let writer = RpcConn::connect(&old, no_handler(), RpcOptions::default()).await.unwrap();
     let call = |req: MasterRequest| {
@@ -422,6 +437,10 @@ async fn a_mirroring_standby_takes_over_at_once_and_keeps_the_dead_leaders_grant
     for (k, v) in &objects {
         assert_eq!(&get_retrying(&c, k).await, v, "{k}");
     }
+    let (code, body) = ha.admin(&new, "GET", "/api/v1/tenant_quotas?tenant_id=acme", "").unwrap();
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["quota_bytes"], 5_000_000, "{body}");
     // Fill the node past its size (eviction makes room): puts succeed without waiting out the
     // grace, and none lands on the range the dead leader's writer holds.
     let mut placed = Vec::new();

@@ -38,6 +38,19 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::slab::List;
 use crate::types::*;
 
+impl Node {
+    fn new(reg: &NodeRegistration, segs: Vec<NonZeroU32>, now_ms: u64, adopting: bool) -> Node {
+        Node {
+            host: reg.host.clone(),
+            endpoint: reg.endpoint.clone(),
+            segs,
+            last_seen_ms: now_ms,
+            disconnected_ms: None,
+            adopting,
+        }
+    }
+}
+
 impl Directory {
     /// Register a node, or re-register it with what it holds. See the module notes.
     pub fn register_node(
@@ -53,15 +66,7 @@ impl Directory {
             self.detach_node(reg.node, &mut touched);
         }
         let segs = reg.segments.iter().map(|spec| self.add_segment(reg.node, spec)).collect();
-        let node = Node {
-            host: reg.host.clone(),
-            endpoint: reg.endpoint.clone(),
-            segs,
-            last_seen_ms: now_ms,
-            disconnected_ms: None,
-            adopting: false,
-        };
-        self.nodes.insert(reg.node, node);
+        self.nodes.insert(reg.node, Node::new(reg, segs, now_ms, false));
         // A master rebuilding from its nodes (a restart, a takeover) adopts mostly new keys.
         if reg.held.len() > self.index.len() {
             self.reserve_index(reg.held.len());
@@ -111,15 +116,7 @@ impl Directory {
                 let _ = self.segment_mut(seg).alloc.reserve(start, end - start);
             }
         }
-        let node = Node {
-            host: reg.host.clone(),
-            endpoint: reg.endpoint.clone(),
-            segs,
-            last_seen_ms: now_ms,
-            disconnected_ms: None,
-            adopting: true,
-        };
-        self.nodes.insert(reg.node, node);
+        self.nodes.insert(reg.node, Node::new(reg, segs, now_ms, true));
         self.reserve_index(held);
         let mut out = Registration::default();
         self.reserve_inherited_of(reg.node, now_ms, &mut out);

@@ -134,8 +134,17 @@ pub async fn run(
             tokio::time::sleep(Duration::from_millis(500)).await;
             continue;
         }
+        // Quotas the admin API set under earlier leaders win over the command line's.
+        let mut tenant_quotas = cfg.tenant_quotas.clone();
+        match super::tenants::stored(&etcd, cluster).await {
+            Ok(q) => tenant_quotas.extend(q),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read the stored tenant quotas: only --tenant-quota applies")
+            }
+        }
         let svc_cfg = ServiceConfig {
             leadership: Some(lead.guard()),
+            tenant_quotas,
             mirror: Some(MirrorConfig {
                 etcd: etcd.clone(),
                 cluster: cluster.clone(),

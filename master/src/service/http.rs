@@ -73,7 +73,16 @@ async fn handle(mut stream: TcpStream, state: Arc<State>) -> std::io::Result<()>
         body.truncate(len);
         let tenant = query_param(query, "tenant_id");
         let auth = header("authorization");
-        let (code, v) = super::tenants::handle(&state, method, tenant, auth.as_deref(), &body);
+        let (mut code, mut v, changed) =
+            super::tenants::handle(&state, method, tenant, auth.as_deref(), &body);
+        if let Some((tenant, quota)) = changed
+            && let Err(e) = super::tenants::record(&state, &tenant, quota).await
+        {
+            code = 503;
+            v = json!({ "error": format!(
+                "the quota of {tenant:?} holds on this leader but is not recorded in etcd, so the next leader would not apply it: {e}"
+            )});
+        }
         return respond(&mut stream, code, "application/json", &format!("{v}\n")).await;
     }
     if method != "GET" {

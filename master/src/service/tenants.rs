@@ -4,7 +4,9 @@
 //! `PUT` takes `{"requested_quota_bytes": N}` (the reference's memory quota) or
 //! `{"memory_bytes": N, "nvme_bytes": N}` (either may be `null`: unlimited); `DELETE` lifts a
 //! tenant's quotas; `GET` without `tenant_id` lists every tenant. With a cluster secret, `PUT`
-//! and `DELETE` need `Authorization: Bearer <the secret>`.
+//! and `DELETE` need `Authorization: Bearer <the secret>`. An HA leader records each change in
+//! etcd (`record`) and a new leader applies what is recorded (`stored`), so quotas set here
+//! survive a failover.
 
 use std::fmt::Write;
 
@@ -30,15 +32,16 @@ fn view(name: &str, u: &TenantUsage) -> Value {
     })
 }
 
-/// Answers one request to `/api/v1/tenant_quotas`: the status and a JSON body.
+/// Answers one request to `/api/v1/tenant_quotas`: the status and a JSON body, and the
+/// quota that changed (a lifted one is the default), for [`record`].
 pub(super) fn handle(
     state: &State,
     method: &str,
     tenant: Option<String>,
     auth: Option<&str>,
     body: &[u8],
-) -> (u16, Value) {
-    let err = |code: u16, msg: String| (code, json!({ "error": msg }));
+) -> (u16, Value, Option<(String, Quota)>) {
+    let err = |code: u16, msg: String| (code, json!({ "error": msg }), None);
     if method != "GET"
         && let Some(secret) = &state.cfg.rpc.secret
     {
@@ -51,10 +54,11 @@ pub(super) fn handle(
     match (method, tenant) {
         ("GET", None) => {
             let all = state.lock().tenants();
-            (200, json!({ "tenants": all.iter().map(|(n, u)| view(n, u)).collect::<Vec<_>>() }))
+            let all: Vec<Value> = all.iter().map(|(n, u)| view(n, u)).collect();
+            (200, json!({ "tenants": all }), None)
         }
         ("GET", Some(t)) => match state.lock().tenant(&t) {
-            Some(u) => (200, view(&t, &u)),
+            Some(u) => (200, view(&t, &u), None),
             None => err(404, format!("tenant {t:?} has no quota and stores nothing")),
         },
         ("PUT", Some(t)) => {
@@ -82,18 +86,63 @@ pub(super) fn handle(
                 Ok(()) => {
                     let u = dir.tenant(&t).unwrap_or_default();
                     tracing::info!(tenant = %t, ?quota, "tenant quota set");
-                    (200, view(&t, &u))
+                    (200, view(&t, &u), Some((t, quota)))
                 }
                 Err(e) => err(400, e.to_string()),
             }
         }
         ("DELETE", Some(t)) => match state.lock().set_quota(&t, Quota::default()) {
-            Ok(()) => (200, json!({ "tenant_id": t, "deleted": true })),
+            Ok(()) => (
+                200,
+                json!({ "tenant_id": t.clone(), "deleted": true }),
+                Some((t, Quota::default())),
+            ),
             Err(e) => err(400, e.to_string()),
         },
         (_, None) => err(400, "missing ?tenant_id=".into()),
         (m, _) => err(405, format!("{m} is not served here (GET, PUT, DELETE)")),
     }
+}
+
+/// Records a quota changed through the admin API in etcd (HA), while this master leads, so
+/// the next leader applies it (`stored`); a lifted quota's key goes. Nothing without HA.
+pub(super) async fn record(state: &State, tenant: &str, quota: Quota) -> Result<(), String> {
+    let Some(m) = &state.cfg.mirror else { return Ok(()) };
+    let leader = kvfs_ha::leader_key(&m.cluster);
+    let key = format!("{}{tenant}", kvfs_ha::tenant_quotas_prefix(&m.cluster));
+    let r = if quota == Quota::default() {
+        m.etcd.delete_if_guarded(&leader, state.term(), &key).await
+    } else {
+        let v = json!({ "memory_bytes": quota.memory_bytes, "nvme_bytes": quota.nvme_bytes });
+        m.etcd.put_if_created(&leader, state.term(), &key, v.to_string().as_bytes()).await
+    };
+    match r {
+        Ok(true) => Ok(()),
+        Ok(false) => Err("this master no longer leads its cluster".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The quotas the admin API set under earlier leaders (HA), to apply at a takeover.
+pub(super) async fn stored(
+    etcd: &kvfs_ha::Etcd,
+    cluster: &str,
+) -> kvfs_ha::Result<Vec<(String, Quota)>> {
+    let prefix = kvfs_ha::tenant_quotas_prefix(cluster);
+    let mut out = Vec::new();
+    for kv in etcd.get_prefix(&prefix).await? {
+        let Some(tenant) = kv.key.strip_prefix(&prefix) else { continue };
+        let Ok(v) = serde_json::from_slice::<Value>(&kv.value) else {
+            tracing::warn!(key = %kv.key, "a stored tenant quota is not JSON: ignored");
+            continue;
+        };
+        let quota = Quota {
+            memory_bytes: v["memory_bytes"].as_u64(),
+            nvme_bytes: v["nvme_bytes"].as_u64(),
+        };
+        out.push((tenant.to_string(), quota));
+    }
+    Ok(out)
 }
 
 /// A metric's name, type, help and value for one tenant (`None`: no sample).
