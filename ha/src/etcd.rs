@@ -239,14 +239,7 @@ impl Etcd {
 
     /// Deletes `key` if it is still the one created at `create_revision`; true if deleted.
     pub async fn delete_if_created(&self, key: &str, create_revision: u64) -> Result<bool> {
-        let k = b64(key.as_bytes());
-        let body = json!({
-            "compare": [{"key": k, "target": "CREATE", "result": "EQUAL",
-                         "create_revision": create_revision.to_string()}],
-            "success": [{"request_delete_range": {"key": k}}],
-        });
-        let v = self.call("delete", "/v3/kv/txn", body).await?;
-        Ok(v["succeeded"].as_bool() == Some(true))
+        self.delete_if_guarded(key, create_revision, key).await
     }
 
     /// Deletes `key` only while `guard_key` is still the one created at `create_revision`;
@@ -257,33 +250,38 @@ impl Etcd {
         create_revision: u64,
         key: &str,
     ) -> Result<bool> {
-        let g = b64(guard_key.as_bytes());
-        let body = json!({
-            "compare": [{"key": g, "target": "CREATE", "result": "EQUAL",
-                         "create_revision": create_revision.to_string()}],
-            "success": [{"request_delete_range": {"key": b64(key.as_bytes())}}],
-        });
-        let v = self.call("delete", "/v3/kv/txn", body).await?;
-        Ok(v["succeeded"].as_bool() == Some(true))
+        let op = json!({"request_delete_range": {"key": b64(key.as_bytes())}});
+        self.guarded("delete", guard_key, create_revision, op).await
     }
 
     /// Writes `key` = `value` only while `guard_key` is still the one created at
     /// `create_revision` (a leader's write that must not land once it is deposed); true if
     /// written.
-    pub async fn put_if_created(
+    pub async fn put_if_guarded(
         &self,
         guard_key: &str,
         create_revision: u64,
         key: &str,
         value: &[u8],
     ) -> Result<bool> {
-        let g = b64(guard_key.as_bytes());
+        let op = json!({"request_put": {"key": b64(key.as_bytes()), "value": b64(value)}});
+        self.guarded("put", guard_key, create_revision, op).await
+    }
+
+    /// One transaction: `op` if `guard_key` is still the one created at `create_revision`.
+    async fn guarded(
+        &self,
+        call: &'static str,
+        guard_key: &str,
+        create_revision: u64,
+        op: Value,
+    ) -> Result<bool> {
         let body = json!({
-            "compare": [{"key": g, "target": "CREATE", "result": "EQUAL",
+            "compare": [{"key": b64(guard_key.as_bytes()), "target": "CREATE", "result": "EQUAL",
                          "create_revision": create_revision.to_string()}],
-            "success": [{"request_put": {"key": b64(key.as_bytes()), "value": b64(value)}}],
+            "success": [op],
         });
-        let v = self.call("put", "/v3/kv/txn", body).await?;
+        let v = self.call(call, "/v3/kv/txn", body).await?;
         Ok(v["succeeded"].as_bool() == Some(true))
     }
 

@@ -368,29 +368,36 @@ async fn kvfs_up_ha_runs_its_etcd_and_leads_and_a_standby_joins() {
     standby.kill();
 }
 
+/// A leader, a standby subscribed to its grant mirror, one node, admin endpoints, and a
+/// recovery grace of a minute (so a takeover that waited it out would show): the cluster, a
+/// client, the leader's address and term.
+async fn mirrored() -> (Ha, Client, String, u64) {
+    let etcd = EtcdServer::start();
+    let mut ha = Ha::new(etcd.endpoint(), Some(etcd), None);
+    ha.admin = true;
+    ha.recovery_grace_ms = 60_000;
+    let ha = start(ha, 1).await;
+    let c = ha.client().await;
+    ha.wait_nodes(&c, 1).await;
+    let (old, old_term) = ha.leader().await.expect("a leader");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ha.metric(&old, "kvfs_master_mirror_standbys") != Some(1) {
+        assert!(Instant::now() < deadline, "the standby never subscribed to the mirror");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (ha, c, old, old_term)
+}
+
 /// A standby that mirrors the leader's grants takes over without the recovery grace (set to a
 /// minute here, so waiting it out would show), and the range a writer of the dead leader still
 /// holds is not handed to anyone else: the new leader fills its node around it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mirroring_standby_takes_over_at_once_and_keeps_the_dead_leaders_grants() {
-    let etcd = EtcdServer::start();
-    let mut ha = Ha::new(etcd.endpoint(), Some(etcd), None);
-    ha.admin = true;
-    ha.recovery_grace_ms = 60_000;
-    let mut ha = start(ha, 1).await;
-    let c = ha.client().await;
-    ha.wait_nodes(&c, 1).await;
-    let (old, old_term) = ha.leader().await.expect("a leader");
+    let (mut ha, c, old, old_term) = mirrored().await;
     let objects: Vec<(String, Vec<u8>)> =
         (0..40u64).map(|i| (format!("mirror/{i}"), content(i, 100_000))).collect();
     for (k, v) in &objects {
         c.put(k, v, &PutOptions::default()).await.expect("put before the failover");
-    }
-    // The standby subscribes to the leader's mirror.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while ha.metric(&old, "kvfs_master_mirror_standbys") != Some(1) {
-        assert!(Instant::now() < deadline, "the standby never subscribed to the mirror");
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // A quota set through the leader's admin API outlives it.
     let q = r#"{"memory_bytes": 5000000, "nvme_bytes": null}"#;
@@ -488,20 +495,8 @@ async fn a_mirroring_standby_takes_over_at_once_and_keeps_the_dead_leaders_grant
 /// its copy of the grants is incomplete and waits out the recovery grace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_dropped_from_the_mirror_takes_over_with_the_grace() {
-    let etcd = EtcdServer::start();
-    let mut ha = Ha::new(etcd.endpoint(), Some(etcd), None);
-    ha.admin = true;
-    ha.recovery_grace_ms = 60_000;
-    let mut ha = start(ha, 1).await;
-    let c = ha.client().await;
-    ha.wait_nodes(&c, 1).await;
-    let (old, old_term) = ha.leader().await.expect("a leader");
+    let (mut ha, c, old, old_term) = mirrored().await;
     let standby = ha.masters.iter().find(|(a, _)| *a != old).expect("a standby").0.clone();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while ha.metric(&old, "kvfs_master_mirror_standbys") != Some(1) {
-        assert!(Instant::now() < deadline, "the standby never subscribed to the mirror");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     ha.master_proc(&standby).as_ref().expect("standby").signal(libc::SIGSTOP);
     // The put waits for the stopped standby's acknowledgement, drops it, and succeeds.
     c.put("dropped/a", &content(1, 1000), &PutOptions::default()).await.expect("put");

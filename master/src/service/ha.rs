@@ -183,7 +183,7 @@ async fn record_term(etcd: &Etcd, cluster: &str, term: u64) -> kvfs_ha::Result<(
     let (leader, key) = (kvfs_ha::leader_key(cluster), kvfs_ha::term_key(cluster));
     let mut tries = 0;
     loop {
-        match etcd.put_if_created(&leader, term, &key, term.to_string().as_bytes()).await {
+        match etcd.put_if_guarded(&leader, term, &key, term.to_string().as_bytes()).await {
             Ok(true) => return Ok(()),
             Ok(false) => {
                 return Err(kvfs_ha::Error::Invalid(format!("term {term} no longer leads")));

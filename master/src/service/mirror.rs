@@ -152,7 +152,7 @@ async fn send(sub: &Sub, req: &MirrorRequest, timeout: Duration) -> Result<(), S
 /// Sends `grants` to every subscriber and waits for their acknowledgements; a subscriber that
 /// fails is dropped (recorded in etcd). `Err` only when a drop could not be recorded: the
 /// caller must not hand out these grants.
-pub(crate) async fn replicate(state: &State, grants: Vec<MirrorGrant>) -> Result<(), WireError> {
+pub(crate) async fn replicate(state: &State, grants: &[MirrorGrant]) -> Result<(), WireError> {
     let Some(cfg) = &state.cfg.mirror else { return Ok(()) };
     if grants.is_empty() {
         return Ok(());
@@ -170,7 +170,7 @@ pub(crate) async fn replicate(state: &State, grants: Vec<MirrorGrant>) -> Result
             term,
             session: s.session,
             snapshot: false,
-            grants: grants.clone(),
+            grants: grants.to_vec(),
             released: released.clone(),
         };
         async move { send(s, &req, cfg.timeout).await }
@@ -184,14 +184,14 @@ pub(crate) async fn replicate(state: &State, grants: Vec<MirrorGrant>) -> Result
     Ok(())
 }
 
-/// A put ended (completed or abandoned): its grant is released on the standbys at the next
-/// flush.
-pub(crate) fn release(state: &State, key: &str, version: u64) {
+/// Puts that ended (key, version): their grants are released on the standbys at the next
+/// flush. One look at the subscribers per call, none without HA.
+pub(crate) fn release<'a>(state: &State, ended: impl Iterator<Item = (&'a str, u64)>) {
     if state.cfg.mirror.is_none() || state.mirrors.subscribers() == 0 {
         return;
     }
     let mut r = lock(&state.mirrors.released);
-    if r.len() < RELEASES_QUEUED_MAX {
+    for (key, version) in ended.take(RELEASES_QUEUED_MAX.saturating_sub(r.len())) {
         r.push((key.to_string(), version));
     }
 }
@@ -235,7 +235,7 @@ async fn drop_sub(state: &State, sub: &Sub, why: &str) -> Result<(), WireError> 
     let leader = kvfs_ha::leader_key(&cfg.cluster);
     let marker = kvfs_ha::mirror_dropped_key(&cfg.cluster, &sub.standby);
     let value = sub.session.to_string();
-    match cfg.etcd.put_if_created(&leader, state.term(), &marker, value.as_bytes()).await {
+    match cfg.etcd.put_if_guarded(&leader, state.term(), &marker, value.as_bytes()).await {
         Ok(true) => Ok(()),
         Ok(false) => Err(WireError::new(
             ErrorCode::NotLeader,

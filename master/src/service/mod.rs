@@ -526,11 +526,8 @@ async fn dispatch(state: &Arc<State>, conn: &RpcConn, req: MasterRequest) -> Mas
         MasterRequest::PutRevoke(keys) => {
             let mut fx = Vec::new();
             let r = state.lock().put_revoke_batch(&keys, &mut fx);
-            for (k, r) in keys.iter().zip(&r) {
-                if r.is_ok() {
-                    mirror::release(state, k, u64::MAX);
-                }
-            }
+            let done = keys.iter().zip(&r).filter(|(_, r)| r.is_ok());
+            mirror::release(state, done.map(|(k, _)| (k.as_str(), u64::MAX)));
             deliver(state, fx, false).await;
             MasterResponse::PutRevoke(results(r, |()| ()))
         }
@@ -669,8 +666,6 @@ async fn put_start(
     let mut fx = Vec::new();
     let mirrored = state.cfg.mirror.is_some() && state.mirrors.subscribers() > 0;
     let mut mirror = Vec::new();
-    let keys: Vec<String> =
-        if mirrored { items.iter().map(|i| i.key.clone()).collect() } else { Vec::new() };
     let out = {
         let dir = &mut *state.lock();
         // Only batches that name preferred nodes pay for the endpoint map.
@@ -743,13 +738,14 @@ async fn put_start(
     if !mirror.is_empty() {
         // Every standby knows these ranges before any writer does (see `mirror`); a
         // leader deposed meanwhile answers nothing it granted.
-        let refused = match mirror::replicate(state, mirror).await {
+        let refused = match mirror::replicate(state, &mirror).await {
             Err(e) => Some(e),
             Ok(()) => state.fenced(),
         };
         if let Some(e) = refused {
-            let keys: Vec<String> =
-                out.iter().zip(&keys).filter(|(r, _)| r.is_ok()).map(|(_, k)| k.clone()).collect();
+            // The granted keys are the mirrored ones (every grant has a node replica).
+            let mut keys: Vec<String> = mirror.into_iter().map(|g| g.key).collect();
+            keys.dedup();
             let mut fx = Vec::new();
             let _ = state.lock().put_revoke_batch(&keys, &mut fx);
             deliver(state, fx, false).await;
@@ -777,11 +773,8 @@ async fn put_end(state: &Arc<State>, mut items: Vec<w::PutEndItem>, now: u64) ->
         .collect();
     let mut fx = Vec::new();
     let r = state.lock().put_end_batch(&ends, now_ms().max(now), &mut fx);
-    for (end, r) in ends.iter().zip(&r) {
-        if r.is_ok() {
-            mirror::release(state, &end.key, end.version.unwrap_or(u64::MAX));
-        }
-    }
+    let done = ends.iter().zip(&r).filter(|(_, r)| r.is_ok());
+    mirror::release(state, done.map(|(e, _)| (e.key.as_str(), e.version.unwrap_or(u64::MAX))));
     if !committed.is_empty() {
         fx.retain(|e| match e {
             // Only objects without persistence: a lazy one's write-back and an eager one's
@@ -1222,4 +1215,48 @@ async fn deliver(state: &Arc<State>, fx: Vec<NodeEffect>, wait: bool) {
         set.spawn(c);
     }
     while set.join_next().await.is_some() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::held_extents;
+    use crate::{HeldObject, Persistence, Pin, SegmentSpec, Tier};
+
+    fn held(segment: u32, offset: u64, size: u64) -> HeldObject {
+        HeldObject {
+            key: format!("k{segment}-{offset}"),
+            size,
+            checksum: None,
+            version: 1,
+            segment,
+            offset,
+            tier: Tier::Dram,
+            persistence: Persistence::None,
+            pin: Pin::None,
+            persisted: false,
+            renamed_from: None,
+        }
+    }
+
+    #[test]
+    fn held_extents_merge_runs_and_set_overlaps_and_strays_apart() {
+        let seg = |index| SegmentSpec { index, tier: Tier::Dram, base_addr: 0, capacity: 1 << 20 };
+        let objects = vec![
+            held(0, 8192, 100),     // second of a run
+            held(0, 0, 5000),       // first of the run: 0..8192 aligned
+            held(0, 16384, 4096),   // a gap before it: a new run
+            held(0, 8192, 4096),    // overlaps the run's second object
+            held(1, 0, 4096),       // another segment
+            held(0, 1 << 20, 4096), // outside the segment: no extent, kept (it conflicts)
+            held(7, 0, 4096),       // unknown segment: no extent, kept
+        ];
+        let (kept, overlapping, extents) = held_extents(objects, &[seg(0), seg(1)], 4096);
+        assert_eq!(extents, vec![(0, 0, 12288), (0, 16384, 20480), (1, 0, 4096)]);
+        assert_eq!(overlapping.len(), 1);
+        assert_eq!((overlapping[0].offset, overlapping[0].size), (8192, 4096));
+        assert_eq!(kept.len(), 6);
+        assert!(
+            kept.windows(2).all(|w| (w[0].segment, w[0].offset) <= (w[1].segment, w[1].offset))
+        );
+    }
 }

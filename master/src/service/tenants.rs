@@ -114,7 +114,7 @@ pub(super) async fn record(state: &State, tenant: &str, quota: Quota) -> Result<
         m.etcd.delete_if_guarded(&leader, state.term(), &key).await
     } else {
         let v = json!({ "memory_bytes": quota.memory_bytes, "nvme_bytes": quota.nvme_bytes });
-        m.etcd.put_if_created(&leader, state.term(), &key, v.to_string().as_bytes()).await
+        m.etcd.put_if_guarded(&leader, state.term(), &key, v.to_string().as_bytes()).await
     };
     match r {
         Ok(true) => Ok(()),

@@ -377,7 +377,7 @@ async fn load(state: &Arc<State>, key: &str) -> Result<(), WireError> {
             len: plan.size,
             ttl_ms: state.cfg.load_timeout_ms,
         };
-        if let Err(e) = super::mirror::replicate(state, vec![grant]).await {
+        if let Err(e) = super::mirror::replicate(state, &[grant]).await {
             let mut fx = Vec::new();
             state.lock().end_load(&plan, None, now_ms(), &mut fx);
             deliver(state, fx, false).await;
