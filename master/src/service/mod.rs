@@ -843,20 +843,20 @@ async fn register(
             .recovering_until_ms
             .fetch_max(state.started_ms + state.cfg.recovery_grace_ms, Ordering::AcqRel);
     }
-    // One registration at a time: a node whose objects are adopted in chunks is placed on
-    // as soon as its own chunks are done, not after every other node's.
+    // One registration at a time: each node's objects are adopted in one run, not
+    // interleaved with another node's (a chunked node takes puts from its first hold on).
     let _one = state.registering.lock().await;
     let started = Instant::now();
     if !reg.held.is_empty() && !state.lock().knows_node(NodeId(node)) {
         return register_chunked(state, conn, reg, now).await;
     }
     let mut fx = Vec::new();
-    // The directory and the connection map change under one hold of the nodes lock (taken
-    // before the directory's, as in `watch_node`), so the close of a previous connection can
-    // never mark this registration disconnected.
     // Converted before any lock is taken: half a million held objects take a while.
     let converted = convert::registration(reg);
     let convert_ms = started.elapsed().as_millis() as u64;
+    // The directory and the connection map change under one hold of the nodes lock (taken
+    // before the directory's, as in `watch_node`), so the close of a previous connection can
+    // never mark this registration disconnected.
     let (r, previous, wait_ms) = {
         let mut nodes = state.nodes.lock().unwrap_or_else(|e| e.into_inner());
         let mut dir = state.lock();
