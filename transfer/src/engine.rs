@@ -27,7 +27,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 use crate::config::EngineConfig;
-use crate::memory::{Buffer, BufferOptions, Region, Registry};
+use crate::memory::{Buffer, BufferOptions, DeviceMemory, Region, Registry};
 use crate::rdma::{self, RdmaPeer};
 use crate::shm::{self, ShmPeer};
 use crate::tcp::{self, Hold, TcpPeer};
@@ -499,7 +499,16 @@ impl Engine {
         // SAFETY: the region holds `buf` (an owned mapping of `len` bytes at `addr`) for as long
         // as it holds the memory region, and drops the memory region first.
         let mr = self.inner.shared.rdma.as_ref().and_then(|nic| unsafe { nic.register(addr, len) });
-        let region = Region { addr, len, remote, mr, buffer: Some(buf), owner: None };
+        let region = Region {
+            addr,
+            len,
+            remote,
+            mr,
+            buffer: Some(buf),
+            owner: None,
+            device: None,
+            pinned_by: None,
+        };
         self.inner.shared.registry.insert(region)
     }
 
@@ -520,6 +529,33 @@ impl Engine {
             mr,
             buffer: None,
             owner: None,
+            device: None,
+            pinned_by: None,
+        })
+    }
+
+    /// Registers device memory (a GPU's) at `[addr, addr+len)` of this engine's address space
+    /// as remotely readable and writable. `addr` is where peers address it (for CUDA, the
+    /// device pointer: unified addressing keeps it clear of host mappings); the engine never
+    /// dereferences it and moves its bytes only through `dev` (see [`DeviceMemory`]). Peers on
+    /// the same host and rdma peers reach it over tcp. It may not be the local side of this
+    /// engine's own transfers (`InvalidArgument`): those stage through host memory.
+    pub fn register_device_memory(
+        &self,
+        addr: u64,
+        len: u64,
+        dev: Arc<dyn DeviceMemory>,
+    ) -> Result<()> {
+        let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::new(dev.clone());
+        self.inner.shared.registry.insert(Region {
+            addr,
+            len,
+            remote: true,
+            mr: None,
+            buffer: None,
+            owner: Some(owner),
+            device: Some(dev),
+            pinned_by: None,
         })
     }
 
@@ -542,7 +578,16 @@ impl Engine {
         // SAFETY: this function's contract; the memory region lives in the registry entry and
         // in the clones held by running transfers, next to the owner.
         let mr = self.inner.shared.rdma.as_ref().and_then(|nic| unsafe { nic.register(addr, len) });
-        let region = Region { addr, len, remote: false, mr, buffer: None, owner: Some(owner) };
+        let region = Region {
+            addr,
+            len,
+            remote: false,
+            mr,
+            buffer: None,
+            owner: Some(owner),
+            device: None,
+            pinned_by: None,
+        };
         self.inner.shared.registry.insert(region)
     }
 
@@ -553,7 +598,11 @@ impl Engine {
 
     /// Unregisters the region starting at `addr`.
     pub fn unregister(&self, addr: u64) -> Result<()> {
-        self.inner.shared.registry.remove(addr).map(|_| ())
+        let region = self.inner.shared.registry.remove(addr)?;
+        if let Some(dev) = &region.pinned_by {
+            dev.unpin_host(addr);
+        }
+        Ok(())
     }
 
     /// Opens (or returns the already opened) segment `name`, given as `host:port`.
@@ -935,13 +984,28 @@ fn checked_lone(
     if remote_addr.checked_add(len).is_none() {
         return Err(Error::new(ErrorKind::OutOfRange, what, "range wraps around"));
     }
-    shared.registry.find(local_addr, len).ok_or_else(|| {
+    let local = shared.registry.find(local_addr, len).ok_or_else(|| {
         Error::new(
             ErrorKind::NotRegistered,
             what,
             format!("local range {local_addr:#x}+{len} is not inside one registered region"),
         )
-    })
+    })?;
+    host_side(&local, what)?;
+    Ok(local)
+}
+
+/// Refuses device memory as the local side of a transfer: the transports read and write the
+/// local side through slices.
+fn host_side(local: &Region, what: &'static str) -> Result<()> {
+    match local.device {
+        Some(_) => Err(Error::new(
+            ErrorKind::InvalidArgument,
+            what,
+            "the local side of a transfer must be host memory, not device memory",
+        )),
+        None => Ok(()),
+    }
 }
 
 async fn run_item(shared: &Shared, req: &TransferRequest, deadline: Instant) -> Result<()> {
@@ -961,6 +1025,7 @@ async fn run_item(shared: &Shared, req: &TransferRequest, deadline: Instant) -> 
             ),
         )
     })?;
+    host_side(&local, "transfer")?;
     match &req.segment.0.kind {
         PeerKind::Local => local_copy(shared, req).await,
         PeerKind::Remote { tcp, shm, rdma } => {
@@ -1013,8 +1078,51 @@ async fn local_copy(shared: &Shared, req: &TransferRequest) -> Result<()> {
             "range not in a remotely accessible region",
         ));
     };
+    if let Some(dev) = remote.device.clone() {
+        let local = shared.registry.find(req.local_addr, req.len);
+        if let Some(l) = local.as_ref().filter(|l| l.pinned_by.is_none() && !l.per_call()) {
+            // The first copy between this long-lived host region and a device page-locks it,
+            // so this one and every later one runs at the copy engine's speed.
+            if dev.pin_host(l.addr, l.len) && !shared.registry.mark_pinned(l.addr, &dev) {
+                dev.unpin_host(l.addr);
+            }
+        }
+        let keep = (remote.hold(), local.map(|r| r.hold()));
+        let (op, local, offset, len) =
+            (req.op, req.local_addr as usize, req.remote_addr - remote.addr, req.len as usize);
+        return tokio::task::spawn_blocking(move || {
+            let _keep = keep;
+            device_copy(&*dev, op, local, offset, len)
+        })
+        .await
+        .map_err(|e| Error::new(ErrorKind::Io, "device copy", e.to_string()))?;
+    }
     let remote = Far { addr: req.remote_addr as usize, keep: remote.hold() };
     parallel_copy(shared, req.op, req.local_addr as usize, remote, req.len as usize).await
+}
+
+/// Copies between host memory at `local` (registered, checked by the caller) and device
+/// memory at `offset` of `dev`, in one call (a page-locked host region goes at the copy
+/// engine's speed; see [`DeviceMemory::pin_host`]).
+fn device_copy(
+    dev: &dyn DeviceMemory,
+    op: TransferOp,
+    local: usize,
+    offset: u64,
+    len: usize,
+) -> Result<()> {
+    let done = match op {
+        // SAFETY: [local, local+len) lies inside a registered host region that the caller holds
+        // for the duration of the copy.
+        TransferOp::Read => {
+            dev.read(offset, unsafe { std::slice::from_raw_parts_mut(local as *mut u8, len) })
+        }
+        // SAFETY: as above.
+        TransferOp::Write => {
+            dev.write(offset, unsafe { std::slice::from_raw_parts(local as *const u8, len) })
+        }
+    };
+    done.map_err(|e| Error::new(ErrorKind::Io, "device copy", e))
 }
 
 /// The far side of a copy: its address, and what keeps its memory alive while helper threads

@@ -15,8 +15,12 @@
 //! also registered with the NIC when it is registered with the engine; the [`Region`] keeps the
 //! memory region, so it is deregistered when the last user of the region lets go.
 //!
-//! Not handled: device (HBM) memory, which is registered by the tiers crate through
-//! [`crate::Engine::register_memory`] once it has a host-visible mapping.
+//! Device memory (HBM) is a region too ([`crate::Engine::register_device_memory`]): the CPU
+//! cannot address it, so the engine never makes a slice of it; every transport that reaches it
+//! moves its bytes through host memory in chunks with the owner's [`DeviceMemory`] calls (tcp
+//! serving and the engine's own copies). It is never shareable over shm nor registered with an
+//! RDMA NIC (GPUDirect is a later step), so peers on the same host and rdma peers reach it over
+//! tcp.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -331,6 +335,17 @@ pub(crate) struct Region {
     /// Whatever keeps raw memory registered with [`crate::Engine::register_memory_owned`]
     /// alive: every transfer using the region holds a clone until it has finished.
     pub owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    /// Device memory: its bytes move only through these calls, never through a slice.
+    pub device: Option<Arc<dyn DeviceMemory>>,
+    /// Host memory a device page-locked ([`DeviceMemory::pin_host`]); unpinned by it when the
+    /// region is unregistered.
+    pub pinned_by: Option<Arc<dyn DeviceMemory>>,
+}
+
+impl std::fmt::Debug for dyn DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DeviceMemory")
+    }
 }
 
 impl Region {
@@ -344,10 +359,46 @@ impl Region {
         }
     }
 
+    /// Memory registered for one call ([`crate::Engine::register_memory_owned`]): never pinned,
+    /// since pinning costs far more than such a call.
+    pub fn per_call(&self) -> bool {
+        self.buffer.is_none() && self.owner.is_some() && self.device.is_none()
+    }
+
     pub fn contains(&self, addr: u64, len: u64) -> bool {
         addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
     }
 }
+
+/// Memory the CPU cannot address directly (a GPU's memory), registered with
+/// [`crate::Engine::register_device_memory`]. The engine moves its bytes through host memory
+/// with these two calls (the tcp transport in pieces of at most [`DEVICE_CHUNK_BYTES`] through
+/// its staging buffers; the engine's own copies whole ranges, straight from and into the
+/// caller's registered memory); offsets count from the start of the registered range. Both block the calling thread until the copy is complete
+/// (the engine calls them from threads that may block), and both must be safe to call from
+/// several threads at once on disjoint or overlapping ranges (the bytes of overlapping
+/// concurrent writes are then unspecified, as with host memory).
+pub trait DeviceMemory: Send + Sync + 'static {
+    /// Copies `dst.len()` bytes from `offset` into `dst`.
+    fn read(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String>;
+    /// Copies `src` to `offset`.
+    fn write(&self, offset: u64, src: &[u8]) -> std::result::Result<(), String>;
+    /// Asks the device to page-lock long-lived host memory registered with the same engine
+    /// (owned buffers and `register_memory` ranges, never per-call registrations), so copies
+    /// between it and the device run at the copy engine's speed. The engine asks at the first
+    /// copy between such a region and device memory, once per region. `true` if it did: the
+    /// engine calls [`DeviceMemory::unpin_host`] when the range is unregistered.
+    fn pin_host(&self, _addr: u64, _len: u64) -> bool {
+        false
+    }
+    /// Undoes a successful [`DeviceMemory::pin_host`] of the range starting at `addr`.
+    fn unpin_host(&self, _addr: u64) {}
+}
+
+/// The largest piece of device memory the tcp transport moves through its host staging in one
+/// call: big enough to keep a copy engine at speed, small enough that one piece is on the wire
+/// while the next is copied.
+pub const DEVICE_CHUNK_BYTES: usize = 2 << 20;
 
 /// The regions registered with one engine, indexed by start address.
 #[derive(Debug, Default)]
@@ -381,6 +432,19 @@ impl Registry {
         }
         map.insert(region.addr, region);
         Ok(())
+    }
+
+    /// Records that `dev` pinned the host region starting at `addr`; `false` (the caller then
+    /// unpins) when that region is gone or already pinned.
+    pub fn mark_pinned(&self, addr: u64, dev: &Arc<dyn DeviceMemory>) -> bool {
+        let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
+        match map.get_mut(&addr) {
+            Some(r) if r.pinned_by.is_none() && r.device.is_none() => {
+                r.pinned_by = Some(dev.clone());
+                true
+            }
+            _ => false,
+        }
     }
 
     pub fn remove(&self, addr: u64) -> Result<Region> {
@@ -449,8 +513,16 @@ mod tests {
     #[test]
     fn registry_refuses_overlap_and_finds_whole_ranges() {
         let r = Registry::default();
-        let region =
-            |addr, len| Region { addr, len, remote: true, mr: None, buffer: None, owner: None };
+        let region = |addr, len| Region {
+            addr,
+            len,
+            remote: true,
+            mr: None,
+            buffer: None,
+            owner: None,
+            device: None,
+            pinned_by: None,
+        };
         r.insert(region(1000, 100)).unwrap();
         r.insert(region(1100, 100)).unwrap();
         assert!(r.insert(region(1050, 10)).is_err());

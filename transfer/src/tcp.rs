@@ -44,6 +44,14 @@
 //! proves it both ways before its `Hello` ([`prove`], [`kvfs_proto::auth`]); a stranger is
 //! refused before it can read, write or learn the engine's shm socket.
 //!
+//! Device memory (a region registered with [`crate::Engine::register_device_memory`]) is served
+//! through host staging: a read's payload is copied out of the device in pieces of
+//! [`DEVICE_CHUNK_BYTES`], each piece's copy running on a blocking thread while the previous one
+//! is on the wire; a write's payload is received piece by piece and each piece copied in while
+//! the next one arrives. Two staging buffers per connection, allocated on first use and
+//! page-locked by the device ([`DeviceMemory::pin_host`]) so its copy engine moves them at full
+//! speed.
+//!
 //! Not handled: encryption (peers are cluster members on a private network, as in the
 //! reference system).
 
@@ -68,7 +76,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::engine::Shared;
-use crate::memory::{Buffer, Region};
+use crate::memory::{Buffer, DEVICE_CHUNK_BYTES, DeviceMemory, Region};
 use crate::{Error, ErrorKind, Result};
 
 /// Keeps the memory of a job alive until it completes (the fields are never read: holding them
@@ -1125,6 +1133,8 @@ struct Replies {
     /// The regions whose memory `segs` points into, held until the write finishes.
     holds: Vec<Region>,
     payload_bytes: usize,
+    /// Host staging for device payloads (empty until the first one).
+    stage: Staging,
 }
 
 /// One piece of the next vectored write: reply bytes, or payload straight from registered
@@ -1145,6 +1155,7 @@ impl Replies {
             segs: Vec::new(),
             holds: Vec::new(),
             payload_bytes: 0,
+            stage: Staging::default(),
         }
     }
 
@@ -1161,6 +1172,10 @@ impl Replies {
     async fn payload(&mut self, addr: u64, len: u64, hold: Region) -> std::io::Result<()> {
         if len == 0 {
             return Ok(());
+        }
+        if let Some(dev) = hold.device.clone() {
+            self.flush().await?;
+            return send_device(&mut self.wr, &mut self.stage, dev, addr - hold.addr, len).await;
         }
         if !self.small.is_empty() {
             self.segs.push(Seg::Bytes(std::mem::take(&mut self.small)));
@@ -1255,7 +1270,7 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
                 }
                 let mut note = vec![0u8; hdr.ranges as usize];
                 rd.read_exact(&mut note).await?;
-                let mut status = serve_write(&mut rd, shared, &hdr).await?;
+                let mut status = serve_write(&mut rd, shared, &mut out.stage, &hdr).await?;
                 if status == DataStatus::Ok && !shared.noted(hdr.addr, hdr.len, &note) {
                     status = DataStatus::Stale;
                 }
@@ -1265,7 +1280,7 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
             DataOp::WriteV => serve_write_pack(&mut rd, &mut out, shared, &hdr).await?,
             op => {
                 let status = match op {
-                    DataOp::Write => serve_write(&mut rd, shared, &hdr).await?,
+                    DataOp::Write => serve_write(&mut rd, shared, &mut out.stage, &hdr).await?,
                     DataOp::Notify => serve_notify(&mut rd, shared, &hdr, from).await?,
                     _ => DataStatus::Ok,
                 };
@@ -1431,9 +1446,14 @@ fn remote_region(shared: &Shared, addr: u64, len: u64) -> Option<Region> {
 async fn serve_write(
     rd: &mut Inbound,
     shared: &Shared,
+    stage: &mut Staging,
     hdr: &DataHeader,
 ) -> std::io::Result<DataStatus> {
     match remote_region(shared, hdr.addr, hdr.len) {
+        Some(region) if region.device.is_some() => {
+            receive_device(rd, stage, &region, hdr.addr, hdr.len).await?;
+            Ok(DataStatus::Ok)
+        }
         Some(region) => {
             // SAFETY: the range lies inside a region registered as remotely writable, and the
             // region's buffer (if owned) is held by `region` for the duration of the read.
@@ -1540,8 +1560,16 @@ async fn serve_write_pack(
             i += 1;
             continue;
         }
+        if let Some(region) = checked[i].1.as_ref().filter(|r| r.device.is_some()) {
+            receive_device(rd, &mut out.stage, region, ranges[i].0, ranges[i].1).await?;
+            i += 1;
+            continue;
+        }
         let start = i;
-        while i < ranges.len() && checked[i].0 == DataStatus::Ok && i - start < IOV_MAX {
+        let host = |c: &(DataStatus, Option<Region>)| {
+            c.0 == DataStatus::Ok && c.1.as_ref().is_some_and(|r| r.device.is_none())
+        };
+        while i < ranges.len() && host(&checked[i]) && i - start < IOV_MAX {
             i += 1;
         }
         let mut dsts: Vec<IoSliceMut<'_>> = ranges[start..i]
@@ -1581,6 +1609,164 @@ async fn serve_notify(
         Ok(()) => DataStatus::Ok,
         Err(_) => DataStatus::Busy,
     })
+}
+
+/// Two host buffers of [`DEVICE_CHUNK_BYTES`] through which one connection moves device
+/// memory: one on the wire while the other is copied to or from the device.
+#[derive(Default)]
+struct Staging {
+    bufs: Vec<Piece>,
+}
+
+/// One staging buffer: page-aligned private memory, page-locked by the device that first used
+/// it when it agrees (the copy engine then moves it at full speed), unpinned when dropped.
+struct Piece {
+    mem: Buffer,
+    pinned: Option<Arc<dyn DeviceMemory>>,
+}
+
+impl Piece {
+    fn slice(&self, n: usize) -> &[u8] {
+        // SAFETY: `mem` is this piece's own mapping of DEVICE_CHUNK_BYTES; one user at a time
+        // (the piece moves between the tasks that fill and send it).
+        unsafe { &self.mem.as_slice()[..n] }
+    }
+
+    fn slice_mut(&mut self, n: usize) -> &mut [u8] {
+        // SAFETY: as above; `&mut self` makes the access exclusive.
+        unsafe { &mut self.mem.as_mut_slice()[..n] }
+    }
+}
+
+impl Drop for Piece {
+    fn drop(&mut self) {
+        if let Some(dev) = &self.pinned {
+            dev.unpin_host(self.mem.addr());
+        }
+    }
+}
+
+impl Staging {
+    fn take(&mut self, dev: &Arc<dyn DeviceMemory>) -> std::io::Result<Piece> {
+        if let Some(p) = self.bufs.pop() {
+            return Ok(p);
+        }
+        let opts = crate::BufferOptions {
+            huge_pages: false,
+            populate: true,
+            name: "kvfs-device-staging".into(),
+            shareable: false,
+        };
+        let mem = Buffer::new(DEVICE_CHUNK_BYTES, &opts).map_err(std::io::Error::other)?;
+        let pinned = dev.pin_host(mem.addr(), mem.len() as u64).then(|| dev.clone());
+        Ok(Piece { mem, pinned })
+    }
+
+    fn give(&mut self, buf: Piece) {
+        if self.bufs.len() < 2 {
+            self.bufs.push(buf);
+        }
+    }
+}
+
+fn device_error(e: String) -> std::io::Error {
+    std::io::Error::other(format!("device memory: {e}"))
+}
+
+/// Copies piece `[offset, offset+n)` of `dev` into `buf` on a blocking thread.
+async fn device_read(
+    dev: Arc<dyn DeviceMemory>,
+    mut buf: Piece,
+    offset: u64,
+    n: usize,
+) -> std::io::Result<Piece> {
+    tokio::task::spawn_blocking(move || dev.read(offset, buf.slice_mut(n)).map(|()| buf))
+        .await
+        .map_err(std::io::Error::other)?
+        .map_err(device_error)
+}
+
+/// Sends `len` bytes of device memory from `offset`: piece k+1 is copied out of the device
+/// while piece k is written to the socket. An error closes the connection (the reply header
+/// already promised the bytes).
+async fn send_device(
+    wr: &mut OwnedWriteHalf,
+    stage: &mut Staging,
+    dev: Arc<dyn DeviceMemory>,
+    offset: u64,
+    len: u64,
+) -> std::io::Result<()> {
+    let piece = |at: u64| (DEVICE_CHUNK_BYTES as u64).min(len - at) as usize;
+    let mut cur = device_read(dev.clone(), stage.take(&dev)?, offset, piece(0)).await?;
+    let mut at = 0u64;
+    loop {
+        let n = piece(at);
+        let next_at = at + n as u64;
+        let next = match next_at < len {
+            true => {
+                let (d, buf) = (dev.clone(), stage.take(&dev)?);
+                Some(tokio::spawn(device_read(d, buf, offset + next_at, piece(next_at))))
+            }
+            false => None,
+        };
+        let sent = wr.write_all(cur.slice(n)).await;
+        let next = match next {
+            Some(h) => Some(h.await.map_err(std::io::Error::other)?),
+            None => None,
+        };
+        sent?;
+        match next {
+            Some(buf) => stage.give(std::mem::replace(&mut cur, buf?)),
+            None => {
+                stage.give(cur);
+                return Ok(());
+            }
+        }
+        at = next_at;
+    }
+}
+
+/// Receives `len` bytes into device memory at `addr` (inside `region`): piece k is copied into
+/// the device on a blocking thread while piece k+1 arrives.
+async fn receive_device(
+    rd: &mut Inbound,
+    stage: &mut Staging,
+    region: &Region,
+    addr: u64,
+    len: u64,
+) -> std::io::Result<()> {
+    let Some(dev) = region.device.clone() else {
+        return Err(std::io::Error::other("receive_device on host memory"));
+    };
+    let offset = addr - region.addr;
+    let mut pending: Option<tokio::task::JoinHandle<std::io::Result<Piece>>> = None;
+    let mut at = 0u64;
+    let mut failed = None;
+    while at < len {
+        let n = (DEVICE_CHUNK_BYTES as u64).min(len - at) as usize;
+        let mut buf = stage.take(&dev)?;
+        rd.read_exact(buf.slice_mut(n)).await?;
+        if let Some(h) = pending.take() {
+            match h.await.map_err(std::io::Error::other)? {
+                Ok(b) => stage.give(b),
+                Err(e) => failed = Some(e),
+            }
+        }
+        let (dev, o) = (dev.clone(), offset + at);
+        pending = Some(tokio::task::spawn_blocking(move || {
+            dev.write(o, buf.slice(n)).map(|()| buf).map_err(device_error)
+        }));
+        at += n as u64;
+    }
+    if let Some(h) = pending {
+        match h.await.map_err(std::io::Error::other)? {
+            Ok(b) => stage.give(b),
+            Err(e) => failed = Some(e),
+        }
+    }
+    // The payload was read whole, so the stream is still in step; a device failure still
+    // closes the connection, since the write cannot be answered as done.
+    failed.map_or(Ok(()), Err)
 }
 
 /// Reads and discards `len` bytes, or fails when that is more than `max` (the stream is then
