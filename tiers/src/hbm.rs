@@ -18,6 +18,10 @@
 //! Rename: re-keys the index under its lock, like DRAM (the device range stays; no copy). The
 //! entry takes the new version and records its previous name; nothing survives a crash.
 //!
+//! [`HbmBlock`] is the device block alone (context, allocation, synchronous copies at offsets),
+//! shared by the medium and by the node's HBM pool segment, which registers it with the
+//! Transfer Engine as device memory (the master then allocates ranges in it, as in DRAM).
+//!
 //! Not handled: GPUDirect Storage, IPC handles to share the block with the engine's process,
 //! several devices per medium (open one medium per device).
 
@@ -72,18 +76,18 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Objects in one block of device memory.
-pub struct HbmMedium {
+/// One block of device memory and synchronous copies in and out of it at offsets.
+pub struct HbmBlock {
     ctx: Arc<CudaContext>,
     _stream: Arc<CudaStream>,
     _block: CudaSlice<u8>,
     base: sys::CUdeviceptr,
-    alloc: Arc<Mutex<OffsetAllocator>>,
-    index: Mutex<HashMap<String, Held>>,
+    len: u64,
+    device: usize,
 }
 
-impl HbmMedium {
-    /// Open device `device` (ordinal) and reserve `capacity_bytes` of its memory.
+impl HbmBlock {
+    /// Open device `device` (ordinal) and allocate `capacity_bytes` of its memory.
     /// `Unavailable` with a clear message when there is no driver or no such device.
     pub fn open(device: usize, capacity_bytes: u64) -> Result<Self> {
         if !driver_present() {
@@ -105,14 +109,7 @@ impl HbmMedium {
             let (p, _sync) = block.device_ptr(&stream);
             p
         };
-        Ok(HbmMedium {
-            ctx,
-            _stream: stream,
-            _block: block,
-            base,
-            alloc: Arc::new(Mutex::new(OffsetAllocator::new(capacity_bytes, HBM_ALIGN_BYTES))),
-            index: Mutex::new(HashMap::new()),
-        })
+        Ok(HbmBlock { ctx, _stream: stream, _block: block, base, len: capacity_bytes, device })
     }
 
     /// The CUDA context (to allocate pinned host buffers for fast copies).
@@ -120,11 +117,209 @@ impl HbmMedium {
         &self.ctx
     }
 
+    /// The block's device address (unified addressing: no host mapping lies there).
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    fn check(&self, offset: u64, len: usize) -> Result<()> {
+        let end = offset.checked_add(len as u64);
+        if end.is_none_or(|e| e > self.len) {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("hbm range {offset}+{len} is outside the {}-byte block", self.len),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes from `offset` of the block into host memory (synchronous; at
+    /// full speed when `dst` is page-locked).
+    pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("bind context", e))?;
+        // SAFETY: [base+offset, +len) lies inside the device block (checked above).
+        unsafe { result::memcpy_dtoh_sync(dst, self.base + offset) }
+            .map_err(|e| cuda_err("copy from device", e))
+    }
+
+    /// Page-locks `[addr, addr+len)` of host memory for every context (`cuMemHostRegister`,
+    /// portable), so copies between it and device memory run at the copy engine's speed
+    /// instead of through the driver's pageable staging. `false` when the driver refuses
+    /// (already registered by someone else included: that one keeps it).
+    ///
+    /// # Safety
+    /// The range must be mapped host memory that stays mapped until [`HbmBlock::unpin_host`].
+    pub unsafe fn pin_host(&self, addr: u64, len: u64) -> bool {
+        if self.ctx.bind_to_thread().is_err() {
+            return false;
+        }
+        // SAFETY: the caller keeps the range mapped until unpinned.
+        let r = unsafe {
+            sys::cuMemHostRegister_v2(
+                addr as *mut _,
+                len as usize,
+                sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        };
+        r == sys::CUresult::CUDA_SUCCESS
+    }
+
+    /// Undoes [`HbmBlock::pin_host`] for the range starting at `addr`.
+    pub fn unpin_host(&self, addr: u64) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: unregistering a range registered by `pin_host`; a range never registered
+            // is an error return, not undefined behaviour.
+            let _ = unsafe { sys::cuMemHostUnregister(addr as *mut _) };
+        }
+    }
+
+    /// Copies `src` to `offset` of the block (synchronous).
+    pub fn write(&self, offset: u64, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("bind context", e))?;
+        // SAFETY: [base+offset, +len) lies inside the device block (checked above).
+        unsafe { result::memcpy_htod_sync(self.base + offset, src) }
+            .map_err(|e| cuda_err("copy to device", e))
+    }
+}
+
+/// Page-locked host memory of one CUDA context (`cuMemHostAlloc`), which the copy engine
+/// reaches at full speed; freed on drop.
+pub struct PinnedHost {
+    ctx: Arc<CudaContext>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a plain host allocation owned by this value; access goes through `&`/`&mut self`.
+unsafe impl Send for PinnedHost {}
+// SAFETY: as above; shared access is read-only.
+unsafe impl Sync for PinnedHost {}
+
+impl PinnedHost {
+    /// `len` bytes of page-locked memory, zeroed.
+    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<PinnedHost> {
+        ctx.bind_to_thread().map_err(|e| cuda_err("bind context", e))?;
+        // SAFETY: a fresh allocation of `len.max(1)` bytes, freed in drop.
+        let ptr = unsafe { result::malloc_host(len.max(1), 0) }
+            .map_err(|e| cuda_err(&format!("allocate {len} pinned bytes"), e))?
+            as *mut u8;
+        // SAFETY: `ptr` points to `len` writable bytes just allocated.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(PinnedHost { ctx: ctx.clone(), ptr, len })
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` holds `len` initialised bytes for the life of `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by `malloc_host` in `new`, freed once.
+        let _ = unsafe { result::free_host(self.ptr as _) };
+    }
+}
+
+/// The machine's limit for host <-> device copies, measured with the driver alone: `iters`
+/// synchronous `cuMemcpyHtoD` (`to_device`) or `cuMemcpyDtoH` of `bytes` between page-locked
+/// host memory and a device allocation of its own, after one untimed copy. Returns the median
+/// GB/s.
+pub fn raw_pinned_copy_gbps(
+    block: &HbmBlock,
+    bytes: usize,
+    to_device: bool,
+    iters: usize,
+) -> Result<f64> {
+    let mut host = PinnedHost::new(block.context(), bytes)?;
+    let stream = block.context().default_stream();
+    // SAFETY: device memory of `bytes`, written before it is read below.
+    let dev = unsafe { stream.alloc::<u8>(bytes.max(1)) }
+        .map_err(|e| cuda_err(&format!("allocate {bytes} bytes"), e))?;
+    let ptr = {
+        let (p, _sync) = dev.device_ptr(&stream);
+        p
+    };
+    stream.synchronize().map_err(|e| cuda_err("synchronize", e))?;
+    block.context().bind_to_thread().map_err(|e| cuda_err("bind context", e))?;
+    let one = |host: &mut PinnedHost| {
+        // SAFETY: `ptr` is a live device allocation of `bytes`; `host` holds `bytes`.
+        unsafe {
+            if to_device {
+                result::memcpy_htod_sync(ptr, host.as_slice())
+            } else {
+                result::memcpy_dtoh_sync(host.as_mut_slice(), ptr)
+            }
+        }
+        .map_err(|e| cuda_err("raw copy", e))
+    };
+    one(&mut host)?;
+    let mut rates = Vec::with_capacity(iters.max(1));
+    for _ in 0..iters.max(1) {
+        let t = std::time::Instant::now();
+        one(&mut host)?;
+        rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    rates.sort_by(f64::total_cmp);
+    drop(dev);
+    Ok(rates[rates.len() / 2])
+}
+
+/// Objects in one block of device memory.
+pub struct HbmMedium {
+    block: HbmBlock,
+    alloc: Arc<Mutex<OffsetAllocator>>,
+    index: Mutex<HashMap<String, Held>>,
+}
+
+impl HbmMedium {
+    /// Open device `device` (ordinal) and reserve `capacity_bytes` of its memory.
+    /// `Unavailable` with a clear message when there is no driver or no such device.
+    pub fn open(device: usize, capacity_bytes: u64) -> Result<Self> {
+        Ok(HbmMedium {
+            block: HbmBlock::open(device, capacity_bytes)?,
+            alloc: Arc::new(Mutex::new(OffsetAllocator::new(capacity_bytes, HBM_ALIGN_BYTES))),
+            index: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The CUDA context (to allocate pinned host buffers for fast copies).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        self.block.context()
+    }
+
     /// Device address of an object's bytes (for kernels or peer copies); valid while the
     /// object is stored.
     pub fn device_ptr(&self, key: &str) -> Result<(sys::CUdeviceptr, u64)> {
         let s = self.lookup(key)?.slot;
-        Ok((self.base + s.offset, s.len))
+        Ok((self.block.base() + s.offset, s.len))
     }
 
     fn lookup(&self, key: &str) -> Result<Held> {
@@ -164,12 +359,8 @@ impl Medium for HbmMedium {
             version: opts.version,
             pin: opts.pin,
         };
-        if !data.is_empty() {
-            self.ctx.bind_to_thread().map_err(|e| cuda_err("bind context", e))?;
-            // SAFETY: [base+offset, +len) is inside the device block and reserved for this slot.
-            unsafe { result::memcpy_htod_sync(self.base + offset, data) }
-                .map_err(|e| cuda_err("copy to device", e))?;
-        }
+        // The range is reserved for this slot.
+        self.block.write(offset, data)?;
         let mut index = lock(&self.index);
         if opts.mode == PutMode::CreateNew && index.contains_key(key) {
             return Err(Error::new(ErrorKind::AlreadyExists, format!("hbm: {key:?}")));
@@ -185,12 +376,8 @@ impl Medium for HbmMedium {
         validate_key(key)?;
         let Held { slot, meta, .. } = self.lookup(key)?;
         let size = check_dst(key, dst.len(), slot.len)?;
-        if size > 0 {
-            self.ctx.bind_to_thread().map_err(|e| cuda_err("bind context", e))?;
-            // SAFETY: the slot (held) keeps [base+offset, +size) allocated to this object.
-            unsafe { result::memcpy_dtoh_sync(&mut dst[..size], self.base + slot.offset) }
-                .map_err(|e| cuda_err("copy from device", e))?;
-        }
+        // The slot (held) keeps the range allocated to this object.
+        self.block.read(slot.offset, &mut dst[..size])?;
         Ok(meta)
     }
 
@@ -252,6 +439,8 @@ mod tests {
             eprintln!("a CUDA driver is present; the no-driver path is not reachable here");
             return;
         }
+        let err = HbmBlock::open(0, 1 << 20).err().expect("open must fail without a driver");
+        assert_eq!(err.kind(), ErrorKind::Unavailable);
         let err = HbmMedium::open(0, 1 << 20).err().expect("open must fail without a driver");
         assert_eq!(err.kind(), ErrorKind::Unavailable);
         assert!(

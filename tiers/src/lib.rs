@@ -28,7 +28,7 @@ pub mod uring;
 pub mod writeback;
 
 pub use fault::{Fault, FaultyMedium, Op};
-pub use hbm::HbmMedium;
+pub use hbm::{HbmBlock, HbmMedium, PinnedHost};
 pub use object::{ListedObject, ObjectStoreConfig, ObjectStoreLimits, ObjectStoreMedium};
 
 pub use dram::{DramMedium, DramView};
