@@ -50,6 +50,8 @@ pub struct PutOptions {
     pub preferred_endpoints: Vec<String>,
     /// Compute a blake3 checksum of the bytes and record it with the object.
     pub checksum: bool,
+    /// The memory tier of the replicas: `Dram`, or `Hbm` on nodes that contribute GPU memory.
+    pub tier: Tier,
 }
 
 impl Default for PutOptions {
@@ -62,6 +64,7 @@ impl Default for PutOptions {
             upsert: false,
             preferred_endpoints: Vec::new(),
             checksum: false,
+            tier: Tier::Dram,
         }
     }
 }
@@ -535,6 +538,7 @@ impl Client {
                 pin: opts.pin,
                 strategy: opts.strategy,
                 preferred_endpoints: opts.preferred_endpoints.clone(),
+                tier: opts.tier,
                 upsert: opts.upsert,
             })
             .collect();

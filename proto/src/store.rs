@@ -26,6 +26,9 @@
 //! pending put it abandons (revoked, timed out, first writer lost), which a writer may have
 //! committed on its nodes already.
 //!
+//! Protocol 9: a put names the memory tier it wants ([`PutStartItem::tier`]: DRAM, or HBM on
+//! nodes that contribute GPU memory).
+//!
 //! Protocol 7: high availability. [`MasterResponse::Hello`] carries the master's leadership
 //! term; a standby master or a leader whose lease lapsed refuses every request with
 //! [`ErrorCode::NotLeader`].
@@ -33,7 +36,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Version of the store protocol; a master refuses a client or node that speaks another one.
-pub const STORE_PROTOCOL_VERSION: u32 = 8;
+pub const STORE_PROTOCOL_VERSION: u32 = 9;
 
 /// Storage medium of a segment or replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -190,6 +193,10 @@ pub struct PutStartItem {
     /// `preferred_segments`, e.g. the writer's own `host:port` for local-first placement).
     pub preferred_endpoints: Vec<String>,
     pub upsert: bool,
+    /// The memory tier the replicas go to: `Dram` (the default), or `Hbm` (GPU memory of the
+    /// nodes that contribute some). Other tiers are refused: objects reach NVMe and the object
+    /// store through the tier manager and persistence.
+    pub tier: Tier,
 }
 
 /// Where to write an object; `version` must come back in [`PutEndItem`].
@@ -720,6 +727,7 @@ mod tests {
                 strategy: Strategy::LocalFirst,
                 preferred_endpoints: vec!["10.0.0.7:15000".into()],
                 upsert: false,
+                tier: Tier::Dram,
             }],
         };
         let frame = crate::encode_frame(&req).unwrap();

@@ -107,6 +107,7 @@ fn put_options(
         upsert,
         preferred_endpoints: preferred,
         checksum,
+        ..PutOptions::default()
     })
 }
 

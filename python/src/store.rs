@@ -73,6 +73,7 @@ fn options(cfg: Option<Cfg>, upsert: bool) -> Result<PutOptions, Failure> {
         upsert,
         preferred_endpoints: preferred,
         checksum: false,
+        ..PutOptions::default()
     })
 }
 

@@ -426,6 +426,7 @@ async fn a_mirroring_standby_takes_over_at_once_and_keeps_the_dead_leaders_grant
             strategy: Strategy::default(),
             preferred_endpoints: Vec::new(),
             upsert: false,
+            tier: kvfs_proto::store::Tier::Dram,
         }],
     };
     let MasterResponse::PutStart(mut grants) = call(start).await.unwrap() else { panic!("grant") };

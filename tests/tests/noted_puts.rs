@@ -158,6 +158,7 @@ impl Abandoner {
                 strategy: Strategy::default(),
                 preferred_endpoints: Vec::new(),
                 upsert: false,
+                tier: kvfs_proto::store::Tier::Dram,
             }],
         };
         let MasterResponse::PutStart(mut grants) = self.call(start).await else {

@@ -511,7 +511,11 @@ impl Directory {
         self.check_quota(req, now_ms, fx, &mut evicted)?;
         let ranges = self.place(req, now_ms, fx, &mut evicted);
         if ranges.is_empty() {
-            let detail = format!("no {:?} segment has {} free bytes", req.tier, req.size);
+            let detail = if self.tier_segs[req.tier.index()].is_empty() {
+                format!("no node contributes a {:?} segment", req.tier)
+            } else {
+                format!("no {:?} segment has {} free bytes", req.tier, req.size)
+            };
             return Err(Error::new(ErrorKind::NoSpace, OP).with_key(key).with_detail(detail));
         }
         let version = self.next_version(now_ms);

@@ -53,10 +53,15 @@ impl Directory {
     fn place_once(&mut self, req: &PutStart, want: usize, chosen: &mut Vec<(NonZeroU32, u64)>) {
         let tier = req.tier.index();
         for seg_ref in &req.preferred_segments {
+            // The named segment, or else the node's segment of the request's tier (a caller
+            // naming a node means that node, whichever memory the put asks for).
             let seg = self.nodes.get(&seg_ref.node).and_then(|n| {
-                n.segs.iter().copied().find(|&s| self.segment(s).index == seg_ref.index)
+                let of_tier = |s: &NonZeroU32| self.segment(*s).tier == req.tier;
+                let named =
+                    n.segs.iter().copied().find(|&s| self.segment(s).index == seg_ref.index);
+                named.filter(of_tier).or_else(|| n.segs.iter().copied().find(of_tier))
             });
-            if let Some(seg) = seg.filter(|&s| self.segment(s).tier == req.tier) {
+            if let Some(seg) = seg {
                 self.try_segment(seg, req.size, want, chosen);
             }
         }

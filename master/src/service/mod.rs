@@ -653,6 +653,17 @@ async fn put_start(
     items: Vec<w::PutStartItem>,
     now: u64,
 ) -> MasterResponse {
+    if let Some(it) = items.iter().find(|it| !matches!(it.tier, w::Tier::Dram | w::Tier::Hbm)) {
+        let e = WireError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "{:?}: puts go to a memory tier (DRAM or HBM), not {:?}; NVMe and the object \
+                 store are reached through the tier manager and persistence",
+                it.key, it.tier
+            ),
+        );
+        return MasterResponse::PutStart(items.iter().map(|_| Err(e.clone())).collect());
+    }
     if state.recovering(now) {
         let left = state.recovering_until_ms.load(Ordering::Acquire).saturating_sub(now);
         let e = WireError::new(
@@ -688,7 +699,7 @@ async fn put_start(
                     .collect(),
                 size: it.size,
                 replicas: it.replicas,
-                tier: crate::Tier::Dram,
+                tier: convert::tier_in(it.tier),
                 persistence: convert::persistence_in(tiers::persistence_for(
                     &state.cfg.persistence_defaults,
                     &it.key,

@@ -23,6 +23,15 @@ pub enum PersistenceArg {
     Eager,
 }
 
+/// The memory tier a put places its replicas in.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum TierArg {
+    /// The nodes' DRAM segments.
+    Dram,
+    /// GPU memory of the nodes started with `--hbm` (HBM segments).
+    Hbm,
+}
+
 #[derive(Args, Debug)]
 pub struct PutArgs {
     /// Object key (a `/` in it shows as a directory under the mount).
@@ -39,6 +48,9 @@ pub struct PutArgs {
     pub pin: PinArg,
     #[arg(long, value_enum, default_value = "none")]
     pub persistence: PersistenceArg,
+    /// Where the replicas go: DRAM, or the GPU memory of nodes started with `--hbm`.
+    #[arg(long, value_enum, default_value = "dram")]
+    pub tier: TierArg,
 }
 
 #[derive(Args, Debug)]
@@ -143,6 +155,10 @@ pub async fn put(master: &str, a: PutArgs) -> anyhow::Result<()> {
             PersistenceArg::Eager => Persistence::Eager,
         },
         checksum: true,
+        tier: match a.tier {
+            TierArg::Dram => kvfs_client::Tier::Dram,
+            TierArg::Hbm => kvfs_client::Tier::Hbm,
+        },
         ..PutOptions::default()
     };
     client.put(&a.key, &data, &opts).await.with_context(|| format!("put {:?}", a.key))?;
