@@ -18,9 +18,11 @@ use std::collections::HashMap;
 use kvfs_proto::store::{HeldObject, Persistence, Pin, Tier};
 use kvfs_tiers::alloc::OffsetAllocator;
 
-/// Index of the DRAM segment, and of the NVMe segment, in the node's registration.
+/// Index of the DRAM segment, of the NVMe segment and of the HBM segment in the node's
+/// registration.
 pub const DRAM_SEGMENT: u32 = 0;
 pub const NVME_SEGMENT: u32 = 1;
+pub const HBM_SEGMENT: u32 = 2;
 
 /// One object this node holds.
 #[derive(Debug, Clone)]
@@ -34,6 +36,8 @@ pub struct Held {
     pub dram: Option<u64>,
     /// Offset of the NVMe copy in the NVMe segment.
     pub nvme: Option<u64>,
+    /// Offset of the HBM copy in the HBM segment (GPU memory).
+    pub hbm: Option<u64>,
     /// The object store holds this version (eager, or written back).
     pub persisted: bool,
     /// In the write-back queue.
@@ -55,6 +59,7 @@ impl Held {
             pin,
             dram: None,
             nvme: None,
+            hbm: None,
             persisted: false,
             queued: false,
             busy: false,
@@ -63,7 +68,7 @@ impl Held {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.dram.is_none() && self.nvme.is_none()
+        self.dram.is_none() && self.nvme.is_none() && self.hbm.is_none()
     }
 }
 
@@ -112,6 +117,13 @@ impl Index {
         false
     }
 
+    /// Record (or forget) the HBM copy's offset.
+    pub fn set_hbm(&mut self, key: &str, offset: Option<u64>) {
+        if let Some(h) = self.objects.get_mut(key) {
+            h.hbm = offset;
+        }
+    }
+
     /// Remove an entry whatever it holds; returns it (the caller frees its NVMe file).
     pub fn remove(&mut self, key: &str) -> Option<Held> {
         self.set_dram(key, None);
@@ -119,12 +131,13 @@ impl Index {
         self.objects.remove(key)
     }
 
-    /// Whether `[offset, offset+len)` of the DRAM segment lies inside the DRAM copy of
-    /// `key` at `version` (a guarded read's check, see [`read_guard`]).
-    pub fn vouches(&self, key: &str, version: u64, offset: u64, len: u64) -> bool {
+    /// Whether `[offset, offset+len)` of the memory segment `segment` (DRAM or HBM) lies
+    /// inside that copy of `key` at `version` (a guarded read's check, see [`read_guard`]).
+    pub fn vouches(&self, key: &str, version: u64, segment: u32, offset: u64, len: u64) -> bool {
         self.objects.get(key).is_some_and(|h| {
+            let copy = if segment == HBM_SEGMENT { h.hbm } else { h.dram };
             h.version == version
-                && h.dram.is_some_and(|d| {
+                && copy.is_some_and(|d| {
                     offset >= d && offset.checked_add(len).is_some_and(|e| e <= d + h.size)
                 })
         })
@@ -134,7 +147,11 @@ impl Index {
     pub fn held_objects(&self) -> Vec<HeldObject> {
         let mut out = Vec::with_capacity(self.objects.len());
         for (key, h) in &self.objects {
-            let copies = [(h.dram, DRAM_SEGMENT, Tier::Dram), (h.nvme, NVME_SEGMENT, Tier::Nvme)];
+            let copies = [
+                (h.dram, DRAM_SEGMENT, Tier::Dram),
+                (h.nvme, NVME_SEGMENT, Tier::Nvme),
+                (h.hbm, HBM_SEGMENT, Tier::Hbm),
+            ];
             for (off, segment, tier) in copies {
                 let Some(offset) = off else { continue };
                 out.push(HeldObject {

@@ -35,8 +35,15 @@
 //! that now holds another object, or a newer version of the key, is ignored; a copy this node made is reported before it is relied on, and
 //! undone when the master refuses it.
 //!
-//! Not handled here: HBM as a pool segment (the node only probes for a CUDA driver and reports
-//! it; the Transfer Engine cannot reach GPU memory yet), several NVMe directories per node.
+//! HBM (`TierConfig::hbm_bytes`): a block of GPU memory becomes the node's segment 2 (tier
+//! `Hbm`), registered with the engine as device memory ([`kvfs_tiers::HbmBlock`] behind
+//! [`kvfs_transfer::DeviceMemory`]): the master allocates ranges in it for puts that ask for
+//! HBM, and peers read and write them over tcp through host staging. Its copies are indexed like
+//! DRAM copies (commit, drop, guarded reads, noted and embedded commits, re-registration).
+//!
+//! Not handled here: the tier manager's moves of HBM copies (HBM -> DRAM demotion, promotion
+//! back; an HBM copy stays until it is removed or the master evicts it), several GPUs per node,
+//! several NVMe directories per node.
 
 mod data_dir;
 mod held;
@@ -57,7 +64,7 @@ use kvfs_tiers::{NvmeConfig, NvmeMedium, ObjectStoreConfig, ObjectStoreMedium, R
 use kvfs_transfer::{Buffer, BufferOptions, Engine, EngineConfig};
 use tokio::task::JoinHandle;
 
-use held::{DRAM_SEGMENT, Index, NVME_SEGMENT};
+use held::{DRAM_SEGMENT, HBM_SEGMENT, Index, NVME_SEGMENT};
 use kvfs_client::master::MasterLink;
 use kvfs_client::read_guard;
 use kvfs_client::{Client, ClientConfig, Error, ErrorKind, LocalCommit, LocalNode, Result};
@@ -114,8 +121,8 @@ pub struct TierConfig {
     pub writeback_entries_max: usize,
     pub writeback_bytes_max: u64,
     pub writeback_workers: usize,
-    /// Open this many bytes of GPU memory as an HBM medium at start (0: only probe for a CUDA
-    /// driver and report it). Refused with a clear error where no driver is found.
+    /// Contribute this many bytes of GPU memory (device 0) as an HBM segment (0: only probe
+    /// for a CUDA driver and report it). Refused with a clear error where no driver is found.
     pub hbm_bytes: u64,
     /// io_uring shape of the NVMe tier.
     pub ring: RingConfig,
@@ -142,6 +149,8 @@ struct Inner {
     cfg: NodeConfig,
     engine: Engine,
     dram: Arc<Buffer>,
+    /// The HBM segment's device block, registered with the engine.
+    hbm: Option<Arc<kvfs_tiers::HbmBlock>>,
     index: Arc<Mutex<Index>>,
     tiers: tiering::Tiers,
     started: Instant,
@@ -209,7 +218,7 @@ impl Node {
             }
             None => (None, cfg.node_id.unwrap_or_else(rand::random)),
         };
-        let hbm_available = probe_hbm(cfg.tiers.hbm_bytes)?;
+        let (hbm_available, hbm) = probe_hbm(cfg.tiers.hbm_bytes)?;
         let nvme = match (&cfg.data_dir, cfg.tiers.nvme_bytes) {
             (Some(dir), bytes) if bytes > 0 => {
                 let ncfg =
@@ -246,11 +255,18 @@ impl Node {
         let dram = engine
             .alloc_buffer(cfg.dram_bytes as usize, &opts)
             .map_err(|e| Error::from_transfer("node", &e))?;
+        if let Some(block) = &hbm {
+            let dev: Arc<dyn kvfs_transfer::DeviceMemory> = Arc::new(HbmDevice(block.clone()));
+            engine
+                .register_device_memory(block.base(), block.len(), dev)
+                .map_err(|e| Error::from_transfer("node", &e))?;
+        }
         let index = Arc::new(Mutex::new(Index::new(cfg.tiers.nvme_bytes)));
         let tiers = tiering::Tiers::open(tiering::TiersParts {
             cfg: &cfg,
             index: index.clone(),
             dram: dram.clone(),
+            hbm: hbm.clone(),
             nvme,
             object_store,
             hbm_available,
@@ -262,6 +278,7 @@ impl Node {
             cfg,
             engine,
             dram,
+            hbm,
             index,
             tiers,
             started: Instant::now(),
@@ -410,10 +427,10 @@ struct Embedded(std::sync::Weak<Inner>);
 impl LocalNode for Embedded {
     fn commit(&self, c: &LocalCommit<'_>) -> Option<u64> {
         let inner = self.0.upgrade()?;
-        let offset = inner.dram_offset(c.addr, c.size)?;
+        let (segment, offset) = inner.memory_offset(c.addr, c.size)?;
         inner.commit(vec![kvfs_proto::store::CommitItem {
             key: c.key.to_string(),
-            segment: DRAM_SEGMENT,
+            segment,
             offset,
             size: c.size,
             checksum: c.checksum,
@@ -427,10 +444,10 @@ impl LocalNode for Embedded {
 
     fn undo(&self, c: &LocalCommit<'_>) {
         let Some(inner) = self.0.upgrade() else { return };
-        let Some(offset) = inner.dram_offset(c.addr, c.size) else { return };
+        let Some((segment, offset)) = inner.memory_offset(c.addr, c.size) else { return };
         inner.drop_copies(vec![kvfs_proto::store::DropItem {
             key: c.key.to_string(),
-            segment: DRAM_SEGMENT,
+            segment,
             offset,
             len: c.size,
             version: c.version,
@@ -438,9 +455,34 @@ impl LocalNode for Embedded {
     }
 }
 
-/// Looks for a CUDA driver; opens `hbm_bytes` of GPU memory when asked, as a proof the tier
-/// works here. Where no driver is found, says so (and refuses a request for HBM bytes).
-fn probe_hbm(hbm_bytes: u64) -> Result<bool> {
+/// A device block as a Transfer Engine reaches it ([`kvfs_transfer::DeviceMemory`]): what the
+/// node registers for its HBM segment.
+pub struct HbmDevice(pub Arc<kvfs_tiers::HbmBlock>);
+
+impl kvfs_transfer::DeviceMemory for HbmDevice {
+    fn read(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String> {
+        self.0.read(offset, dst).map_err(|e| e.to_string())
+    }
+
+    fn write(&self, offset: u64, src: &[u8]) -> std::result::Result<(), String> {
+        self.0.write(offset, src).map_err(|e| e.to_string())
+    }
+
+    fn pin_host(&self, addr: u64, len: u64) -> bool {
+        // SAFETY: the engine pins only regions it keeps registered (mapped), and unpins them
+        // when they are unregistered.
+        unsafe { self.0.pin_host(addr, len) }
+    }
+
+    fn unpin_host(&self, addr: u64) {
+        self.0.unpin_host(addr)
+    }
+}
+
+/// Looks for a CUDA driver; allocates `hbm_bytes` of GPU memory on device 0 for the HBM
+/// segment when asked. Where no driver is found, says so (and refuses a request for HBM
+/// bytes). Returns whether a driver is present, and the block.
+fn probe_hbm(hbm_bytes: u64) -> Result<(bool, Option<Arc<kvfs_tiers::HbmBlock>>)> {
     let present = kvfs_tiers::hbm::driver_present();
     if hbm_bytes == 0 {
         if present {
@@ -448,13 +490,16 @@ fn probe_hbm(hbm_bytes: u64) -> Result<bool> {
         } else {
             tracing::info!("HBM tier: off, no CUDA driver (libcuda.so) found on this machine");
         }
-        return Ok(present);
+        return Ok((present, None));
     }
-    match kvfs_tiers::HbmMedium::open(0, hbm_bytes) {
-        Ok(m) => {
-            tracing::info!(bytes = hbm_bytes, "HBM tier: opened GPU memory on device 0");
-            drop(m);
-            Ok(true)
+    match kvfs_tiers::HbmBlock::open(0, hbm_bytes) {
+        Ok(b) => {
+            tracing::info!(
+                bytes = hbm_bytes,
+                base = b.base(),
+                "HBM segment: GPU memory on device 0"
+            );
+            Ok((true, Some(Arc::new(b))))
         }
         Err(e) => Err(Error::new(
             ErrorKind::Unavailable,
@@ -464,6 +509,13 @@ fn probe_hbm(hbm_bytes: u64) -> Result<bool> {
     }
 }
 
+/// The offset of `[addr, addr+size)` in the range `[base, base+len)`, when it lies inside.
+fn within(addr: u64, size: u64, base: u64, len: u64) -> Option<u64> {
+    let offset = addr.checked_sub(base)?;
+    let end = offset.checked_add(size)?;
+    (end <= len).then_some(offset)
+}
+
 impl Inner {
     fn now_ms(&self) -> u64 {
         self.started.elapsed().as_millis() as u64
@@ -471,9 +523,16 @@ impl Inner {
 
     /// The offset in the DRAM segment of `[addr, addr+size)`, when it lies inside it.
     fn dram_offset(&self, addr: u64, size: u64) -> Option<u64> {
-        let offset = addr.checked_sub(self.dram.addr())?;
-        let end = offset.checked_add(size)?;
-        (end <= self.dram.len() as u64).then_some(offset)
+        within(addr, size, self.dram.addr(), self.dram.len() as u64)
+    }
+
+    /// The memory segment (DRAM or HBM) holding `[addr, addr+size)` and the offset there.
+    fn memory_offset(&self, addr: u64, size: u64) -> Option<(u32, u64)> {
+        if let Some(off) = self.dram_offset(addr, size) {
+            return Some((DRAM_SEGMENT, off));
+        }
+        let hbm = self.hbm.as_ref()?;
+        within(addr, size, hbm.base(), hbm.len()).map(|off| (HBM_SEGMENT, off))
     }
 
     async fn apply(self: Arc<Self>, req: NodeRequest) -> NodeResponse {
@@ -501,9 +560,12 @@ impl Inner {
     /// the master reports.
     fn vouches(&self, addr: u64, len: u64, guard: &[u8]) -> bool {
         let Some((version, key)) = read_guard::decode(guard) else { return false };
-        let Some(offset) = addr.checked_sub(self.dram.addr()) else { return false };
-        let ok =
-            self.index.lock().unwrap_or_else(|e| e.into_inner()).vouches(key, version, offset, len);
+        let Some((segment, offset)) = self.memory_offset(addr, len) else { return false };
+        let ok = self
+            .index
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .vouches(key, version, segment, offset, len);
         if ok {
             self.on_served_read(key);
         }
@@ -516,10 +578,10 @@ impl Inner {
     /// sends the record) for a note that does not decode or a range outside the segment.
     fn noted_commit(self: &Arc<Self>, addr: u64, len: u64, note: &[u8]) -> bool {
         let Some(note) = kvfs_proto::store::CommitNote::decode(note) else { return false };
-        let Some(offset) = self.dram_offset(addr, len) else { return false };
+        let Some((segment, offset)) = self.memory_offset(addr, len) else { return false };
         self.commit(vec![kvfs_proto::store::CommitItem {
             key: note.key,
-            segment: DRAM_SEGMENT,
+            segment,
             offset,
             size: len,
             checksum: None,
@@ -539,6 +601,14 @@ impl Inner {
             base_addr: self.dram.addr(),
             capacity: self.dram.len() as u64,
         }];
+        if let Some(hbm) = &self.hbm {
+            segments.push(SegmentSpec {
+                index: HBM_SEGMENT,
+                tier: Tier::Hbm,
+                base_addr: hbm.base(),
+                capacity: hbm.len(),
+            });
+        }
         if self.tiers.nvme.is_some() {
             let capacity =
                 self.index.lock().unwrap_or_else(|e| e.into_inner()).nvme_alloc.region_bytes();

@@ -51,7 +51,7 @@ use kvfs_transfer::Buffer;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::held::{DRAM_SEGMENT, Held, Index, NVME_SEGMENT};
+use crate::held::{DRAM_SEGMENT, HBM_SEGMENT, Held, Index, NVME_SEGMENT};
 use crate::{Inner, NodeConfig, tier_err};
 use kvfs_client::master::MasterLink;
 use kvfs_client::{Error, ErrorKind, Result};
@@ -91,6 +91,7 @@ pub(super) struct TiersParts<'a> {
     pub cfg: &'a NodeConfig,
     pub index: Arc<Mutex<Index>>,
     pub dram: Arc<Buffer>,
+    pub hbm: Option<Arc<kvfs_tiers::HbmBlock>>,
     pub nvme: Option<Arc<NvmeMedium>>,
     pub object_store: Option<Arc<ObjectStoreMedium>>,
     pub hbm_available: bool,
@@ -141,6 +142,7 @@ impl Tiers {
                 let source = Arc::new(NodeSource {
                     index: p.index.clone(),
                     dram: p.dram.clone(),
+                    hbm: p.hbm.clone(),
                     nvme: p.nvme.clone(),
                 });
                 let (q, recovery, rx) = WritebackQueue::open(wcfg, source, store.clone())
@@ -182,6 +184,7 @@ impl Tiers {
 struct NodeSource {
     index: Arc<Mutex<Index>>,
     dram: Arc<Buffer>,
+    hbm: Option<Arc<kvfs_tiers::HbmBlock>>,
     nvme: Option<Arc<NvmeMedium>>,
 }
 
@@ -208,23 +211,28 @@ impl Medium for NodeSource {
             || kvfs_tiers::Error::new(kvfs_tiers::ErrorKind::NotFound, format!("node: {key:?}"));
         let h = held.ok_or_else(not_found)?;
         let size = kvfs_tiers::medium::check_dst(key, dst.len(), h.size)?;
-        match (h.dram, &self.nvme) {
-            (Some(off), _) => {
-                self.dram.read_at(off as usize, &mut dst[..size]).map_err(|e| {
-                    kvfs_tiers::Error::new(kvfs_tiers::ErrorKind::Io, format!("dram read: {e}"))
-                })?;
-                Ok(ObjectMeta {
-                    size_bytes: h.size,
-                    checksum: h.checksum.unwrap_or_default(),
-                    persistence: persistence_code(h.persistence),
-                    stored_at_unix_ms: 0,
-                    version: h.version,
-                    pin: h.pin.code(),
-                })
-            }
-            (None, Some(nvme)) if h.nvme.is_some() => nvme.get_into(key, dst).await,
-            _ => Err(not_found()),
+        let hbm = h.hbm.zip(self.hbm.as_ref());
+        if h.dram.is_none() && hbm.is_none() {
+            return match &self.nvme {
+                Some(nvme) if h.nvme.is_some() => nvme.get_into(key, dst).await,
+                _ => Err(not_found()),
+            };
         }
+        match (h.dram, hbm) {
+            (Some(off), _) => self.dram.read_at(off as usize, &mut dst[..size]).map_err(|e| {
+                kvfs_tiers::Error::new(kvfs_tiers::ErrorKind::Io, format!("dram read: {e}"))
+            })?,
+            (None, Some((off, block))) => block.read(off, &mut dst[..size])?,
+            (None, None) => return Err(not_found()),
+        }
+        Ok(ObjectMeta {
+            size_bytes: h.size,
+            checksum: h.checksum.unwrap_or_default(),
+            persistence: persistence_code(h.persistence),
+            stored_at_unix_ms: 0,
+            version: h.version,
+            pin: h.pin.code(),
+        })
     }
 
     async fn stat(&self, key: &str) -> kvfs_tiers::Result<ObjectMeta> {
@@ -397,10 +405,14 @@ impl Inner {
                 h.persisted |= it.persistence == Persistence::Eager;
                 let needs_writeback =
                     it.persistence == Persistence::Lazy && !h.persisted && !h.queued;
-                if h.dram.is_none() {
-                    idx.dram_bytes += h.size;
+                if it.segment == HBM_SEGMENT {
+                    h.hbm = Some(it.offset);
+                } else {
+                    if h.dram.is_none() {
+                        idx.dram_bytes += h.size;
+                    }
+                    h.dram = Some(it.offset);
                 }
-                h.dram = Some(it.offset);
                 sync_policy(&mut policy, &key, Some(&h), now);
                 if needs_writeback && self.tiers.writeback.is_some() {
                     lazy.push(key.clone());
@@ -507,6 +519,8 @@ impl Inner {
                 }
                 if segment == DRAM_SEGMENT && h.dram == Some(offset) {
                     idx.set_dram(&key, None);
+                } else if segment == HBM_SEGMENT && h.hbm == Some(offset) {
+                    idx.set_hbm(&key, None);
                 } else if segment == NVME_SEGMENT && h.nvme == Some(offset) {
                     idx.clear_nvme(&key);
                     nvme_files.push((key.clone(), version));
@@ -552,17 +566,24 @@ impl Inner {
         let Some(store) = &self.tiers.object_store else {
             return Err(WireError::new(ErrorCode::Unavailable, "this node has no object store"));
         };
-        if it.segment != DRAM_SEGMENT {
-            return Err(WireError::new(
-                ErrorCode::InvalidArgument,
-                "persist from a non-DRAM segment",
-            ));
-        }
-        let p = self.dram_range(it.offset, it.size)?;
         let mut bytes = vec![0u8; it.size as usize];
-        // SAFETY: the range lies in the segment (checked); the master allocated it to the put
-        // being ended, whose writer finished writing before asking to end it.
-        bytes.copy_from_slice(unsafe { std::slice::from_raw_parts(p, it.size as usize) });
+        match (it.segment, &self.hbm) {
+            (DRAM_SEGMENT, _) => {
+                let p = self.dram_range(it.offset, it.size)?;
+                // SAFETY: the range lies in the segment (checked); the master allocated it to
+                // the put being ended, whose writer finished writing before asking to end it.
+                bytes.copy_from_slice(unsafe { std::slice::from_raw_parts(p, it.size as usize) });
+            }
+            (HBM_SEGMENT, Some(block)) => {
+                block.read(it.offset, &mut bytes).map_err(|e| wire(&e))?
+            }
+            _ => {
+                return Err(WireError::new(
+                    ErrorCode::InvalidArgument,
+                    "persist from a segment this node does not have",
+                ));
+            }
+        }
         let opts = PutOptions {
             mode: PutMode::Overwrite,
             persistence: kvfs_tiers::Persistence::Eager,

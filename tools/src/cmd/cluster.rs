@@ -385,8 +385,9 @@ pub struct NodeArgs {
     /// it. Needs a data directory. [default: 4GiB with a data directory]
     #[arg(long, value_parser = parse_bytes)]
     pub nvme: Option<u64>,
-    /// GPU memory to open as an HBM medium at start (fails clearly where no CUDA driver is
-    /// found); 0 only probes for a driver and reports it.
+    /// GPU memory (device 0) this node contributes as an HBM segment: puts with `--tier hbm`
+    /// are placed there and peers reach it over tcp. Fails clearly where no CUDA driver is
+    /// found; 0 only probes for a driver and reports it.
     #[arg(long, default_value = "0", value_parser = parse_bytes)]
     pub hbm: u64,
     /// Period of the tier manager (demotions, drops, promotions, write-back retries).
