@@ -105,6 +105,14 @@ enum BenchCmd {
     /// get that finds its object only on NVMe (in a master and node started in this process)
     /// against raw reads of the same size.
     Tiers(TiersArgs),
+    /// GPU memory (HBM) as kvfs moves it, against raw pinned cuMemcpy in the same run.
+    ///
+    /// Per size: raw synchronous host <-> device copies of page-locked memory (the limit), the
+    /// HBM medium's put and get from pinned and from pageable memory, and the Transfer Engine
+    /// reaching an HBM segment (a peer over loopback tcp, against raw loopback TCP; the
+    /// owner's own copies, against the raw copies). Exits with status 2 where no CUDA driver
+    /// is found.
+    Hbm(bench::hbm::HbmArgs),
     /// Reads through the mount: FUSE cold and warm, the ioctl fast path from Rust and from
     /// Python, and memcpy.
     ///
@@ -436,6 +444,7 @@ fn run() -> anyhow::Result<()> {
                 .await
             }
             Cmd::Bench(BenchCmd::Trace(a)) => bench::trace::run(a),
+            Cmd::Bench(BenchCmd::Hbm(a)) => bench::hbm::run(a).await,
             Cmd::Bench(BenchCmd::Failover(a)) => bench::failover::run(a).await,
             Cmd::Bench(BenchCmd::Conductor(_)) => unreachable!("handled before the runtime"),
             Cmd::Bench(BenchCmd::ReshardRank { .. }) => {

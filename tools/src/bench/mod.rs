@@ -5,6 +5,7 @@ pub mod conductor;
 pub mod ep;
 pub mod failover;
 pub mod fs;
+pub mod hbm;
 pub mod limits;
 pub mod pg;
 pub mod report;
