@@ -225,28 +225,14 @@ impl Medium for NodeSource {
             (None, Some((off, block))) => block.read(off, &mut dst[..size])?,
             (None, None) => return Err(not_found()),
         }
-        Ok(ObjectMeta {
-            size_bytes: h.size,
-            checksum: h.checksum.unwrap_or_default(),
-            persistence: persistence_code(h.persistence),
-            stored_at_unix_ms: 0,
-            version: h.version,
-            pin: h.pin.code(),
-        })
+        Ok(held_meta(&h))
     }
 
     async fn stat(&self, key: &str) -> kvfs_tiers::Result<ObjectMeta> {
         let h = lock(&self.index).objects.get(key).cloned().ok_or_else(|| {
             kvfs_tiers::Error::new(kvfs_tiers::ErrorKind::NotFound, format!("node: {key:?}"))
         })?;
-        Ok(ObjectMeta {
-            size_bytes: h.size,
-            checksum: h.checksum.unwrap_or_default(),
-            persistence: persistence_code(h.persistence),
-            stored_at_unix_ms: 0,
-            version: h.version,
-            pin: h.pin.code(),
-        })
+        Ok(held_meta(&h))
     }
 
     async fn remove(&self, _: &str) -> kvfs_tiers::Result<()> {
@@ -276,6 +262,18 @@ impl Medium for NodeSource {
 
     fn used_bytes(&self) -> u64 {
         0
+    }
+}
+
+/// The medium's view of a copy the index holds.
+fn held_meta(h: &Held) -> ObjectMeta {
+    ObjectMeta {
+        size_bytes: h.size,
+        checksum: h.checksum.unwrap_or_default(),
+        persistence: persistence_code(h.persistence),
+        stored_at_unix_ms: 0,
+        version: h.version,
+        pin: h.pin.code(),
     }
 }
 

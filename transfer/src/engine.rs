@@ -27,7 +27,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 use crate::config::EngineConfig;
-use crate::memory::{Buffer, BufferOptions, DeviceMemory, Region, Registry};
+use crate::memory::{Buffer, BufferOptions, DEVICE_CHUNK_BYTES, DeviceMemory, Region, Registry};
 use crate::rdma::{self, RdmaPeer};
 use crate::shm::{self, ShmPeer};
 use crate::tcp::{self, Hold, TcpPeer};
@@ -1090,6 +1090,10 @@ async fn local_copy(shared: &Shared, req: &TransferRequest) -> Result<()> {
         let keep = (remote.hold(), local.map(|r| r.hold()));
         let (op, local, offset, len) =
             (req.op, req.local_addr as usize, req.remote_addr - remote.addr, req.len as usize);
+        if len <= DEVICE_CHUNK_BYTES {
+            // Tens of microseconds at most: cheaper inline than a hop to a blocking thread.
+            return device_copy(&*dev, op, local, offset, len);
+        }
         return tokio::task::spawn_blocking(move || {
             let _keep = keep;
             device_copy(&*dev, op, local, offset, len)
