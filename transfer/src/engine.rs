@@ -27,7 +27,9 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 use crate::config::EngineConfig;
-use crate::memory::{Buffer, BufferOptions, DEVICE_CHUNK_BYTES, DeviceMemory, Region, Registry};
+use crate::memory::{
+    Buffer, BufferOptions, DEVICE_CHUNK_BYTES, DeviceMemory, HostPin, Region, Registry,
+};
 use crate::rdma::{self, RdmaPeer};
 use crate::shm::{self, ShmPeer};
 use crate::tcp::{self, Hold, TcpPeer};
@@ -507,7 +509,7 @@ impl Engine {
             buffer: Some(buf),
             owner: None,
             device: None,
-            pinned_by: None,
+            pin: HostPin::Untried,
         };
         self.inner.shared.registry.insert(region)
     }
@@ -530,7 +532,7 @@ impl Engine {
             buffer: None,
             owner: None,
             device: None,
-            pinned_by: None,
+            pin: HostPin::Untried,
         })
     }
 
@@ -555,7 +557,7 @@ impl Engine {
             buffer: None,
             owner: Some(owner),
             device: Some(dev),
-            pinned_by: None,
+            pin: HostPin::Untried,
         })
     }
 
@@ -586,7 +588,7 @@ impl Engine {
             buffer: None,
             owner: Some(owner),
             device: None,
-            pinned_by: None,
+            pin: HostPin::Untried,
         };
         self.inner.shared.registry.insert(region)
     }
@@ -599,7 +601,7 @@ impl Engine {
     /// Unregisters the region starting at `addr`.
     pub fn unregister(&self, addr: u64) -> Result<()> {
         let region = self.inner.shared.registry.remove(addr)?;
-        if let Some(dev) = &region.pinned_by {
+        if let HostPin::By(dev) = &region.pin {
             dev.unpin_host(addr);
         }
         Ok(())
@@ -1080,11 +1082,15 @@ async fn local_copy(shared: &Shared, req: &TransferRequest) -> Result<()> {
     };
     if let Some(dev) = remote.device.clone() {
         let local = shared.registry.find(req.local_addr, req.len);
-        if let Some(l) = local.as_ref().filter(|l| l.pinned_by.is_none() && !l.per_call()) {
-            // The first copy between this long-lived host region and a device page-locks it,
-            // so this one and every later one runs at the copy engine's speed.
-            if dev.pin_host(l.addr, l.len) && !shared.registry.mark_pinned(l.addr, &dev) {
-                dev.unpin_host(l.addr);
+        if let Some(l) = local.as_ref().filter(|l| matches!(l.pin, HostPin::Untried)) {
+            // The first copy between this long-lived host region and a device asks it to
+            // page-lock the region (once: a refusal is recorded too), so this copy and every
+            // later one runs at the copy engine's speed.
+            if !l.per_call() {
+                let pinned = dev.pin_host(l.addr, l.len);
+                if !shared.registry.record_pin(l.addr, pinned.then_some(&dev)) && pinned {
+                    dev.unpin_host(l.addr);
+                }
             }
         }
         let keep = (remote.hold(), local.map(|r| r.hold()));

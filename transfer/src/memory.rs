@@ -337,9 +337,19 @@ pub(crate) struct Region {
     pub owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Device memory: its bytes move only through these calls, never through a slice.
     pub device: Option<Arc<dyn DeviceMemory>>,
-    /// Host memory a device page-locked ([`DeviceMemory::pin_host`]); unpinned by it when the
-    /// region is unregistered.
-    pub pinned_by: Option<Arc<dyn DeviceMemory>>,
+    /// Whether a device page-locked this host region ([`DeviceMemory::pin_host`]; unpinned by
+    /// it when the region is unregistered), refused to, or was not asked yet.
+    pub pin: HostPin,
+}
+
+/// A host region's page-locking by a device: asked once, at its first copy with one.
+#[derive(Debug, Clone, Default)]
+pub(crate) enum HostPin {
+    #[default]
+    Untried,
+    /// The device said no (a memlock limit, say): not asked again.
+    Refused,
+    By(Arc<dyn DeviceMemory>),
 }
 
 impl std::fmt::Debug for dyn DeviceMemory {
@@ -434,13 +444,14 @@ impl Registry {
         Ok(())
     }
 
-    /// Records that `dev` pinned the host region starting at `addr`; `false` (the caller then
-    /// unpins) when that region is gone or already pinned.
-    pub fn mark_pinned(&self, addr: u64, dev: &Arc<dyn DeviceMemory>) -> bool {
+    /// Records how the pin of the host region starting at `addr` went (`Some(dev)`: `dev`
+    /// pinned it; `None`: refused); `false` (a pinning caller then unpins) when the region is
+    /// gone or its pin was already recorded.
+    pub fn record_pin(&self, addr: u64, by: Option<&Arc<dyn DeviceMemory>>) -> bool {
         let mut map = self.regions.write().unwrap_or_else(|e| e.into_inner());
         match map.get_mut(&addr) {
-            Some(r) if r.pinned_by.is_none() && r.device.is_none() => {
-                r.pinned_by = Some(dev.clone());
+            Some(r) if matches!(r.pin, HostPin::Untried) && r.device.is_none() => {
+                r.pin = by.map_or(HostPin::Refused, |d| HostPin::By(d.clone()));
                 true
             }
             _ => false,
@@ -521,7 +532,7 @@ mod tests {
             buffer: None,
             owner: None,
             device: None,
-            pinned_by: None,
+            pin: HostPin::Untried,
         };
         r.insert(region(1000, 100)).unwrap();
         r.insert(region(1100, 100)).unwrap();

@@ -30,6 +30,8 @@ struct Cells {
     /// Host regions the engine asked to pin, and unpinned again.
     pins: Mutex<Vec<(u64, u64)>>,
     unpins: Mutex<Vec<u64>>,
+    /// Whether `pin_host` agrees.
+    pin_ok: std::sync::atomic::AtomicBool,
     /// Offsets at or past this fail (u64::MAX: none).
     fail_from: AtomicU64,
 }
@@ -42,6 +44,7 @@ impl Cells {
             largest: AtomicUsize::new(0),
             pins: Mutex::default(),
             unpins: Mutex::default(),
+            pin_ok: std::sync::atomic::AtomicBool::new(true),
             fail_from: AtomicU64::new(u64::MAX),
         })
     }
@@ -77,7 +80,7 @@ impl DeviceMemory for Cells {
 
     fn pin_host(&self, addr: u64, len: u64) -> bool {
         self.pins.lock().unwrap().push((addr, len));
-        true
+        self.pin_ok.load(Ordering::Relaxed)
     }
 
     fn unpin_host(&self, addr: u64) {
@@ -235,4 +238,24 @@ async fn device_errors_are_typed_and_leave_the_peer_usable() {
     buf.write_at(0, b"after the failure").unwrap();
     peer.transfer_one(&req(&seg, TransferOp::Write, buf.addr(), DEV_ADDR + 100, 17)).await.unwrap();
     assert_eq!(cells.snapshot(100, 17), b"after the failure");
+}
+
+/// A device that refuses to page-lock a host region is asked once, not at every copy (a
+/// refused `cuMemHostRegister` costs a driver call each time), and nothing is unpinned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_pin_is_asked_once() {
+    let e = engine(Transports::default()).await;
+    let cells = Cells::new();
+    cells.pin_ok.store(false, Ordering::Relaxed);
+    e.register_device_memory(DEV_ADDR, DEV_LEN as u64, cells.clone()).unwrap();
+    let buf = e.alloc_buffer(1 << 20, &BufferOptions::default()).unwrap();
+    let seg = e.open_segment(e.name()).await.unwrap();
+    buf.write_at(0, b"pinned or not").unwrap();
+    for op in [TransferOp::Write, TransferOp::Read, TransferOp::Write] {
+        e.transfer_one(&req(&seg, op, buf.addr(), DEV_ADDR, 13)).await.unwrap();
+    }
+    assert_eq!(cells.snapshot(0, 13), b"pinned or not");
+    assert_eq!(cells.pins.lock().unwrap().len(), 1, "asked once");
+    e.unregister(buf.addr()).unwrap();
+    assert!(cells.unpins.lock().unwrap().is_empty(), "nothing was pinned");
 }
