@@ -83,7 +83,6 @@ pub struct HbmBlock {
     _block: CudaSlice<u8>,
     base: sys::CUdeviceptr,
     len: u64,
-    device: usize,
 }
 
 impl HbmBlock {
@@ -109,7 +108,7 @@ impl HbmBlock {
             let (p, _sync) = block.device_ptr(&stream);
             p
         };
-        Ok(HbmBlock { ctx, _stream: stream, _block: block, base, len: capacity_bytes, device })
+        Ok(HbmBlock { ctx, _stream: stream, _block: block, base, len: capacity_bytes })
     }
 
     /// The CUDA context (to allocate pinned host buffers for fast copies).
@@ -128,11 +127,6 @@ impl HbmBlock {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-
-    /// The device ordinal.
-    pub fn device(&self) -> usize {
-        self.device
     }
 
     fn check(&self, offset: u64, len: usize) -> Result<()> {
