@@ -24,9 +24,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvfs_proto::store::{
-    CommitNote, DirPage, ListPage, MasterRequest, MasterResponse, MasterStats, ObjectView,
-    Persistence, Pin, PutEndItem, PutGrant, PutStartItem, RemoveCounts, RenameItem, RenameMode,
-    ReplicaDesc, Role, Strategy, Tier,
+    CommitNote, DirPage, JobSpec, JobStatus, ListPage, MasterRequest, MasterResponse, MasterStats,
+    ObjectView, Persistence, Pin, PutEndItem, PutGrant, PutStartItem, RemoveCounts, RenameItem,
+    RenameMode, ReplicaDesc, Role, Strategy, Tier,
 };
 use kvfs_transfer::{Engine, EngineConfig, SegmentHandle, TransferOp, TransferRequest};
 
@@ -1659,6 +1659,39 @@ impl Client {
         match self.call("stats", &MasterRequest::Stats).await? {
             MasterResponse::Stats(s) => Ok(s),
             other => Err(unexpected("stats", &other)),
+        }
+    }
+
+    /// Starts a job the master owns (offload a prefix to the object store, restore one into
+    /// the pool); the prefix is this client's (a tenant's keys). Returns its first status.
+    pub async fn job_start(&self, mut spec: JobSpec) -> Result<JobStatus> {
+        spec.prefix = self.scoped(&[spec.prefix.as_str()]).remove(0).into_owned();
+        self.job_call("job_start", MasterRequest::JobStart(spec)).await
+    }
+
+    /// A job's status.
+    pub async fn job(&self, id: u64) -> Result<JobStatus> {
+        self.job_call("job_get", MasterRequest::JobGet(id)).await
+    }
+
+    /// Stops a running job after the objects in flight.
+    pub async fn job_cancel(&self, id: u64) -> Result<JobStatus> {
+        self.job_call("job_cancel", MasterRequest::JobCancel(id)).await
+    }
+
+    /// Every job the master knows, running ones first.
+    pub async fn jobs(&self) -> Result<Vec<JobStatus>> {
+        match self.call("job_list", &MasterRequest::JobList).await? {
+            MasterResponse::Jobs(v) => Ok(v),
+            other => Err(unexpected("job_list", &other)),
+        }
+    }
+
+    async fn job_call(&self, op: &'static str, req: MasterRequest) -> Result<JobStatus> {
+        match self.call(op, &req).await? {
+            MasterResponse::Job(Ok(s)) => Ok(s),
+            MasterResponse::Job(Err(e)) => Err(Error::from_wire(op, &e)),
+            other => Err(unexpected(op, &other)),
         }
     }
 }

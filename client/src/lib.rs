@@ -20,7 +20,7 @@ pub use client::{
 };
 pub use error::{Error, ErrorKind, Result};
 pub use kvfs_proto::store::{
-    DirEntry, DirPage, ListEntry, ListPage, MasterStats, Persistence, Pin, RemoveCounts,
-    RenameItem, RenameMode, ReplicaDesc, Strategy, Tier,
+    DirEntry, DirPage, JobKind, JobSpec, JobState, JobStatus, ListEntry, ListPage, MasterStats,
+    Persistence, Pin, RemoveCounts, RenameItem, RenameMode, ReplicaDesc, Strategy, Tier,
 };
 pub use staging::{advise_huge_pages, keep_freed_buffers, prefault};

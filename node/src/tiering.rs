@@ -575,6 +575,24 @@ impl Inner {
             (HBM_SEGMENT, Some(block)) => {
                 block.read(it.offset, &mut bytes).map_err(|e| wire(&e))?
             }
+            // An offload job persisting an object only this node's NVMe tier holds.
+            (NVME_SEGMENT, _) if self.tiers.nvme.is_some() => {
+                let nvme = self.tiers.nvme.as_ref().expect("checked");
+                let held = lock(&self.index).objects.get(&it.key).map(|h| (h.version, h.nvme));
+                if held != Some((it.version, Some(it.offset))) {
+                    return Err(WireError::new(
+                        ErrorCode::NotFound,
+                        "this node holds no NVMe copy of that version there",
+                    ));
+                }
+                let meta = nvme.get_into(&it.key, &mut bytes).await.map_err(|e| wire(&e))?;
+                if meta.version != it.version {
+                    return Err(WireError::new(
+                        ErrorCode::NotFound,
+                        "the NVMe copy is another version",
+                    ));
+                }
+            }
             _ => {
                 return Err(WireError::new(
                     ErrorCode::InvalidArgument,
@@ -591,6 +609,14 @@ impl Inner {
         };
         let meta = store.put(&it.key, &bytes, opts).await.map_err(|e| wire(&e))?;
         self.tiers.counters.eager_persisted.fetch_add(1, Ordering::Relaxed);
+        // A committed object (an offload job's, not a pending eager put): its tier policy may
+        // now drop the NVMe copy, and write-back has nothing left to do.
+        if let Some(h) = lock(&self.index).objects.get_mut(&it.key)
+            && h.version == it.version
+        {
+            h.persisted = true;
+            h.checksum.get_or_insert(meta.checksum);
+        }
         Ok(meta.checksum)
     }
 

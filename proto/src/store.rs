@@ -29,6 +29,10 @@
 //! Protocol 9: a put names the memory tier it wants ([`PutStartItem::tier`]: DRAM, or HBM on
 //! nodes that contribute GPU memory).
 //!
+//! Protocol 10: jobs the master owns ([`MasterRequest::JobStart`], `JobGet`, `JobCancel`,
+//! `JobList`): offloading a prefix to the object store and restoring one into the pool; a
+//! `Persist` may name the NVMe segment (the node reads its NVMe copy).
+//!
 //! Protocol 7: high availability. [`MasterResponse::Hello`] carries the master's leadership
 //! term; a standby master or a leader whose lease lapsed refuses every request with
 //! [`ErrorCode::NotLeader`].
@@ -36,7 +40,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Version of the store protocol; a master refuses a client or node that speaks another one.
-pub const STORE_PROTOCOL_VERSION: u32 = 9;
+pub const STORE_PROTOCOL_VERSION: u32 = 10;
 
 /// Storage medium of a segment or replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -472,6 +476,15 @@ pub enum MasterRequest {
     Mirror {
         standby: String,
     },
+    /// Start a job the master owns (offload a prefix to the object store, restore one into
+    /// the pool); answered with `Job` (its id and first status).
+    JobStart(JobSpec),
+    /// A job's status, answered with `Job`.
+    JobGet(u64),
+    /// Stop a running job after the objects in flight; answered with `Job`.
+    JobCancel(u64),
+    /// Every job the master knows (running first, then the most recent), answered with `Jobs`.
+    JobList,
 }
 
 /// Answers of the master, one variant per request.
@@ -507,6 +520,93 @@ pub enum MasterResponse {
     Rename(Vec<ItemResult<u64>>),
     /// The leader's answer to `Mirror`.
     Mirror(ItemResult<MirrorSession>),
+    Job(ItemResult<JobStatus>),
+    Jobs(Vec<JobStatus>),
+}
+
+/// What a job does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobKind {
+    /// Persist every object under the prefix to the object store; with `evict`, then drop its
+    /// pool copies (DRAM, HBM, NVMe), freeing the pool (`kvfs offload --move`).
+    Offload { evict: bool },
+    /// Bring every object under the prefix that no memory replica holds back into DRAM.
+    Restore,
+}
+
+impl JobKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            JobKind::Offload { evict: false } => "offload",
+            JobKind::Offload { evict: true } => "offload --move",
+            JobKind::Restore => "restore",
+        }
+    }
+}
+
+/// A job as asked for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobSpec {
+    pub kind: JobKind,
+    /// Keys starting with this (the empty prefix is every key).
+    pub prefix: String,
+    /// Objects in flight at once (1..=256).
+    pub concurrency: u32,
+    /// Bytes per second the job may move (0: no limit).
+    pub rate_bytes_per_s: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobState {
+    Running,
+    Done,
+    Cancelled,
+    Failed,
+}
+
+impl JobState {
+    pub fn name(&self) -> &'static str {
+        match self {
+            JobState::Running => "running",
+            JobState::Done => "done",
+            JobState::Cancelled => "cancelled",
+            JobState::Failed => "failed",
+        }
+    }
+}
+
+/// A job's progress and outcome. A job covers the objects under its prefix that existed when
+/// it started (versions up to the directory's version then); objects written later are not in
+/// it. `objects_done` counts every object of the job that has its outcome, whichever it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobStatus {
+    pub id: u64,
+    pub spec: JobSpec,
+    pub state: JobState,
+    pub started_ms: u64,
+    pub updated_ms: u64,
+    /// When it ended (0 while running).
+    pub finished_ms: u64,
+    /// Objects (and their bytes) in the job, counted when it started.
+    pub objects_total: u64,
+    pub bytes_total: u64,
+    pub objects_done: u64,
+    pub bytes_done: u64,
+    /// Offload: written to the object store by this job. Restore: loaded into DRAM.
+    pub moved: u64,
+    /// Already where the job takes them (in the object store; in memory).
+    pub already: u64,
+    /// Removed or replaced while the job ran (their new versions are not in it).
+    pub gone: u64,
+    /// `--move`: objects whose pool copies were dropped.
+    pub evicted: u64,
+    /// `--move`: objects whose pool copies were kept (hard-pinned, or leased until the end).
+    pub kept: u64,
+    pub failed: u64,
+    /// Times a master resumed it (after a restart or a takeover).
+    pub resumed: u32,
+    /// The first failures (at most 16), `key: error`.
+    pub errors: Vec<String>,
 }
 
 /// A standby's subscription to its leader's grants.

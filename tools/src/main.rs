@@ -61,6 +61,22 @@ enum Cmd {
     Rm(cmd::objects::RmArgs),
     /// Rename an object (a metadata operation: the bytes stay where they are).
     Mv(cmd::objects::MvArgs),
+    /// Persist every object under a prefix to the object store, as a job the master owns
+    /// (`--move`: then free their pool memory).
+    ///
+    /// The master runs the job with bounded concurrency and rate; it goes on if this command
+    /// is interrupted (`kvfs jobs wait ID` follows it again) and resumes after a master
+    /// restart. Objects written after the job started are not in it. Prints a progress bar
+    /// (objects, bytes, rate, ETA) and a report; exits 1 unless every object was handled.
+    Offload(cmd::jobs::OffloadArgs),
+    /// Warm the pool: load every object under a prefix that only NVMe or the object store
+    /// holds back into DRAM, as a job the master owns (like `offload`).
+    Restore(cmd::jobs::RestoreArgs),
+    /// Offload and restore jobs: list (default), show, wait, cancel.
+    Jobs {
+        #[command(subcommand)]
+        cmd: Option<cmd::jobs::JobsCmd>,
+    },
     /// Measure kvfs against the machine's own limits (memcpy, loopback TCP, raw disk).
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -391,6 +407,9 @@ fn run() -> anyhow::Result<()> {
             Cmd::Stat(a) => cmd::objects::stat(&master, a).await,
             Cmd::Rm(a) => cmd::objects::rm(&master, a).await,
             Cmd::Mv(a) => cmd::objects::mv(&master, a).await,
+            Cmd::Offload(a) => cmd::jobs::offload(&master, a).await,
+            Cmd::Restore(a) => cmd::jobs::restore(&master, a).await,
+            Cmd::Jobs { cmd } => cmd::jobs::jobs(&master, cmd).await,
             Cmd::Bench(BenchCmd::Transfer(a)) => {
                 bench::transfer::run(bench::transfer::TransferBench {
                     sizes: a.sizes,

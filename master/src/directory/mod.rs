@@ -1043,6 +1043,19 @@ impl Directory {
         self.lookup(key).ok_or_else(|| Error::new(ErrorKind::NotFound, op).with_key(key))
     }
 
+    /// Extends the read lease of `key` at `version` to at least `until_ms` (a short lease a
+    /// job renews while a node reads the object's ranges); `false` when the object is gone or
+    /// has another version. Not a use.
+    pub fn hold(&mut self, key: &str, version: u64, until_ms: u64) -> bool {
+        let Some(id) = self.lookup(key) else { return false };
+        let o = &mut self.objects[id];
+        if o.version != version {
+            return false;
+        }
+        o.lease_end_ms = o.lease_end_ms.max(until_ms);
+        true
+    }
+
     fn lease(&mut self, id: u32, now_ms: u64) {
         let o = &mut self.objects[id];
         o.lease_end_ms = o.lease_end_ms.max(now_ms.saturating_add(self.cfg.lease_ttl_ms));
@@ -1118,6 +1131,13 @@ impl Directory {
     /// Versions are `max(last + 1, now_ms << 20)`: monotonic within a master, and, with a
     /// wall-clock `now_ms`, higher after a restart than anything written before it, so that
     /// recovery's "higher version wins" picks the newest write.
+    /// The highest version handed out so far, raised to the clock: every version handed out
+    /// later is higher (an offload job's membership bound).
+    pub fn version_bound(&mut self, now_ms: u64) -> u64 {
+        self.last_version = self.last_version.max(now_ms.saturating_mul(1 << 20));
+        self.last_version
+    }
+
     fn next_version(&mut self, now_ms: u64) -> u64 {
         self.last_version = (self.last_version + 1).max(now_ms.saturating_mul(1 << 20));
         self.last_version

@@ -328,6 +328,40 @@ impl Directory {
         Ok(out)
     }
 
+    /// Drop every pool copy (DRAM, HBM, NVMe) of a persisted object at `version`, leaving its
+    /// object-store replica (an offload job's `--move`); `Drop` effects go to `fx`. Returns the
+    /// copies dropped. `NotFound` when the object is gone, `Conflict` when it has another
+    /// version or is not in the object store, `Leased` while a read lease is live (a reader may
+    /// be moving the bytes), `Pinned` when hard-pinned.
+    pub fn release_to_object_store(
+        &mut self,
+        key: &str,
+        version: u64,
+        now_ms: u64,
+        fx: &mut Vec<NodeEffect>,
+    ) -> Result<usize> {
+        const OP: &str = "release_to_object_store";
+        let id = self.find(key, OP)?;
+        let o = &self.objects[id];
+        if o.version != version {
+            let detail = format!("the object is at version {}, not {version}", o.version);
+            return Err(Error::new(ErrorKind::Conflict, OP).with_key(key).with_detail(detail));
+        }
+        if !o.flags().persisted {
+            let detail = "the object is not in the object store";
+            return Err(Error::new(ErrorKind::Conflict, OP).with_key(key).with_detail(detail));
+        }
+        self.removable(id, now_ms).map_err(|kind| Error::new(kind, OP).with_key(key))?;
+        let reps: Vec<(u32, NonZeroU32, u64)> = self.replicas(id).collect();
+        let key = self.key_arc(id);
+        for &(rep, seg, offset) in &reps {
+            fx.push(self.drop_effect_of(id, &key, seg, offset));
+            self.detach_replica(rep);
+            self.free_range(seg, offset, self.objects[id].size);
+        }
+        Ok(reps.len())
+    }
+
     fn has_replica(&self, id: u32, loc: &Location) -> bool {
         match loc {
             Location::ObjectStore => self.objects[id].flags().persisted,

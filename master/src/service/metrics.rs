@@ -32,10 +32,11 @@ pub enum Op {
     ReportReplicas,
     Promote,
     Rename,
+    Job,
 }
 
 /// Number of [`Op`]s.
-const OPS: usize = 19;
+const OPS: usize = 20;
 
 impl Op {
     const ALL: [Op; OPS] = [
@@ -58,6 +59,7 @@ impl Op {
         Op::ReportReplicas,
         Op::Promote,
         Op::Rename,
+        Op::Job,
     ];
 
     fn name(self) -> &'static str {
@@ -81,6 +83,7 @@ impl Op {
             Op::ReportReplicas => "report_replicas",
             Op::Promote => "promote",
             Op::Rename => "rename",
+            Op::Job => "job",
         }
     }
 }

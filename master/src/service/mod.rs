@@ -43,6 +43,7 @@
 mod convert;
 pub mod ha;
 mod http;
+mod jobs;
 mod kv_events;
 mod metadata_http;
 mod metrics;
@@ -168,6 +169,8 @@ pub(crate) struct State {
     mirrors: mirror::Mirrors,
     /// Held by a node's registration: one at a time.
     registering: tokio::sync::Mutex<()>,
+    /// Offload and restore jobs (see `jobs`).
+    jobs: jobs::Jobs,
 }
 
 impl State {
@@ -212,6 +215,7 @@ impl State {
         kv_events::render(self, &mut o);
         tenants::render(self, &mut o);
         mirror::render(self, &mut o);
+        jobs::render(self, &mut o);
         o
     }
 
@@ -277,6 +281,7 @@ impl Drop for MasterService {
         for t in &self.tasks {
             t.abort();
         }
+        self.state.jobs.abort_all();
         self.state.mirrors.close_all();
         for conn in self.state.nodes.lock().unwrap_or_else(|e| e.into_inner()).values() {
             conn.close();
@@ -348,9 +353,11 @@ impl MasterService {
             kv_events: kv_events.clone(),
             mirrors: mirror::Mirrors::default(),
             registering: tokio::sync::Mutex::new(()),
+            jobs: jobs::Jobs::default(),
         });
         let mut tasks = vec![tokio::spawn(accept_loop(listener, state.clone()))];
         tasks.push(tokio::spawn(tiers::scan(state.clone())));
+        tasks.push(tokio::spawn(jobs::resume_all(state.clone())));
         tasks.push(tokio::spawn(timer(state.clone())));
         tasks.push(tokio::spawn(flush_drops(state.clone())));
         if let Some(p) = kv_events {
@@ -465,6 +472,10 @@ fn op_of(req: &MasterRequest) -> (Op, usize) {
         MasterRequest::Rename(v) => (Op::Rename, v.len()),
         MasterRequest::Unlink(v) => (Op::Remove, v.len()),
         MasterRequest::Mirror { .. } => (Op::Hello, 0),
+        MasterRequest::JobStart(_)
+        | MasterRequest::JobGet(_)
+        | MasterRequest::JobCancel(_)
+        | MasterRequest::JobList => (Op::Job, 0),
     }
 }
 
@@ -579,6 +590,10 @@ async fn dispatch(state: &Arc<State>, conn: &RpcConn, req: MasterRequest) -> Mas
         }
         MasterRequest::Rename(items) => rename(state, items, now).await,
         MasterRequest::Mirror { standby } => mirror::subscribe(state, conn, standby).await,
+        MasterRequest::JobStart(spec) => jobs::start(state, spec).await,
+        MasterRequest::JobGet(id) => jobs::get(state, id),
+        MasterRequest::JobCancel(id) => jobs::cancel(state, id),
+        MasterRequest::JobList => jobs::list(state),
         MasterRequest::Unlink(keys) => {
             let mut fx = Vec::new();
             let r = state.lock().unlink_batch(&keys, now, &mut fx);

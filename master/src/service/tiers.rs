@@ -111,7 +111,7 @@ fn wire_err(code: ErrorCode, msg: impl Into<String>) -> WireError {
 }
 
 /// Calls a node over its connection.
-async fn call_node(
+pub(super) async fn call_node(
     state: &State,
     node: NodeId,
     req: &NodeRequest,
@@ -135,7 +135,7 @@ async fn call_node(
 }
 
 /// The one result of a single-item node call.
-fn single(resp: NodeResponse, what: &str) -> Result<[u8; 32], WireError> {
+pub(super) fn single(resp: NodeResponse, what: &str) -> Result<[u8; 32], WireError> {
     match resp {
         NodeResponse::Persisted(mut v) | NodeResponse::Loaded(mut v) if v.len() == 1 => {
             v.pop().expect("one item")
@@ -327,7 +327,7 @@ async fn load_many(state: &Arc<State>, keys: Vec<String>) -> Vec<Result<(), Wire
 }
 
 /// One load of `key` at a time: later callers wait for the running one, then look again.
-async fn load_dedup(state: &Arc<State>, key: &str) -> Result<(), WireError> {
+pub(super) async fn load_dedup(state: &Arc<State>, key: &str) -> Result<(), WireError> {
     for _ in 0..3 {
         let waiter = {
             let mut loads = lock(&state.tiers.loads);

@@ -2,6 +2,7 @@
 
 pub mod cluster;
 pub mod conductor;
+pub mod jobs;
 pub mod mooncake_flags;
 pub mod mount;
 pub mod objects;
