@@ -418,8 +418,13 @@ impl MasterLink {
         timeout: Duration,
     ) -> Result<MasterResponse> {
         let started = Instant::now();
-        let idempotent =
-            !matches!(req, MasterRequest::PutStart { .. } | MasterRequest::RegisterNode(_));
+        // A job started twice would run twice.
+        let idempotent = !matches!(
+            req,
+            MasterRequest::PutStart { .. }
+                | MasterRequest::RegisterNode(_)
+                | MasterRequest::JobStart(_)
+        );
         loop {
             // A leader that is deposed while it holds the call (stopped, cut off) would keep
             // it until the timeout: a change of leader ends the wait. What it did is unknown,
@@ -460,8 +465,12 @@ impl MasterLink {
         timeout: Duration,
     ) -> std::result::Result<MasterResponse, Refusal> {
         let refused = |e: WireError| Refusal::wire(op, e);
-        let idempotent =
-            !matches!(req, MasterRequest::PutStart { .. } | MasterRequest::RegisterNode(_));
+        let idempotent = !matches!(
+            req,
+            MasterRequest::PutStart { .. }
+                | MasterRequest::RegisterNode(_)
+                | MasterRequest::JobStart(_)
+        );
         if let DirectOutcome::Answered(r) = self.direct_call(req).await {
             match r {
                 Ok(MasterResponse::Refused(e)) => return Err(refused(e)),

@@ -175,12 +175,7 @@ async fn start_job(state: &Arc<State>, spec: JobSpec) -> Result<JobStatus, WireE
     if spec.prefix.len() > 4096 {
         return Err(err(ErrorCode::InvalidKey, "the prefix is longer than a key may be"));
     }
-    if !state.jobs.loaded.load(Ordering::Acquire) {
-        return Err(err(
-            ErrorCode::Recovering,
-            "the master is still reading its jobs from the object store; try again shortly",
-        ));
-    }
+    loaded(state)?;
     let running =
         lock(&state.jobs.map).values().filter(|j| lock(&j.live).state == JobState::Running).count();
     if running >= RUNNING_MAX {
@@ -230,13 +225,25 @@ pub(crate) fn cancel(state: &State, id: u64) -> w::MasterResponse {
 }
 
 pub(crate) fn list(state: &State) -> w::MasterResponse {
+    if let Err(e) = loaded(state) {
+        return w::MasterResponse::Refused(e);
+    }
     let mut v: Vec<JobStatus> =
         lock(&state.jobs.map).values().map(|j| lock(&j.live).clone()).collect();
     v.sort_by_key(|s| (s.state != JobState::Running, std::cmp::Reverse(s.id)));
     w::MasterResponse::Jobs(v)
 }
 
+/// Until the records are read, an unknown id may be a job about to be resumed.
+fn loaded(state: &State) -> Result<(), WireError> {
+    if state.jobs.loaded.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    Err(err(ErrorCode::Recovering, "the master is still reading its jobs from the object store"))
+}
+
 fn find(state: &State, id: u64) -> Result<Arc<Job>, WireError> {
+    loaded(state)?;
     lock(&state.jobs.map)
         .get(&id)
         .cloned()
@@ -399,61 +406,35 @@ async fn run(state: &Arc<State>, job: &Arc<Job>) {
             .filter(|e| e.version <= rec.bound)
             .map(|e| (e.key.to_string(), e.version, e.size))
             .collect();
-        let sem = Arc::new(tokio::sync::Semaphore::new(spec.concurrency as usize));
         let mut set = tokio::task::JoinSet::new();
+        let mut page_status = rec.status.clone();
+        let mut done = |r: Result<Done, tokio::task::JoinError>| {
+            if let Ok(d) = r {
+                account(state, job, &spec, &mut page_status, &mut queue, d);
+            }
+        };
         for (key, version, size) in items {
             if job.cancel.load(Ordering::Acquire) {
                 break;
             }
-            let permit = sem.clone().acquire_owned().await.expect("never closed");
+            while set.len() >= spec.concurrency as usize {
+                done(set.join_next().await.expect("not empty"));
+            }
             pace.wait(size).await;
+            while let Some(r) = set.try_join_next() {
+                done(r);
+            }
             let (st, kind) = (state.clone(), spec.kind);
             set.spawn(async move {
                 let out = match kind {
                     JobKind::Offload { .. } => offload_one(&st, &key, version).await,
                     JobKind::Restore => restore_one(&st, &key, version).await,
                 };
-                drop(permit);
-                (key, version, size, out)
+                Done { key, version, size, out }
             });
         }
-        let mut page_status = rec.status.clone();
         while let Some(r) = set.join_next().await {
-            let Ok((key, version, size, out)) = r else { continue };
-            let m = &state.jobs.metrics;
-            match &out {
-                Outcome::Moved(b) => {
-                    page_status.moved += 1;
-                    let (n, by) = match spec.kind {
-                        JobKind::Restore => (&m.moved_restore, &m.bytes_restore),
-                        JobKind::Offload { .. } => (&m.moved_offload, &m.bytes_offload),
-                    };
-                    n.fetch_add(1, Ordering::Relaxed);
-                    by.fetch_add(*b, Ordering::Relaxed);
-                }
-                Outcome::Already => page_status.already += 1,
-                Outcome::Gone => page_status.gone += 1,
-                Outcome::Failed(e) => {
-                    page_status.failed += 1;
-                    m.failed.fetch_add(1, Ordering::Relaxed);
-                    if page_status.errors.len() < ERRORS_MAX {
-                        page_status.errors.push(format!("{key}: {e}"));
-                    }
-                }
-            }
-            if evict && matches!(out, Outcome::Moved(_) | Outcome::Already) {
-                queue.push_back((key, version));
-            }
-            page_status.objects_done += 1;
-            page_status.bytes_done += size;
-            {
-                let mut live = lock(&job.live);
-                let (evicted, kept) = (live.evicted, live.kept);
-                *live = page_status.clone();
-                live.evicted = evicted;
-                live.kept = kept;
-                live.updated_ms = now_ms();
-            }
+            done(r);
         }
         if job.cancel.load(Ordering::Acquire) {
             // The page may be half done: the checkpoint stays where it was.
@@ -509,6 +490,59 @@ async fn run(state: &Arc<State>, job: &Arc<Job>) {
         evicted = s.evicted,
         "job ended"
     );
+}
+
+/// One object's end, as the task running it reports it.
+struct Done {
+    key: String,
+    version: u64,
+    size: u64,
+    out: Outcome,
+}
+
+/// Counts an object's outcome in the page's status and the live one; queues it for `--move`.
+fn account(
+    state: &State,
+    job: &Job,
+    spec: &JobSpec,
+    page_status: &mut JobStatus,
+    queue: &mut VecDeque<(String, u64)>,
+    d: Done,
+) {
+    let m = &state.jobs.metrics;
+    match &d.out {
+        Outcome::Moved(b) => {
+            page_status.moved += 1;
+            let (n, by) = match spec.kind {
+                JobKind::Restore => (&m.moved_restore, &m.bytes_restore),
+                JobKind::Offload { .. } => (&m.moved_offload, &m.bytes_offload),
+            };
+            n.fetch_add(1, Ordering::Relaxed);
+            by.fetch_add(*b, Ordering::Relaxed);
+        }
+        Outcome::Already => page_status.already += 1,
+        Outcome::Gone => page_status.gone += 1,
+        Outcome::Failed(e) => {
+            page_status.failed += 1;
+            m.failed.fetch_add(1, Ordering::Relaxed);
+            if page_status.errors.len() < ERRORS_MAX {
+                page_status.errors.push(format!("{}: {e}", d.key));
+            }
+        }
+    }
+    if matches!(spec.kind, JobKind::Offload { evict: true })
+        && matches!(d.out, Outcome::Moved(_) | Outcome::Already)
+    {
+        queue.push_back((d.key, d.version));
+    }
+    page_status.objects_done += 1;
+    page_status.bytes_done += d.size;
+    let mut live = lock(&job.live);
+    let (evicted, kept) = (live.evicted, live.kept);
+    *live = page_status.clone();
+    live.evicted = evicted;
+    live.kept = kept;
+    live.updated_ms = now_ms();
 }
 
 async fn fail(state: &State, job: &Job, rec: &mut Record, why: String) {

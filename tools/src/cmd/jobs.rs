@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use clap::{Args, Subcommand};
-use kvfs_client::{Client, JobKind, JobSpec, JobState, JobStatus};
+use kvfs_client::{Client, ErrorKind, JobKind, JobSpec, JobState, JobStatus};
 
 use super::objects::connect;
 use crate::bench::report::{human_bytes, parse_bytes};
@@ -146,6 +146,9 @@ async fn follow(client: &Client, id: u64, master_wait: u64) -> anyhow::Result<()
                 if s.state != JobState::Running {
                     break s;
                 }
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::InvalidArgument) => {
+                return Err(e.into());
             }
             Err(e) => {
                 let since = *unreachable_since.get_or_insert_with(Instant::now);
