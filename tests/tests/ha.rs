@@ -27,6 +27,8 @@ struct Ha {
     admins: Vec<(String, String)>,
     admin: bool,
     recovery_grace_ms: u64,
+    /// Given to every master and node started (an object store, say).
+    extra_args: Vec<String>,
 }
 
 impl Ha {
@@ -40,36 +42,46 @@ impl Ha {
         if self.admin {
             self.admins.push((addr.clone(), admin.clone()));
         }
-        let p = Proc::start(&[
-            "master".into(),
-            "--listen".into(),
-            addr.clone(),
-            "--admin".into(),
-            admin,
-            "--etcd".into(),
-            self.endpoints.clone(),
-            "--cluster".into(),
-            CLUSTER.into(),
-            "--heartbeat-ms".into(),
-            "200".into(),
-            "--node-ttl-ms".into(),
-            "3000".into(),
-            "--recovery-grace-ms".into(),
-            self.recovery_grace_ms.to_string(),
-        ]);
+        let p = Proc::start(
+            &[
+                "master".into(),
+                "--listen".into(),
+                addr.clone(),
+                "--admin".into(),
+                admin,
+                "--etcd".into(),
+                self.endpoints.clone(),
+                "--cluster".into(),
+                CLUSTER.into(),
+                "--heartbeat-ms".into(),
+                "200".into(),
+                "--node-ttl-ms".into(),
+                "3000".into(),
+                "--recovery-grace-ms".into(),
+                self.recovery_grace_ms.to_string(),
+            ]
+            .into_iter()
+            .chain(self.extra_args.iter().cloned())
+            .collect::<Vec<_>>(),
+        );
         assert!(p.first_line.contains("candidate"), "{}", p.first_line);
         self.masters.push((addr, Some(p)));
     }
 
     fn start_node(&mut self) {
-        let p = Proc::start(&[
-            "node".into(),
-            "--master".into(),
-            self.master_addr(),
-            "--dram".into(),
-            "128MiB".into(),
-            "--no-populate".into(),
-        ]);
+        let p = Proc::start(
+            &[
+                "node".into(),
+                "--master".into(),
+                self.master_addr(),
+                "--dram".into(),
+                "128MiB".into(),
+                "--no-populate".into(),
+            ]
+            .into_iter()
+            .chain(self.extra_args.iter().cloned())
+            .collect::<Vec<_>>(),
+        );
         self.nodes.push(p);
     }
 
@@ -132,6 +144,7 @@ impl Ha {
             admins: vec![],
             admin: false,
             recovery_grace_ms: 1500,
+            extra_args: vec![],
         }
     }
 
@@ -517,4 +530,60 @@ async fn a_standby_dropped_from_the_mirror_takes_over_with_the_grace() {
         quick.put("dropped/b", &content(2, 1000), &PutOptions::default()).await.expect_err("grace");
     assert_eq!(e.kind(), ErrorKind::Recovering, "{e}");
     assert_eq!(get_retrying(&c, "dropped/a").await, content(1, 1000));
+}
+
+/// An offload job running on a leader that is SIGKILLed: the new leader reads the job's
+/// checkpoint from the object store and runs it to the end; every object is in the bucket once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_running_on_a_killed_leader_is_resumed_by_the_new_one() {
+    use kvfs_client::{JobKind, JobSpec, JobState};
+    use kvfs_tiers::{Medium, ObjectStoreConfig, ObjectStoreMedium};
+    let etcd = EtcdServer::start();
+    let data = tempfile::tempdir().unwrap();
+    let root = data.path().join("objects");
+    let mut ha = Ha::new(etcd.endpoint(), Some(etcd), None);
+    ha.extra_args = vec!["--object-store".into(), format!("fs:{}", root.display())];
+    let mut ha = start(ha, 1).await;
+    let c = ha.client().await;
+    ha.wait_nodes(&c, 1).await;
+    let n = 600u64;
+    for i in 0..n {
+        c.put(&format!("j/{i:04}"), &content(i, 16_000), &PutOptions::default()).await.unwrap();
+    }
+    let spec = JobSpec {
+        kind: JobKind::Offload { evict: false },
+        prefix: "j/".into(),
+        concurrency: 4,
+        rate_bytes_per_s: 2 << 20,
+    };
+    let id = c.job_start(spec).await.expect("job starts").id;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c.job(id).await.unwrap().objects_done < n / 4 {
+        assert!(Instant::now() < deadline, "no progress");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (old, old_term) = ha.leader().await.expect("a leader");
+    ha.master_proc(&old).take().expect("leader running").kill();
+    ha.wait_leader(old_term).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let s = loop {
+        match c.job(id).await {
+            Ok(s) if s.state != JobState::Running => break s,
+            Ok(_) => {}
+            Err(e) => assert!(e.kind().retryable() || e.kind() == ErrorKind::Recovering, "{e}"),
+        }
+        assert!(Instant::now() < deadline, "the job did not end on the new leader");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!((s.state, s.resumed, s.failed, s.gone), (JobState::Done, 1, 0, 0), "{s:?}");
+    assert_eq!((s.objects_done, s.moved + s.already), (n, n), "{s:?}");
+    let store = ObjectStoreMedium::open(ObjectStoreConfig::Fs { root }).unwrap();
+    let listed = store.list().await.unwrap();
+    assert_eq!(listed.len() as u64, n);
+    for (k, meta) in listed {
+        let i: u64 = k.trim_start_matches("j/").parse().unwrap();
+        let mut v = vec![0u8; meta.size_bytes as usize];
+        store.get_into(&k, &mut v).await.unwrap();
+        assert!(v == content(i, 16_000), "{k}");
+    }
 }
