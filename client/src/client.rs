@@ -24,9 +24,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvfs_proto::store::{
-    CommitNote, DirPage, JobSpec, JobStatus, ListPage, MasterRequest, MasterResponse, MasterStats,
-    ObjectView, Persistence, Pin, PutEndItem, PutGrant, PutStartItem, RemoveCounts, RenameItem,
-    RenameMode, ReplicaDesc, Role, Strategy, Tier,
+    CommitNote, DirPage, ErrorCode, JobSpec, JobStatus, ListPage, MasterRequest, MasterResponse,
+    MasterStats, ObjectView, Persistence, Pin, PutEndItem, PutGrant, PutStartItem, RemoveCounts,
+    RenameItem, RenameMode, ReplicaDesc, Role, Strategy, Tier, WireError,
 };
 use kvfs_transfer::{Engine, EngineConfig, SegmentHandle, TransferOp, TransferRequest};
 
@@ -1669,30 +1669,47 @@ impl Client {
         self.job_call("job_start", MasterRequest::JobStart(spec)).await
     }
 
-    /// A job's status.
+    /// A job's status (`NotFound` for another tenant's job).
     pub async fn job(&self, id: u64) -> Result<JobStatus> {
         self.job_call("job_get", MasterRequest::JobGet(id)).await
     }
 
     /// Stops a running job after the objects in flight.
     pub async fn job_cancel(&self, id: u64) -> Result<JobStatus> {
+        // Another tenant's job is not this client's to cancel.
+        self.job(id).await?;
         self.job_call("job_cancel", MasterRequest::JobCancel(id)).await
     }
 
-    /// Every job the master knows, running ones first.
+    /// Every job the master knows of this client's keys (a tenant's), running ones first.
     pub async fn jobs(&self) -> Result<Vec<JobStatus>> {
         match self.call("job_list", &MasterRequest::JobList).await? {
-            MasterResponse::Jobs(v) => Ok(v),
+            MasterResponse::Jobs(v) => Ok(v.into_iter().filter_map(|s| self.own_job(s)).collect()),
             other => Err(unexpected("job_list", &other)),
         }
     }
 
     async fn job_call(&self, op: &'static str, req: MasterRequest) -> Result<JobStatus> {
+        let id = match &req {
+            MasterRequest::JobGet(id) | MasterRequest::JobCancel(id) => *id,
+            _ => 0,
+        };
         match self.call(op, &req).await? {
-            MasterResponse::Job(Ok(s)) => Ok(s),
+            MasterResponse::Job(Ok(s)) => self.own_job(s).ok_or_else(|| {
+                Error::from_wire(op, &WireError::new(ErrorCode::NotFound, format!("no job {id}")))
+            }),
             MasterResponse::Job(Err(e)) => Err(Error::from_wire(op, &e)),
             other => Err(unexpected(op, &other)),
         }
+    }
+
+    /// A job as this client sees it: its prefix in this client's namespace; `None` for a job
+    /// over keys outside it (another tenant's).
+    fn own_job(&self, mut s: JobStatus) -> Option<JobStatus> {
+        if let Some(p) = &self.inner.prefix {
+            s.spec.prefix = s.spec.prefix.strip_prefix(p.as_str())?.to_string();
+        }
+        Some(s)
     }
 }
 

@@ -20,7 +20,7 @@ use kvfs_fs_abi as abi;
 
 use crate::inode::{self, Kind, ObjAttr};
 use crate::read::{OpenPlan, ReadHandle};
-use crate::state::{Found, Handle, Inner, STATUS_FILES, bump, lock};
+use crate::state::{Found, Handle, Inner, JOBS_DIR, STATUS_FILES, bump, lock};
 use crate::{errno, procfs};
 
 pub struct KvFs {
@@ -55,6 +55,7 @@ impl KvFs {
             Handle::Passthrough { .. } => HandleRef::Passthrough,
             Handle::Write(w) => HandleRef::Write(w.clone()),
             Handle::Text { text, .. } => HandleRef::Text(text.clone()),
+            Handle::Jobs(ids) => HandleRef::Jobs(ids.clone()),
         })
     }
 }
@@ -65,6 +66,7 @@ enum HandleRef {
     Passthrough,
     Write(Arc<tokio::sync::Mutex<crate::write::Writer>>),
     Text(Arc<Vec<u8>>),
+    Jobs(Arc<Vec<u64>>),
 }
 
 fn ttl_of(inner: &Inner, f: &Found) -> Duration {
@@ -171,7 +173,9 @@ impl Filesystem for KvFs {
             move |inner| async move {
                 match inner.kind_of(ino.0)? {
                     // Directories are implicit: mode and times are not kept.
-                    Kind::Dir(_) | Kind::ControlDir => return Ok(inner.dir_attr(ino.0)),
+                    Kind::Dir(_) | Kind::ControlDir | Kind::JobsDir => {
+                        return Ok(inner.dir_attr(ino.0));
+                    }
                     Kind::Object { key } => {
                         // A file being written takes truncation; its mode, owner and times
                         // are accepted and not kept (the object gets 0444 and its put time).
@@ -358,7 +362,7 @@ impl Filesystem for KvFs {
                 },
             ),
             Some(HandleRef::Passthrough) => reply.error(Errno::EIO),
-            Some(HandleRef::Dir(_)) => reply.error(Errno::EISDIR),
+            Some(HandleRef::Dir(_) | HandleRef::Jobs(_)) => reply.error(Errno::EISDIR),
             None => reply.error(Errno::EBADF),
         }
     }
@@ -459,7 +463,7 @@ impl Filesystem for KvFs {
                 }
                 reply.ok();
             }
-            Handle::Dir(_) => reply.ok(),
+            Handle::Dir(_) | Handle::Jobs(_) => reply.ok(),
         }
     }
 
@@ -489,6 +493,17 @@ impl Filesystem for KvFs {
                 reply.opened(FileHandle(fh), FopenFlags::empty());
             }
             Ok(Kind::ControlDir) => reply.opened(FileHandle(0), FopenFlags::empty()),
+            // The jobs as the master lists them now; readdir pages through this snapshot.
+            Ok(Kind::JobsDir) => self.spawn(
+                move |inner| async move {
+                    let ids = crate::control::job_ids(&inner).await?;
+                    Ok(inner.add_handle(Handle::Jobs(Arc::new(ids))))
+                },
+                move |r| match r {
+                    Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+                    Err(e) => reply.error(err(e)),
+                },
+            ),
             Ok(_) => reply.error(Errno::ENOTDIR),
             Err(e) => reply.error(err(e)),
         }
@@ -511,17 +526,30 @@ impl Filesystem for KvFs {
             for (i, s) in STATUS_FILES.iter().enumerate() {
                 names.push((inode::STATUS_FIRST + i as u64, FileType::RegularFile, s.to_string()));
             }
-            for (i, (ino, kind, name)) in names.into_iter().enumerate().skip(offset as usize) {
-                if reply.add(INodeNo(ino), i as u64 + 1, kind, name) {
-                    break;
-                }
-            }
-            reply.ok();
+            names.push((inode::JOBS_DIR, FileType::Directory, JOBS_DIR.to_string()));
+            reply_names(names, offset, reply);
             return;
         }
-        let Some(HandleRef::Dir(d)) = self.handle(fh) else {
-            reply.error(Errno::EBADF);
-            return;
+        let d = match self.handle(fh) {
+            Some(HandleRef::Dir(d)) => d,
+            Some(HandleRef::Jobs(ids)) => {
+                let mut names = vec![
+                    (inode::JOBS_DIR, FileType::Directory, ".".to_string()),
+                    (inode::CONTROL_DIR, FileType::Directory, "..".to_string()),
+                ];
+                let t = lock(&self.inner.table);
+                for &id in ids.iter() {
+                    let ino = t.ino_of(&Kind::Job(id));
+                    names.push((ino, FileType::RegularFile, crate::control::job_name(id)));
+                }
+                drop(t);
+                reply_names(names, offset, reply);
+                return;
+            }
+            _ => {
+                reply.error(Errno::EBADF);
+                return;
+            }
         };
         let inner = self.inner.clone();
         let limit = Duration::from_millis(inner.cfg.op_timeout_ms);
@@ -756,6 +784,16 @@ fn finish_open(inner: &Arc<Inner>, ino: u64, plan: OpenPlan, reply: ReplyOpen) {
             }
         }
     }
+}
+
+/// Answers a readdir from a fixed list of entries, from index `offset` on.
+fn reply_names(names: Vec<(u64, FileType, String)>, offset: u64, mut reply: ReplyDirectory) {
+    for (i, (ino, kind, name)) in names.into_iter().enumerate().skip(offset as usize) {
+        if reply.add(INodeNo(ino), i as u64 + 1, kind, name) {
+            break;
+        }
+    }
+    reply.ok();
 }
 
 /// The answer to a request whose success carries nothing.

@@ -2,7 +2,7 @@
 //! file, and how many kernel lookups keep each alive.
 //!
 //! Mechanism. An inode number is derived from what the node *is* (blake3 of its identity: the
-//! directory's key prefix, or the object's key and version), so the same object has the same
+//! directory's key prefix, the object's key and version, or a job's id), so the same object has the same
 //! number across lookups and remounts, and `du`/`find` see consistent identities. A name that
 //! gets a new object (upsert, rename over it, replacement) gets a new inode: objects never
 //! change, so the kernel never resizes an inode it holds, and descriptors open on the old one
@@ -19,8 +19,10 @@ use std::collections::HashMap;
 pub const ROOT: u64 = 1;
 pub const CONTROL_DIR: u64 = 2;
 pub const CONTROL: u64 = 3;
-/// Status files take `STATUS_FIRST + index`.
+/// Status files take `STATUS_FIRST + index` (up to `JOBS_DIR - 1`).
 pub const STATUS_FIRST: u64 = 4;
+/// `/.kvfs/jobs/`; the job files in it have derived numbers.
+pub const JOBS_DIR: u64 = 15;
 /// Numbers below this are the fixed nodes above.
 const DERIVED_MIN: u64 = 16;
 
@@ -76,6 +78,10 @@ pub enum Kind {
     ControlDir,
     Control,
     Status(usize),
+    /// `/.kvfs/jobs/`.
+    JobsDir,
+    /// `/.kvfs/jobs/ID.json`: a job of the master, by id.
+    Job(u64),
     /// An object whose name went (unlinked, renamed over, replaced) while the kernel still
     /// held this inode: descriptors opened before keep reading its bytes and see these
     /// attributes; opening it again is `ESTALE`, which makes the kernel look the name up anew.
@@ -87,6 +93,7 @@ impl Kind {
         match self {
             Kind::Dir(d) => Some([b"d\0", d.prefix.as_bytes()].concat()),
             Kind::Object { key } => Some([b"o\0", key.as_bytes()].concat()),
+            Kind::Job(id) => Some([b"j\0".as_slice(), &id.to_le_bytes()].concat()),
             _ => None,
         }
     }
@@ -117,11 +124,13 @@ pub struct Table {
 
 impl Table {
     pub fn new(status_files: usize) -> Table {
+        assert!(STATUS_FIRST + status_files as u64 <= JOBS_DIR, "too many status files");
         let mut t = Table::default();
         let fixed = [
             (ROOT, Kind::Dir(DirNode::root())),
             (CONTROL_DIR, Kind::ControlDir),
             (CONTROL, Kind::Control),
+            (JOBS_DIR, Kind::JobsDir),
         ];
         for (ino, kind) in fixed
             .into_iter()
@@ -283,6 +292,21 @@ mod tests {
         t.forget(ROOT, 100);
         assert!(t.get(ROOT).is_some());
         assert_eq!(t.ino_of(&Kind::Status(1)), STATUS_FIRST + 1);
+        assert_eq!(t.ino_of(&Kind::JobsDir), JOBS_DIR);
+    }
+
+    #[test]
+    fn job_files_have_stable_derived_numbers() {
+        let mut t = Table::new(3);
+        let job = Kind::Job(1_700_000_000_123);
+        let ino = t.ino_of(&job);
+        assert!(ino >= DERIVED_MIN);
+        assert_eq!(t.remember(job.clone(), None), ino);
+        assert_eq!(t.remember(job.clone(), None), ino);
+        assert_ne!(t.ino_of(&Kind::Job(1_700_000_000_124)), ino);
+        t.forget(ino, 2);
+        assert!(t.get(ino).is_none(), "a job file the kernel forgot goes");
+        assert_eq!(Table::new(3).ino_of(&job), ino, "the same number in another mount");
     }
 
     #[test]

@@ -18,8 +18,9 @@
 //! - **Renames and unlink** ([`rename`]): rename is a metadata operation in the master (the
 //!   object takes the new key and a new version; the bytes stay); unlink and replacement keep
 //!   the bytes for handles already open, as POSIX does.
-//! - **`/.kvfs/`** holds `control` (the fast path's ioctl target) and JSON status files
-//!   ([`control`]).
+//! - **`/.kvfs/`** holds `control` (the fast path's ioctl target), JSON status files
+//!   (`status.json`, `cluster.json`, `buffers.json`) and `jobs/`, one JSON file `ID.json` per
+//!   offload/restore job the master keeps ([`control`]); all read-only, rendered at open.
 //! - **Fast path** ([`fastpath`], ABI in `kvfs-fs-abi` and `fs/abi/include/kvfs.h`): shared
 //!   buffers registered by ioctl, batches of gets and puts whose bytes move straight between
 //!   the pool and the engine's memory.
@@ -28,8 +29,8 @@
 //!
 //! | errno | when |
 //! |---|---|
-//! | `ENOENT` | no such key or directory; a name that is not the canonical spelling of a key |
-//! | `EPERM` | open of an object for writing without `O_TRUNC` (no in-place changes; `O_APPEND` too); chmod/chown/utime/truncate of a committed object (a file still being written accepts them: mode and times are not kept); unlink of a hard-pinned object; link, symlink, mknod; writes under `/.kvfs/`; setting `user.kvfs.*`; writing again after the commit |
+//! | `ENOENT` | no such key or directory; a name that is not the canonical spelling of a key; a job under `/.kvfs/jobs/` the master does not know (or no longer keeps) |
+//! | `EPERM` | open of an object for writing without `O_TRUNC` (no in-place changes; `O_APPEND` too); chmod/chown/utime/truncate of a committed object (a file still being written accepts them: mode and times are not kept); unlink of a hard-pinned object; link, symlink, mknod; create, write, unlink, rename, mkdir, rmdir under `/.kvfs/`, and unlink, rename, rmdir of `/.kvfs/` or `/.kvfs/jobs/` themselves; setting `user.kvfs.*`; writing again after the commit |
 //! | `EBUSY` | open, unlink or rename onto a file another handle of this mount is still writing; rename while a put of either name runs |
 //! | `EEXIST` | create `O_EXCL` of an existing key; `RENAME_NOREPLACE` onto an existing name; mkdir of an existing name; close of a new file when another writer's put of the key completed first |
 //! | `EXDEV` | rename of a directory keys are under (the store has no atomic move of a prefix; `mv` then copies and removes file by file) |
@@ -42,7 +43,7 @@
 //! | `EFBIG` | writing past `staging_file_bytes_max` (1 GiB); reading through FUSE an object larger than `fetch_bytes_max`; a put larger than the pool's largest object |
 //! | `ENOSPC` | the daemon's write staging (`staging_bytes_max`, 4 GiB) is full; the pool has no room at close |
 //! | `ENOMEM` | no room to hold fetched bytes within the operation timeout |
-//! | `EAGAIN` | close while another writer is putting the key, or while the master recovers |
+//! | `EAGAIN` | close while another writer is putting the key, or while the master recovers (for `/.kvfs/jobs/`: while it reads its job records after a restart) |
 //! | `ENOTCONN` | the master cannot be reached |
 //! | `EIO` | moving the bytes failed on every replica |
 //! | `EBADMSG` | bytes read do not match the object's checksum |

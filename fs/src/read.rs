@@ -116,7 +116,7 @@ impl ReadHandle {
 
 /// How an open will be answered.
 pub enum OpenPlan {
-    /// Control and status files: the text, read with direct I/O.
+    /// Control, status and job files: the text, read with direct I/O.
     Text(Arc<Vec<u8>>),
     /// Reads come to the daemon.
     Cached { handle: Arc<ReadHandle>, keep_cache: bool },
@@ -135,7 +135,7 @@ impl Inner {
     /// write before that is `EPERM`, as is every other write open of an object.
     pub async fn plan_open(&self, ino: u64, write: bool, replace: bool) -> Result<OpenPlan, Errno> {
         let kind = self.kind_of(ino)?;
-        if write && matches!(kind, Kind::Control | Kind::Status(_)) {
+        if write && matches!(kind, Kind::Control | Kind::Status(_) | Kind::Job(_)) {
             return Err(libc::EPERM);
         }
         let key = match kind {
@@ -143,8 +143,12 @@ impl Inner {
             Kind::Status(i) => {
                 return Ok(OpenPlan::Text(Arc::new(crate::control::render(self, i).await)));
             }
+            Kind::Job(id) => {
+                let s = crate::control::job(self, id).await?;
+                return Ok(OpenPlan::Text(Arc::new(crate::control::render_job(&s))));
+            }
             Kind::Object { key } => key,
-            Kind::Dir(_) | Kind::ControlDir => return Err(libc::EISDIR),
+            Kind::Dir(_) | Kind::ControlDir | Kind::JobsDir => return Err(libc::EISDIR),
             // The kernel looks the name up again and opens what it names now.
             Kind::Unlinked(_) => return Err(libc::ESTALE),
         };

@@ -41,7 +41,7 @@ impl Inner {
     fn file_key(&self, parent: u64, name: &OsStr) -> Result<(DirNode, String, bool), Errno> {
         let dir = match self.kind_of(parent)? {
             Kind::Dir(d) => d,
-            Kind::ControlDir => return Err(libc::EPERM),
+            Kind::ControlDir | Kind::JobsDir => return Err(libc::EPERM),
             _ => return Err(libc::ENOTDIR),
         };
         if parent == crate::inode::ROOT && name == names::CONTROL_DIR {

@@ -31,6 +31,8 @@ use crate::{dir::DirStream, errno};
 
 /// The status files under `/.kvfs/`, by index.
 pub const STATUS_FILES: [&str; 3] = ["status.json", "cluster.json", "buffers.json"];
+/// The directory of the master's jobs under `/.kvfs/`.
+pub const JOBS_DIR: &str = "jobs";
 /// xattrs every object has.
 pub const XATTRS: [&str; 7] = [
     "user.kvfs.key",
@@ -57,11 +59,14 @@ pub enum Handle {
         ino: u64,
     },
     Write(Arc<tokio::sync::Mutex<Writer>>),
-    /// A status file or the control file: the text read returns (rendered at open).
+    /// A status file, a job file or the control file: the text read returns (rendered at
+    /// open).
     Text {
         ino: u64,
         text: Arc<Vec<u8>>,
     },
+    /// `/.kvfs/jobs/` opened: the ids of the jobs the master reported then.
+    Jobs(Arc<Vec<u64>>),
 }
 
 /// A file this mount is writing (created, not yet committed).
@@ -72,7 +77,8 @@ pub struct Pending {
     pub writer: Weak<tokio::sync::Mutex<Writer>>,
 }
 
-/// What a name resolves to.
+/// What a name resolves to (`Job`: a job the master knows, with when its status last changed,
+/// the file's mtime).
 #[derive(Debug, Clone)]
 pub enum Found {
     Dir(DirNode),
@@ -80,6 +86,8 @@ pub enum Found {
     ControlDir,
     Control,
     Status(usize),
+    JobsDir,
+    Job { id: u64, updated_ms: u64 },
 }
 
 impl Found {
@@ -90,6 +98,8 @@ impl Found {
             Found::ControlDir => Kind::ControlDir,
             Found::Control => Kind::Control,
             Found::Status(i) => Kind::Status(*i),
+            Found::JobsDir => Kind::JobsDir,
+            Found::Job { id, .. } => Kind::Job(*id),
         }
     }
 }
@@ -253,11 +263,15 @@ impl Inner {
 
     pub fn found_attr(&self, ino: u64, f: &Found) -> FileAttr {
         match f {
-            Found::Dir(_) | Found::ControlDir => self.dir_attr(ino),
+            Found::Dir(_) | Found::ControlDir | Found::JobsDir => self.dir_attr(ino),
             Found::Object { attr, pending, .. } => self.obj_attr(ino, *attr, *pending),
             // Rendered at open and read with direct I/O, like /proc: size 0.
             Found::Control | Found::Status(_) => {
                 self.attr(ino, FileType::RegularFile, 0, 0o444, self.started)
+            }
+            Found::Job { updated_ms, .. } => {
+                let mtime = UNIX_EPOCH + Duration::from_millis(*updated_ms);
+                self.attr(ino, FileType::RegularFile, 0, 0o444, mtime)
             }
         }
     }
@@ -282,12 +296,18 @@ impl Inner {
             Kind::ControlDir => {
                 return match name.as_bytes() {
                     b"control" => Ok(Found::Control),
+                    n if n == JOBS_DIR.as_bytes() => Ok(Found::JobsDir),
                     n => STATUS_FILES
                         .iter()
                         .position(|s| s.as_bytes() == n)
                         .map(Found::Status)
                         .ok_or(libc::ENOENT),
                 };
+            }
+            Kind::JobsDir => {
+                let id = crate::control::job_id(name.as_bytes()).ok_or(libc::ENOENT)?;
+                let s = crate::control::job(self, id).await?;
+                return Ok(Found::Job { id, updated_ms: s.updated_ms });
             }
             _ => return Err(libc::ENOTDIR),
         };
@@ -409,9 +429,15 @@ impl Inner {
     /// Fresh attributes of a node.
     pub async fn getattr(&self, ino: u64) -> Result<FileAttr, Errno> {
         match self.kind_of(ino)? {
-            Kind::Dir(_) | Kind::ControlDir => Ok(self.dir_attr(ino)),
+            Kind::Dir(_) | Kind::ControlDir | Kind::JobsDir => Ok(self.dir_attr(ino)),
             Kind::Control => Ok(self.found_attr(ino, &Found::Control)),
             Kind::Status(i) => Ok(self.found_attr(ino, &Found::Status(i))),
+            // Asked anew: the mtime follows the job's progress; a job the master no longer
+            // keeps is ENOENT.
+            Kind::Job(id) => {
+                let s = crate::control::job(self, id).await?;
+                Ok(self.found_attr(ino, &Found::Job { id, updated_ms: s.updated_ms }))
+            }
             Kind::Unlinked(a) => Ok(self.obj_attr(ino, a, false)),
             Kind::Object { key } => {
                 if let Some(p) = lock(&self.pending).get(&key) {
@@ -487,7 +513,11 @@ impl Inner {
 
     /// rmdir: only a directory no key is under (one made with mkdir).
     pub async fn rmdir(&self, parent: u64, name: &OsStr) -> Result<(), Errno> {
-        let Found::Dir(d) = self.resolve(parent, name).await? else { return Err(libc::ENOTDIR) };
+        let d = match self.resolve(parent, name).await? {
+            Found::Dir(d) => d,
+            Found::ControlDir | Found::JobsDir => return Err(libc::EPERM),
+            _ => return Err(libc::ENOTDIR),
+        };
         let has_keys = if d.chain.is_empty() {
             self.dir_has_keys(&d.prefix).await?
         } else {

@@ -99,7 +99,7 @@ impl Inner {
     ) -> Result<(Found, u64, u64), Errno> {
         let dir = match self.kind_of(parent)? {
             Kind::Dir(d) => d,
-            Kind::ControlDir => return Err(libc::EPERM),
+            Kind::ControlDir | Kind::JobsDir => return Err(libc::EPERM),
             _ => return Err(libc::ENOTDIR),
         };
         let (raw, file_mark) =

@@ -341,3 +341,48 @@ async fn a_master_without_an_object_store_refuses_jobs() {
     let (ok, out) = cli.finish(30);
     assert!(!ok && out.contains("this master has no object store"), "{out}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_job_covers_its_keys_and_only_it_sees_the_job() {
+    use kvfs_client::{ErrorKind, JobKind, JobSpec};
+    let data = tempfile::tempdir().unwrap();
+    let root = data.path().join("objects");
+    let store = format!("fs:{}", root.display());
+    let mut o = ClusterOpts { nodes: 1, ..ClusterOpts::default() };
+    o.master_args.extend(["--object-store".to_string(), store.clone()]);
+    o.node_args.extend(["--object-store".into(), store]);
+    let cluster = Cluster::start(o).await;
+    let tenant = |t: &str| {
+        let mut cfg = cluster.client_config();
+        cfg.tenant = Some(t.into());
+        Client::connect(cfg)
+    };
+    let (a, b) = (tenant("acme").await.unwrap(), tenant("bolt").await.unwrap());
+    for i in 0..30 {
+        a.put(&format!("m/{i}"), &bytes(i), &PutOptions::default()).await.unwrap();
+        b.put(&format!("m/{i}"), &bytes(i), &PutOptions::default()).await.unwrap();
+    }
+    let spec = JobSpec {
+        kind: JobKind::Offload { evict: false },
+        prefix: "m/".into(),
+        concurrency: 4,
+        rate_bytes_per_s: 0,
+    };
+    let s = a.job_start(spec).await.unwrap();
+    assert_eq!(s.spec.prefix, "m/");
+    wait_until("the job done", 30, async || {
+        a.job(s.id).await.is_ok_and(|s| s.state == JobState::Done)
+    })
+    .await;
+    assert_eq!(a.job(s.id).await.unwrap().moved, 30);
+    // The other tenant neither lists, reads nor cancels it; the operator sees the whole prefix.
+    assert!(b.jobs().await.unwrap().is_empty());
+    assert_eq!(b.job(s.id).await.unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(b.job_cancel(s.id).await.unwrap_err().kind(), ErrorKind::NotFound);
+    let all = cluster.client().await.jobs().await.unwrap();
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].spec.prefix, "tenants/acme/m/");
+    let held = bucket(&root).await;
+    assert_eq!(held.len(), 30);
+    assert!(held.keys().all(|k| k.starts_with("tenants/acme/m/")), "{:?}", held.keys());
+}

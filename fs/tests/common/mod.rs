@@ -26,13 +26,21 @@ pub struct Cluster {
 pub struct ClusterOpts {
     pub lease_ttl_ms: u64,
     pub dram_bytes: u64,
-    /// A local-directory object store shared by the master and the node (persistence).
+    /// A local-directory object store shared by the master and the node (persistence, jobs).
     pub object_store: Option<PathBuf>,
+    /// The master's wait after its start for nodes to report what they hold (jobs start
+    /// after it).
+    pub recovery_grace_ms: u64,
 }
 
 impl Default for ClusterOpts {
     fn default() -> Self {
-        ClusterOpts { lease_ttl_ms: 10_000, dram_bytes: 256 << 20, object_store: None }
+        ClusterOpts {
+            lease_ttl_ms: 10_000,
+            dram_bytes: 256 << 20,
+            object_store: None,
+            recovery_grace_ms: ServiceConfig::default().recovery_grace_ms,
+        }
     }
 }
 
@@ -51,6 +59,7 @@ impl Cluster {
                 ..ServiceConfig::default()
             };
             cfg.directory.lease_ttl_ms = opts.lease_ttl_ms;
+            cfg.recovery_grace_ms = opts.recovery_grace_ms;
             let store = opts.object_store.map(|root| kvfs_tiers::ObjectStoreConfig::Fs { root });
             cfg.object_store = store.clone();
             let master = MasterService::start(cfg).await.unwrap();

@@ -71,6 +71,8 @@ const RETRY_MS: u64 = 500;
 const HOLD_MS: u64 = 2_000;
 /// After the walk, `--move` waits at most this long (past the lease TTL) for leases to end.
 const MOVE_WAIT_MS: u64 = 5_000;
+/// A paced job looks for a cancel this often.
+const CANCEL_POLL_MS: u64 = 100;
 const RUNNING_MAX: usize = 16;
 const KEEP_MAX: usize = 64;
 const ERRORS_MAX: usize = 16;
@@ -386,7 +388,7 @@ async fn run(state: &Arc<State>, job: &Arc<Job>) {
     }
     let evict = matches!(spec.kind, JobKind::Offload { evict: true });
     let mut queue: VecDeque<(String, u64)> = VecDeque::new();
-    let pace = Pace::new(spec.rate_bytes_per_s);
+    let mut pace = Pace::new(spec.rate_bytes_per_s);
     let mut last_write = Instant::now();
     while !rec.walked {
         if job.cancel.load(Ordering::Acquire) {
@@ -413,16 +415,25 @@ async fn run(state: &Arc<State>, job: &Arc<Job>) {
                 account(state, job, &spec, &mut page_status, &mut queue, d);
             }
         };
-        for (key, version, size) in items {
-            if job.cancel.load(Ordering::Acquire) {
-                break;
-            }
+        'items: for (key, version, size) in items {
             while set.len() >= spec.concurrency as usize {
                 done(set.join_next().await.expect("not empty"));
             }
-            pace.wait(size).await;
-            while let Some(r) = set.try_join_next() {
-                done(r);
+            // Paced: completions are counted and a cancel is seen while the job waits.
+            let due = pace.due(size);
+            loop {
+                if job.cancel.load(Ordering::Acquire) {
+                    break 'items;
+                }
+                let now = tokio::time::Instant::now();
+                if now >= due {
+                    break;
+                }
+                let step = due.min(now + Duration::from_millis(CANCEL_POLL_MS));
+                tokio::select! {
+                    Some(r) = set.join_next(), if !set.is_empty() => done(r),
+                    _ = tokio::time::sleep_until(step) => {}
+                }
             }
             let (st, kind) = (state.clone(), spec.kind);
             set.spawn(async move {
@@ -587,26 +598,23 @@ fn count(state: &State, prefix: &str, bound: u64) -> (u64, u64) {
 /// Paces a job to its byte rate (an average since the job's start in this process).
 struct Pace {
     rate: u64,
-    start: Instant,
-    sent: Mutex<u64>,
+    start: tokio::time::Instant,
+    sent: u64,
 }
 
 impl Pace {
     fn new(rate: u64) -> Pace {
-        Pace { rate, start: Instant::now(), sent: Mutex::new(0) }
+        Pace { rate, start: tokio::time::Instant::now(), sent: 0 }
     }
 
-    async fn wait(&self, bytes: u64) {
+    /// When the next `bytes` may start.
+    fn due(&mut self, bytes: u64) -> tokio::time::Instant {
         if self.rate == 0 {
-            return;
+            return self.start;
         }
-        let due = {
-            let mut sent = lock(&self.sent);
-            let due = Duration::from_secs_f64(*sent as f64 / self.rate as f64);
-            *sent += bytes;
-            due
-        };
-        tokio::time::sleep_until((self.start + due).into()).await;
+        let due = self.start + Duration::from_secs_f64(self.sent as f64 / self.rate as f64);
+        self.sent += bytes;
+        due
     }
 }
 
