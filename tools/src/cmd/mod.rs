@@ -4,6 +4,7 @@ pub mod cluster;
 pub mod conductor;
 pub mod mooncake_flags;
 pub mod mount;
+pub mod nvmeof;
 pub mod objects;
 pub mod pg;
 pub mod reshard;
