@@ -27,13 +27,14 @@
 #   RXE_PASSENV   env var names forwarded into the guest
 #                 (default: RUST_BACKTRACE RUST_LOG RUST_TEST_THREADS RUST_MIN_STACK)
 #   RXE_VERBOSE   1 = also print the guest's boot/kernel console to stderr
+#   RXE_APPEND    more words for the guest kernel's command line (e.g. "hardened_usercopy=off")
 #   RXE_REFRESH   1 = ask apt again which kernel/qemu packages are current (else cached)
 # Exit status: the program's; 124 if the VM timed out; 125 if the guest never reported a status.
 #
 # Provenance: copied from shared/softroce/run-in-guest.sh (see shared/softroce/NOTES.md for
 # how it was built and measured) so that a clean clone can run scripts/test-rdma. Keep the two in
 # step: fixes go to both. This copy differs from the original in this paragraph and in what
-# scripts/test-nvmeof needed: RXE_EXTRA_MODULES, and a cache that keeps one kernel dir, one
+# scripts/test-nvmeof needed: RXE_EXTRA_MODULES, RXE_APPEND, and a cache that keeps one kernel dir, one
 # package dir and one initramfs per set of extras (so test-rdma and test-nvmeof sharing a cache
 # do not rebuild or download again each time the other ran, nor delete an initramfs a guest
 # about to boot still needs).
@@ -367,7 +368,7 @@ esac
 
 QARGS=(-m "$MEM" -smp "$SMP" -nodefaults -no-reboot -display none -monitor none -serial stdio
   -kernel "$KERNEL" -initrd "$INITRD"
-  -append "console=ttyS0 quiet loglevel=1 panic=-1 rxe_netdev=$NETDEV"
+  -append "console=ttyS0 quiet loglevel=1 panic=-1 rxe_netdev=$NETDEV${RXE_APPEND:+ $RXE_APPEND}"
   -fsdev "local,id=rxerun,path=$RUN,security_model=none"
   -device virtio-9p-pci,fsdev=rxerun,mount_tag=rxerun)
 if [[ -n $SHARE ]]; then
@@ -376,6 +377,7 @@ if [[ -n $SHARE ]]; then
 fi
 # eth0: qemu user-mode networking with restrict=on (no route out of the VM, no forwarding).
 [[ $NETDEV == eth0 ]] && QARGS+=(-nic user,model=virtio-net-pci,restrict=on)
+[[ ${RXE_APPEND:-} != *[\'\"]* ]] || die "RXE_APPEND must not contain quotes (the kernel does not honour them)"
 case $ACCEL in
   tcg) QARGS+=(-accel tcg,thread=multi -cpu max) ;;
   kvm) QARGS+=(-enable-kvm -cpu host,-arch-capabilities) ;;
