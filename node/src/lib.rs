@@ -41,6 +41,13 @@
 //! HBM, and peers read and write them over tcp through host staging. Its copies are indexed like
 //! DRAM copies (commit, drop, guarded reads, noted and embedded commits, re-registration).
 //!
+//! NVMe over Fabrics (`TierConfig::nvmeof`): the NVMe tier's directory, `data_dir/nvme`, is
+//! the mount of a remote namespace's ext4 file system, attached at start (connected over
+//! nvme-tcp, formatted only when the spec says `format` and the namespace is blank; see
+//! [`kvfs_tiers::nvmeof`]) and detached when the node goes away, after the NVMe medium is
+//! closed: [`Node::shutdown`] waits for the node's tasks and drops it on a blocking thread.
+//! Everything above the directory is the local NVMe tier unchanged.
+//!
 //! Not handled here: the tier manager's moves of HBM copies (HBM -> DRAM demotion, promotion
 //! back; an HBM copy stays until it is removed or the master evicts it), several GPUs per node,
 //! several NVMe directories per node.
@@ -60,7 +67,10 @@ use kvfs_proto::store::{
 };
 use kvfs_rpc::{RpcConn, handler_fn};
 use kvfs_tiers::policy::PolicyConfig;
-use kvfs_tiers::{NvmeConfig, NvmeMedium, ObjectStoreConfig, ObjectStoreMedium, RingConfig};
+use kvfs_tiers::{
+    NvmeConfig, NvmeMedium, NvmeofAttachment, NvmeofSpec, ObjectStoreConfig, ObjectStoreMedium,
+    RingConfig,
+};
 use kvfs_transfer::{Buffer, BufferOptions, Engine, EngineConfig};
 use tokio::task::JoinHandle;
 
@@ -126,6 +136,9 @@ pub struct TierConfig {
     pub hbm_bytes: u64,
     /// io_uring shape of the NVMe tier.
     pub ring: RingConfig,
+    /// Keep the NVMe tier on this remote namespace (nvme-tcp), mounted at `data_dir/nvme`;
+    /// `nvme_bytes` 0 then means most of its file system ([`kvfs_tiers::nvmeof::CAPACITY_SHARE`]).
+    pub nvmeof: Option<NvmeofSpec>,
 }
 
 impl Default for TierConfig {
@@ -140,6 +153,7 @@ impl Default for TierConfig {
             writeback_workers: 4,
             hbm_bytes: 0,
             ring: RingConfig::default(),
+            nvmeof: None,
         }
     }
 }
@@ -153,6 +167,9 @@ struct Inner {
     hbm: Option<Arc<kvfs_tiers::HbmBlock>>,
     index: Arc<Mutex<Index>>,
     tiers: tiering::Tiers,
+    /// The remote namespace under the NVMe tier; declared after `tiers` so that it is
+    /// detached (unmounted, disconnected) after the medium is closed.
+    _nvmeof: Option<NvmeofAttachment>,
     started: Instant,
     registered_once: AtomicBool,
     registered: tokio::sync::watch::Sender<bool>,
@@ -202,12 +219,12 @@ impl Node {
     /// Starts the engine, allocates the segment, opens the tiers (an NVMe directory left by a
     /// previous run is re-read and its objects re-reported) and begins registering with the
     /// master (in the background: a node started before its master keeps trying).
-    pub async fn start(cfg: NodeConfig) -> Result<Node> {
+    pub async fn start(mut cfg: NodeConfig) -> Result<Node> {
         let invalid = |m: String| Err(Error::new(ErrorKind::InvalidArgument, "node", m));
         if cfg.dram_bytes == 0 {
             return invalid("dram_bytes must be positive".into());
         }
-        if cfg.tiers.nvme_bytes > 0 && cfg.data_dir.is_none() {
+        if (cfg.tiers.nvme_bytes > 0 || cfg.tiers.nvmeof.is_some()) && cfg.data_dir.is_none() {
             return invalid("an NVMe tier needs a data directory".into());
         }
         kvfs_client::master::check_addr(&cfg.master)?;
@@ -219,6 +236,14 @@ impl Node {
             None => (None, cfg.node_id.unwrap_or_else(rand::random)),
         };
         let (hbm_available, hbm) = probe_hbm(cfg.tiers.hbm_bytes)?;
+        let nvmeof = match (&cfg.tiers.nvmeof, &cfg.data_dir) {
+            (Some(spec), Some(dir)) => {
+                let a = attach_nvmeof(spec.clone(), dir.join("nvme")).await?;
+                cfg.tiers.nvme_bytes = nvmeof_capacity(&a, cfg.tiers.nvme_bytes)?;
+                Some(a)
+            }
+            _ => None,
+        };
         let nvme = match (&cfg.data_dir, cfg.tiers.nvme_bytes) {
             (Some(dir), bytes) if bytes > 0 => {
                 let ncfg =
@@ -281,6 +306,7 @@ impl Node {
             hbm,
             index,
             tiers,
+            _nvmeof: nvmeof,
             started: Instant::now(),
             registered_once: AtomicBool::new(false),
             registered,
@@ -403,7 +429,10 @@ impl Node {
 
     /// Leaves the cluster: tells the master (its objects here are then gone, unless persisted
     /// or on NVMe for the next start) and stops.
-    pub async fn shutdown(self) {
+    /// With an NVMe-oF tier, the node's tasks are awaited and its state dropped on a blocking
+    /// thread before this returns, so the namespace is unmounted and disconnected by then
+    /// (unless a [`NodeFiles`] handle still holds the node).
+    pub async fn shutdown(mut self) {
         for t in &self.tasks {
             t.abort();
         }
@@ -412,7 +441,38 @@ impl Node {
             .call("unregister", &MasterRequest::UnregisterNode { node: self.inner.id })
             .await;
         self.link.close().await;
+        for t in std::mem::take(&mut self.tasks) {
+            let _ = t.await;
+        }
+        let inner = self.inner.clone();
+        drop(self);
+        let _ = tokio::task::spawn_blocking(move || drop(inner)).await;
     }
+}
+
+/// Attach the NVMe-oF namespace at `dir` (the NVMe tier's directory), on a blocking thread.
+async fn attach_nvmeof(spec: NvmeofSpec, dir: PathBuf) -> Result<NvmeofAttachment> {
+    tokio::task::spawn_blocking(move || NvmeofAttachment::attach(&spec, &dir))
+        .await
+        .map_err(|e| Error::new(ErrorKind::Internal, "node", e.to_string()))?
+        .map_err(|e| tier_err("attach the NVMe-oF namespace", e))
+}
+
+/// The NVMe tier's capacity on an attached namespace: `asked`, or most of the file system
+/// when 0; more than the file system holds is refused.
+fn nvmeof_capacity(a: &NvmeofAttachment, asked: u64) -> Result<u64> {
+    let fits = a.capacity_bytes().map_err(|e| tier_err("size the NVMe-oF namespace", e))?;
+    if asked > fits {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            "node",
+            format!(
+                "an NVMe tier of {asked} bytes does not fit the file system on {} ({fits} bytes usable)",
+                a.device().display()
+            ),
+        ));
+    }
+    Ok(if asked == 0 { fits } else { asked })
 }
 
 /// A node as a client in its own process sees it: a writer whose replica lies in this node's

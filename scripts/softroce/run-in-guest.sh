@@ -22,15 +22,22 @@
 #   RXE_SHARE_RW  1 = share it read-write (default read-only)
 #   RXE_MEM (2G)  RXE_SMP (2)  RXE_TIMEOUT (seconds for the whole VM run, default 900)
 #   RXE_EXTRA_PKGS  more Debian packages to unpack into the guest (e.g. "libssl3 zlib1g")
+#   RXE_EXTRA_MODULES  more kernel modules to insmod in the guest, in this order, after the
+#                 Soft-RoCE ones (their .modinfo dependencies are added first), e.g. "nvme-tcp"
 #   RXE_PASSENV   env var names forwarded into the guest
 #                 (default: RUST_BACKTRACE RUST_LOG RUST_TEST_THREADS RUST_MIN_STACK)
 #   RXE_VERBOSE   1 = also print the guest's boot/kernel console to stderr
+#   RXE_APPEND    more words for the guest kernel's command line (e.g. "hardened_usercopy=off")
 #   RXE_REFRESH   1 = ask apt again which kernel/qemu packages are current (else cached)
 # Exit status: the program's; 124 if the VM timed out; 125 if the guest never reported a status.
 #
 # Provenance: copied from shared/softroce/run-in-guest.sh (see shared/softroce/NOTES.md for
 # how it was built and measured) so that a clean clone can run scripts/test-rdma. Keep the two in
-# step: fixes go to both. Only this paragraph differs from the original.
+# step: fixes go to both. This copy differs from the original in this paragraph and in what
+# scripts/test-nvmeof needed: RXE_EXTRA_MODULES, RXE_APPEND, and a cache that keeps one kernel dir, one
+# package dir and one initramfs per set of extras (so test-rdma and test-nvmeof sharing a cache
+# do not rebuild or download again each time the other ran, nor delete an initramfs a guest
+# about to boot still needs).
 set -euo pipefail
 
 SELF=$(readlink -f "${BASH_SOURCE[0]}")
@@ -49,7 +56,11 @@ GUEST_PKGS="busybox-static libc6 libgcc-s1 libibverbs1 ibverbs-providers libnl-3
   ${RXE_EXTRA_PKGS:-}"
 # Kernel modules wanted in the guest; their dependencies are added from .modinfo.
 GUEST_MODULES="crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm virtio_pci 9pnet_virtio 9p
-  dummy virtio_net"
+  dummy virtio_net ${RXE_EXTRA_MODULES:-}"
+# Extras get their own kernel and package dirs in the cache (suffix: a hash of the extras).
+extras_suffix() { [[ -z $(echo $1) ]] || echo "-$(echo $1 | sha256sum | cut -c1-12)"; }
+KSUFFIX=$(extras_suffix "${RXE_EXTRA_MODULES:-}")
+PSUFFIX=$(extras_suffix "${RXE_EXTRA_PKGS:-}")
 
 log() { printf '[rxe] %s\n' "$*" >&2; }
 die() { printf '[rxe] error: %s\n' "$*" >&2; exit 2; }
@@ -136,7 +147,7 @@ if [[ -z $KPKG ]]; then
 fi
 fetch "$CACHE/debs/kernel" "$KPKG"
 KVER=${KPKG#linux-image-}
-KDIR="$CACHE/kernel"
+KDIR="$CACHE/kernel$KSUFFIX"
 KSTAMP="$KPKG $(echo $GUEST_MODULES)"
 if [[ ! -f $KDIR/.stamp || $(cat "$KDIR/.stamp") != "$KSTAMP" ]]; then
   # Unpack the package, keep only the kernel image and the modules the guest loads (the whole
@@ -196,9 +207,10 @@ fi
 
 # ---- 3. guest userspace + initramfs ----------------------------------------------------------
 # shellcheck disable=SC2086
-fetch "$CACHE/debs/guest" $GUEST_PKGS
-unpack "$CACHE/debs/guest" "$CACHE/stage"
-KEY=$( { sha256sum "$SELF"; cat "$CACHE/stage/.pkgs" "$KDIR/.stamp"; } | sha256sum | cut -c1-16)
+fetch "$CACHE/debs/guest$PSUFFIX" $GUEST_PKGS
+STAGE="$CACHE/stage$PSUFFIX"
+unpack "$CACHE/debs/guest$PSUFFIX" "$STAGE"
+KEY=$( { sha256sum "$SELF"; cat "$STAGE/.pkgs" "$KDIR/.stamp"; } | sha256sum | cut -c1-16)
 INITRD="$CACHE/initrd-$KEY.gz"
 ROOT="$CACHE/initrd-root"
 
@@ -254,8 +266,11 @@ chmod 755 "$ROOT/init"
 
 if [[ ! -f $INITRD ]]; then
   ts=$(now)
-  rm -rf "$ROOT" "$CACHE"/initrd-*.gz; mkdir -p "$ROOT"
-  cp -a "$CACHE/stage/." "$ROOT/"
+  # Initramfs images of other package/module sets stay (another run may be about to boot one)
+  # unless unused for a week.
+  rm -rf "$ROOT"; mkdir -p "$ROOT"
+  find "$CACHE" -maxdepth 1 -name 'initrd-*.gz' -mtime +7 -delete
+  cp -a "$STAGE/." "$ROOT/"
   # Prune what the guest never uses (the initramfs is unpacked at every boot, slowly under TCG).
   ( cd "$ROOT" && rm -rf .pkgs usr/share usr/lib/x86_64-linux-gnu/gconv usr/lib/x86_64-linux-gnu/tc \
       sbin/{tc,devlink,bridge,dcb,tipc,vdpa,rtacct,rtmon} bin/ss usr/bin/{lnstat,nstat,routel,ctstat,rtstat} \
@@ -279,6 +294,7 @@ if [[ ! -f $INITRD ]]; then
   rm -rf "$ROOT"
   log "built $INITRD ($(du -h "$INITRD" | cut -f1)) in $(since "$ts")"
 fi
+touch "$INITRD"  # in use: the pruning above keeps it
 log "prepared in $(since "$T0") (kernel $KVER, $( "${QEMU_ENV[@]}" "$QEMU" --version | head -1))"
 [[ $MODE == prepare ]] && exit 0
 flock -u 9
@@ -286,7 +302,7 @@ flock -u 9
 # ---- 4. the run ------------------------------------------------------------------------------
 # needed_missing FILE: sonames FILE needs (transitively) that the guest root does not have.
 needed_missing() {
-  local root="$CACHE/stage" todo=("$1") seen=" " f so d found
+  local root="$STAGE" todo=("$1") seen=" " f so d found
   while ((${#todo[@]})); do
     f=${todo[-1]}; unset 'todo[-1]'
     for so in $(readelf -d "$f" 2>/dev/null | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'); do
@@ -352,7 +368,7 @@ esac
 
 QARGS=(-m "$MEM" -smp "$SMP" -nodefaults -no-reboot -display none -monitor none -serial stdio
   -kernel "$KERNEL" -initrd "$INITRD"
-  -append "console=ttyS0 quiet loglevel=1 panic=-1 rxe_netdev=$NETDEV"
+  -append "console=ttyS0 quiet loglevel=1 panic=-1 rxe_netdev=$NETDEV${RXE_APPEND:+ $RXE_APPEND}"
   -fsdev "local,id=rxerun,path=$RUN,security_model=none"
   -device virtio-9p-pci,fsdev=rxerun,mount_tag=rxerun)
 if [[ -n $SHARE ]]; then
@@ -361,6 +377,7 @@ if [[ -n $SHARE ]]; then
 fi
 # eth0: qemu user-mode networking with restrict=on (no route out of the VM, no forwarding).
 [[ $NETDEV == eth0 ]] && QARGS+=(-nic user,model=virtio-net-pci,restrict=on)
+[[ ${RXE_APPEND:-} != *[\'\"]* ]] || die "RXE_APPEND must not contain quotes (the kernel does not honour them)"
 case $ACCEL in
   tcg) QARGS+=(-accel tcg,thread=multi -cpu max) ;;
   kvm) QARGS+=(-enable-kvm -cpu host,-arch-capabilities) ;;

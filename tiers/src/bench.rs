@@ -7,6 +7,9 @@
 //!   include an fsync per object on both sides (the medium's put is durable when it returns).
 //!   Two write limits: overwriting one preallocated file (the disk), and writing each object to
 //!   a new file (the disk plus the file system's allocation and journal commit per file).
+//!   With [`DiskBenchConfig::raw_device`] (the block device under `dir`, e.g. an NVMe-oF
+//!   namespace) a third read limit: the same blocks read straight from the device, O_DIRECT,
+//!   found with `FIEMAP` on the raw file and checked to hold the bytes written there.
 //! - [`blake3_gbps`]: checksum cost, one thread and rayon.
 //! - [`writeback`]: lazy write-back throughput DRAM -> object store against direct puts to the
 //!   same object store.
@@ -134,6 +137,8 @@ pub struct DiskBenchConfig {
     /// Interleaved rounds of raw and medium passes.
     pub rounds: usize,
     pub ring: RingConfig,
+    /// The block device `dir` is on: also read the raw file's blocks straight from it.
+    pub raw_device: Option<PathBuf>,
 }
 
 impl DiskBenchConfig {
@@ -144,6 +149,7 @@ impl DiskBenchConfig {
             objects: 8,
             rounds: 3,
             ring: RingConfig::default(),
+            raw_device: None,
         }
     }
 }
@@ -165,7 +171,8 @@ fn fill(buf: &mut [u8], seed: u64) {
 
 /// Raw O_DIRECT write/read vs the NVMe medium's put/get_into, in the same run.
 /// Returns `[raw write, raw write to a new file, raw read, medium put (vs raw write), medium
-/// put (vs new-file write), medium get (vs raw read)]`.
+/// put (vs new-file write), medium get (vs raw read)]`, then, with a `raw_device`, `[raw
+/// device read, medium get (vs raw device read)]`.
 pub async fn disk(cfg: &DiskBenchConfig) -> Result<Vec<Figure>> {
     let tmp = tempdir_in(&cfg.dir)?;
     let size = cfg.object_bytes;
@@ -193,6 +200,12 @@ pub async fn disk(cfg: &DiskBenchConfig) -> Result<Vec<Figure>> {
     let mut dst = AlignedBuf::new(size);
     let (mut rw, mut rr, mut mw, mut mr) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut rn = Vec::new();
+    let mut rd = Vec::new();
+    let device = match &cfg.raw_device {
+        Some(d) => Some(Arc::new(open_device_under(d, &raw_path)?)),
+        None => None,
+    };
+    let mut extents = Vec::new();
     for round in 0..cfg.rounds.max(1) {
         for i in 0..cfg.objects {
             let off = (i * size) as u64;
@@ -233,6 +246,9 @@ pub async fn disk(cfg: &DiskBenchConfig) -> Result<Vec<Figure>> {
             medium.put(&key, &src, PutOptions::default()).await?;
             mw.push(us_since(t));
         }
+        if device.is_some() {
+            extents = fiemap(&raw, &raw_path)?;
+        }
         for i in 0..cfg.objects {
             let off = (i * size) as u64;
             let (f, p) = (raw.clone(), SendPtr(dst.as_mut_ptr()));
@@ -244,6 +260,30 @@ pub async fn disk(cfg: &DiskBenchConfig) -> Result<Vec<Figure>> {
             })
             .await?;
             rr.push(us_since(t));
+            if let Some(dev) = &device {
+                let pieces = physical_pieces(&extents, off, size as u64, &raw_path)?;
+                dst.fill(0);
+                let (f, p) = (dev.clone(), SendPtr(dst.as_mut_ptr()));
+                let t = Instant::now();
+                pool.run(move |ctx| {
+                    use std::os::fd::AsRawFd;
+                    for (at, phys, len) in pieces {
+                        // SAFETY: dst outlives the job; `at + len` is within its `size` bytes.
+                        unsafe {
+                            ctx.pipeline(Dir::Read, f.as_raw_fd(), phys, p.ptr().add(at), len, None)
+                        }?;
+                    }
+                    Ok(())
+                })
+                .await?;
+                rd.push(us_since(t));
+                if dst[..] != src[..] {
+                    return Err(Error::new(
+                        ErrorKind::Corrupt,
+                        "bench: the raw device's blocks of the raw file hold other bytes",
+                    ));
+                }
+            }
             let key = format!("bench/{round}/{i}");
             let t = Instant::now();
             medium.get_into(&key, &mut dst).await?;
@@ -274,7 +314,145 @@ pub async fn disk(cfg: &DiskBenchConfig) -> Result<Vec<Figure>> {
         Figure::from_samples(hash, &mode, "get", size as u64, &mut mr).against("disk", raw_r.gbps);
     drop(medium);
     let _ = std::fs::remove_dir_all(&tmp);
-    Ok(vec![raw_w, raw_new, raw_r, med_w, med_w_new, med_r])
+    let mut out = vec![raw_w, raw_new, raw_r, med_w, med_w_new, med_r.clone()];
+    if device.is_some() {
+        let raw_dev =
+            Figure::from_samples("raw O_DIRECT device", &mode, "read", size as u64, &mut rd);
+        out.push(med_r.against("device", raw_dev.gbps));
+        out.insert(out.len() - 1, raw_dev);
+    }
+    Ok(out)
+}
+
+/// Open `device` for O_DIRECT reads after checking that `file` lives on it.
+fn open_device_under(device: &std::path::Path, file: &std::path::Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let md = std::fs::metadata(device)
+        .map_err(|e| Error::io(format!("bench: raw device {}", device.display()), e))?;
+    let fmd =
+        std::fs::metadata(file).map_err(|e| Error::io(format!("stat {}", file.display()), e))?;
+    if !md.file_type().is_block_device() || md.rdev() != fmd.dev() {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "bench: {} is not the block device {} is on",
+                device.display(),
+                file.parent().unwrap_or(file).display()
+            ),
+        ));
+    }
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags_direct()
+        .open(device)
+        .map_err(|e| Error::io(format!("open {}", device.display()), e))
+}
+
+/// One extent of a file: (logical offset, physical offset, length), in bytes.
+type Extent = (u64, u64, u64);
+
+/// The file's extents (`FS_IOC_FIEMAP`, synced first), refusing any the device cannot be read
+/// at directly (unknown, delayed, encoded, inline, unaligned, unwritten).
+fn fiemap(f: &std::fs::File, path: &std::path::Path) -> Result<Vec<Extent>> {
+    use std::os::fd::AsRawFd;
+    const FS_IOC_FIEMAP: libc::c_ulong = 0xC020_660B;
+    const FLAG_SYNC: u32 = 1;
+    const LAST: u32 = 0x1;
+    const UNREADABLE: u32 = 0x2 | 0x4 | 0x8 | 0x80 | 0x100 | 0x200 | 0x400 | 0x800;
+    const EXTENTS_MAX: usize = 512;
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct FiemapExtent {
+        logical: u64,
+        physical: u64,
+        length: u64,
+        reserved64: [u64; 2],
+        flags: u32,
+        reserved: [u32; 3],
+    }
+    #[repr(C)]
+    struct Fiemap {
+        start: u64,
+        length: u64,
+        flags: u32,
+        mapped_extents: u32,
+        extent_count: u32,
+        reserved: u32,
+        extents: [FiemapExtent; EXTENTS_MAX],
+    }
+    let mut out = Vec::new();
+    let mut start = 0u64;
+    loop {
+        let mut m = Box::new(Fiemap {
+            start,
+            length: u64::MAX - start,
+            flags: FLAG_SYNC,
+            mapped_extents: 0,
+            extent_count: EXTENTS_MAX as u32,
+            reserved: 0,
+            extents: [FiemapExtent::default(); EXTENTS_MAX],
+        });
+        // SAFETY: FS_IOC_FIEMAP fills at most `extent_count` extents of the struct we own.
+        if unsafe { libc::ioctl(f.as_raw_fd(), FS_IOC_FIEMAP, &mut *m as *mut Fiemap) } != 0 {
+            return Err(Error::io(
+                format!("bench: FIEMAP {}", path.display()),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let n = (m.mapped_extents as usize).min(EXTENTS_MAX);
+        for e in &m.extents[..n] {
+            if e.flags & UNREADABLE != 0 {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "bench: {} has an extent the raw device cannot be read at (flags {:#x})",
+                        path.display(),
+                        e.flags
+                    ),
+                ));
+            }
+            out.push((e.logical, e.physical, e.length));
+        }
+        match m.extents[..n].last() {
+            Some(e) if e.flags & LAST == 0 => start = e.logical + e.length,
+            _ => return Ok(out),
+        }
+    }
+}
+
+/// The device ranges holding the file's bytes `[off, off + len)`: (offset in the range,
+/// physical offset, length), each a whole number of O_DIRECT blocks.
+fn physical_pieces(
+    extents: &[Extent],
+    off: u64,
+    len: u64,
+    path: &std::path::Path,
+) -> Result<Vec<(usize, u64, usize)>> {
+    let block = crate::uring::BLOCK_BYTES as u64;
+    let mut pieces = Vec::new();
+    let mut covered = 0;
+    for &(logical, physical, length) in extents {
+        let (a, b) = (off.max(logical), (off + len).min(logical + length));
+        if a >= b {
+            continue;
+        }
+        let phys = physical + (a - logical);
+        if phys % block != 0 || (b - a) % block != 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("bench: {} has an extent not aligned to {block} bytes", path.display()),
+            ));
+        }
+        pieces.push(((a - off) as usize, phys, (b - a) as usize));
+        covered += b - a;
+    }
+    if covered != len {
+        return Err(Error::new(
+            ErrorKind::Io,
+            format!("bench: {} maps {covered} of bytes {off}..{}", path.display(), off + len),
+        ));
+    }
+    Ok(pieces)
 }
 
 trait DirectExt {
@@ -368,4 +546,69 @@ pub async fn writeback(
     f.p50_us = f64::NAN;
     f.p99_us = f64::NAN;
     Ok(f.against("object_put", limit.gbps))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn physical_pieces_cover_the_range_in_device_blocks() {
+        let p = std::path::Path::new("f");
+        // Two extents: file [0, 8K) at 1M, file [8K, 16K) at 64K.
+        let ext = [(0, 1 << 20, 8192), (8192, 65536, 8192)];
+        assert_eq!(
+            physical_pieces(&ext, 4096, 8192, p).unwrap(),
+            vec![(0, (1 << 20) + 4096, 4096), (4096, 65536, 4096)]
+        );
+        assert_eq!(physical_pieces(&ext, 0, 16384, p).unwrap().len(), 2);
+        let e = physical_pieces(&ext, 8192, 16384, p).unwrap_err();
+        assert!(e.to_string().contains("maps 8192 of bytes 8192..24576"), "{e}");
+        let odd = [(0, 512, 8192)];
+        assert_eq!(
+            physical_pieces(&odd, 0, 4096, p).unwrap_err().kind(),
+            ErrorKind::InvalidArgument
+        );
+    }
+
+    /// The block device under the temp dir, where it is a plain one (`/dev/NAME`).
+    fn device_of(dir: &std::path::Path) -> Option<PathBuf> {
+        use std::os::unix::fs::MetadataExt;
+        let dev = std::fs::metadata(dir).ok()?.dev();
+        let uevent = std::fs::read_to_string(format!(
+            "/sys/dev/block/{}:{}/uevent",
+            libc::major(dev),
+            libc::minor(dev)
+        ))
+        .ok()?;
+        let name = uevent.lines().find_map(|l| l.strip_prefix("DEVNAME="))?;
+        let path = PathBuf::from("/dev").join(name);
+        std::fs::OpenOptions::new().read(true).open(&path).ok().map(|_| path)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_raw_device_read_reads_the_raw_files_own_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some(device) = device_of(dir.path()) else {
+            eprintln!("skipped: {} is not on a readable block device", dir.path().display());
+            return;
+        };
+        let cfg = DiskBenchConfig {
+            object_bytes: 1 << 20,
+            objects: 2,
+            rounds: 1,
+            raw_device: Some(device.clone()),
+            ..DiskBenchConfig::new(dir.path())
+        };
+        // disk() compares the device's blocks with the bytes written (Corrupt otherwise).
+        let figs = disk(&cfg).await.unwrap();
+        let dev = figs.iter().find(|f| f.case == "raw O_DIRECT device").expect("device figure");
+        assert!(dev.gbps > 0.0);
+        let vs = figs.last().unwrap();
+        assert_eq!((vs.op, vs.limit), ("get", Some("device")));
+        // A device the directory is not on is refused.
+        let other = DiskBenchConfig { raw_device: Some("/dev/null".into()), ..cfg };
+        let e = disk(&other).await.unwrap_err();
+        assert!(e.to_string().contains("is not the block device"), "{e}");
+    }
 }

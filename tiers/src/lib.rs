@@ -7,6 +7,8 @@
 //!   [`FaultyMedium`] that injects failures around any of them. Renames keep the bytes and
 //!   record the previous name in the copy, so a crash mid-rename is resolved by whoever lists
 //!   the copies ([`stale_after_rename`]).
+//! - [`nvmeof`]: a remote NVMe namespace reached over nvme-tcp (the kernel's fabrics interface),
+//!   its ext4 file system mounted where an [`NvmeMedium`] keeps its files.
 //! - [`policy`]: a sans-IO state machine that decides demotions, promotions and drops.
 //! - [`writeback`]: the bounded, crash-safe lazy-persistence queue.
 //! - [`bench`]: measurements against raw O_DIRECT in the same run.
@@ -22,6 +24,7 @@ pub mod hbm;
 pub mod header;
 pub mod medium;
 pub mod nvme;
+pub mod nvmeof;
 pub mod object;
 pub mod policy;
 pub mod uring;
@@ -38,4 +41,5 @@ pub use medium::{
     RenameOptions, checksum, stale_after_rename,
 };
 pub use nvme::{NvmeConfig, NvmeMedium, NvmeStats, OpenReport};
+pub use nvmeof::{Attachment as NvmeofAttachment, NvmeofSpec};
 pub use uring::RingConfig;

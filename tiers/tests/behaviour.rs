@@ -1,6 +1,10 @@
 //! One behaviour suite for every medium, selected by what each declares (OpenDAL style).
 //! Real components: a memfd region, io_uring on a real directory, opendal `fs` on a real
 //! directory, and a real moto S3 server on 127.0.0.1.
+//!
+//! The NVMe tests keep their directories under `KVFS_NVME_DIR` when it is set (the disk to
+//! test: `scripts/test-nvmeof` points it at a namespace reached over nvme-tcp), else under
+//! cargo's target tmp dir.
 
 mod common;
 
@@ -28,6 +32,14 @@ trait Fixture: Send {
     /// The medium's count of reads that failed verification, where it keeps one.
     fn corrupt_reads(&self) -> Option<u64> {
         None
+    }
+}
+
+/// A fresh directory for an NVMe medium, under `KVFS_NVME_DIR` if set.
+fn nvme_tempdir() -> std::io::Result<tempfile::TempDir> {
+    match std::env::var_os("KVFS_NVME_DIR") {
+        Some(d) => tempfile::tempdir_in(d),
+        None => tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")),
     }
 }
 
@@ -453,7 +465,7 @@ async fn dram_medium() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nvme_medium() -> Result<()> {
-    let mut fx = Nvme::open(tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR"))?)?;
+    let mut fx = Nvme::open(nvme_tempdir()?)?;
     run_suite(&mut fx).await
 }
 
@@ -498,7 +510,7 @@ async fn faulty_wrapper_passes_the_suite_when_disarmed_and_fails_when_armed() ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nvme_open_discards_temp_files_and_quarantines_bad_headers() -> Result<()> {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR"))?;
+    let dir = nvme_tempdir()?;
     let cfg = NvmeConfig::new(dir.path(), CAPACITY_BYTES);
     let (m, _) = NvmeMedium::open(cfg.clone())?;
     m.put("good", &pattern(10_000, 1), PutOptions::default()).await?;
@@ -542,7 +554,7 @@ async fn nvme_open_discards_temp_files_and_quarantines_bad_headers() -> Result<(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nvme_data_files_are_exactly_the_object_for_passthrough() -> Result<()> {
     use std::io::Read;
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR"))?;
+    let dir = nvme_tempdir()?;
     let cfg = NvmeConfig::new(dir.path(), CAPACITY_BYTES);
     let (m, _) = NvmeMedium::open(cfg.clone())?;
     let sizes = [0usize, 1, 4095, 4096, 4097, MIB + 17];
@@ -588,7 +600,7 @@ async fn poll_once_then_drop<F: std::future::Future>(fut: F) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nvme_cancelled_operations_leave_whole_objects_or_nothing() -> Result<()> {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR"))?;
+    let dir = nvme_tempdir()?;
     let (m, _) = NvmeMedium::open(NvmeConfig::new(dir.path(), CAPACITY_BYTES))?;
     let data = pattern(8 * MIB + 5, 3);
     m.put("c/get", &data, PutOptions::default()).await?;

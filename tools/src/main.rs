@@ -86,6 +86,10 @@ enum Cmd {
     /// Model weights between parallel layouts (TP/PP/EP/DP): plan, store once, load any.
     #[command(subcommand)]
     Reshard(cmd::reshard::ReshardCmd),
+    /// A remote NVMe namespace over NVMe/TCP, attached (connected, its ext4 file system
+    /// mounted) or detached by the code a node's --nvmeof tier uses.
+    #[command(subcommand)]
+    Nvmeof(cmd::nvmeof::NvmeofCmd),
     /// The prefix-cache index fed by the engines' KV events (vLLM, SGLang) and the pool, with
     /// the reference conductor's HTTP API.
     Conductor(cmd::conductor::ConductorArgs),
@@ -279,6 +283,10 @@ struct TiersArgs {
     /// inside and removed after.
     #[arg(long, default_value = "/var/tmp/kvfs-bench")]
     dir: std::path::PathBuf,
+    /// The block device --dir is on (e.g. an NVMe-oF namespace, /dev/nvme0n1): also read the
+    /// raw file's own blocks straight from it, O_DIRECT, as a second read limit.
+    #[arg(long, value_name = "DEV")]
+    raw_device: Option<std::path::PathBuf>,
     /// Object size of the NVMe tier vs raw O_DIRECT case.
     #[arg(long, default_value = "64M", value_parser = parse_bytes)]
     object_size: u64,
@@ -434,6 +442,7 @@ fn run() -> anyhow::Result<()> {
                 .await
             }
             Cmd::Pg(PgCmd::Coordinator(a)) => cmd::pg::coordinator(a).await,
+            Cmd::Nvmeof(c) => cmd::nvmeof::run(c).await,
             Cmd::Reshard(c) => cmd::reshard::run(&master, c).await,
             Cmd::Conductor(a) => {
                 let given = std::env::args().any(|x| x.starts_with("--listen"))
@@ -474,6 +483,7 @@ fn run() -> anyhow::Result<()> {
                 bench::tiers::run(bench::tiers::TiersBench {
                     object_store: a.store.config(None)?,
                     dir: a.dir,
+                    raw_device: a.raw_device,
                     object_bytes: a.object_size as usize,
                     objects: a.objects,
                     rounds: a.rounds,

@@ -6,6 +6,9 @@
 //!   blake3 on the way, fsync per put) against raw O_DIRECT writes and reads of the same disk
 //!   with the same ring shape, rounds interleaved (`kvfs_tiers::bench::disk`). The figure that
 //!   matters is `get` vs raw read: the target is a ratio of at least 0.85.
+//!   With `--raw-device DEV` (the block device `--dir` is on, such as an NVMe-oF namespace)
+//!   also `raw device`: the raw file's own blocks read straight from the device (found with
+//!   FIEMAP, checked to hold the bytes written), and the tier's get against that too.
 //! - `blake3`: the checksum's own cost, one thread and rayon (what verification costs).
 //! - `write-back`: lazy write-back DRAM -> object store through the crash-safe queue (one
 //!   journal fsync per record) against direct puts to the same store.
@@ -47,6 +50,8 @@ pub struct TiersBench {
     pub writeback_bytes: usize,
     pub promote_bytes: usize,
     pub promotes: usize,
+    /// The block device `dir` is on, for the raw device read limit.
+    pub raw_device: Option<PathBuf>,
     /// The object store for the write-back case (a directory under `dir` when `None`).
     pub object_store: Option<ObjectStoreConfig>,
     pub json: bool,
@@ -58,6 +63,7 @@ fn names(f: &tb::Figure, ring: RingConfig) -> (String, String) {
     let case = match f.case.as_str() {
         "raw O_DIRECT" => "raw direct",
         "raw O_DIRECT new file" => "raw newfile",
+        "raw O_DIRECT device" => "raw device",
         c if c.starts_with("nvme medium") => "nvme tier",
         "lazy write-back" => return ("write-back".into(), "lazy".into()),
         other => other,
@@ -111,6 +117,7 @@ async fn run_in(o: &TiersBench, ring: RingConfig, work: &std::path::Path) -> any
         objects: o.objects,
         rounds: o.rounds,
         ring,
+        raw_device: o.raw_device.clone(),
         ..DiskBenchConfig::new(work)
     };
     for f in tb::disk(&cfg).await.context("NVMe tier vs raw O_DIRECT")? {

@@ -14,6 +14,7 @@ use anyhow::Context;
 use clap::Args;
 use kvfs_master::service::{KvEventsConfig, MasterService, MetadataHttpConfig, ServiceConfig};
 use kvfs_node::{Node, NodeConfig, TierConfig};
+use kvfs_tiers::NvmeofSpec;
 use kvfs_transfer::{EngineConfig, Transports};
 
 use crate::bench::report::{human_bytes, parse_bytes};
@@ -181,6 +182,10 @@ impl KvEventsArgs {
         c.emit_legacy_compat = self.emit_legacy_compat;
         Ok(Some(c))
     }
+}
+
+pub(crate) fn parse_nvmeof(s: &str) -> Result<NvmeofSpec, String> {
+    NvmeofSpec::parse(s).map_err(|e| e.context_str().to_string())
 }
 
 fn parse_tenant_quota(s: &str) -> Result<(String, kvfs_master::Quota), String> {
@@ -385,6 +390,14 @@ pub struct NodeArgs {
     /// it. Needs a data directory. [default: 4GiB with a data directory]
     #[arg(long, value_parser = parse_bytes)]
     pub nvme: Option<u64>,
+    /// Keep the NVMe tier on a remote NVMe namespace reached over NVMe/TCP instead of the
+    /// local disk: SPEC is transport=tcp,traddr=IP,trsvcid=PORT,nqn=NQN[,nsid=N][,format]
+    /// (plus the kernel's hostnqn, nr_io_queues, ctrl_loss_tmo, ...). The node connects it
+    /// through /dev/nvme-fabrics (root, nvme-tcp module), mounts its ext4 file system at
+    /// DATA/nvme and disconnects at exit; `format` makes that file system on a blank namespace
+    /// (never on one holding data). --nvme then defaults to most of the file system.
+    #[arg(long, value_name = "SPEC", value_parser = parse_nvmeof)]
+    pub nvmeof: Option<NvmeofSpec>,
     /// GPU memory (device 0) this node contributes as an HBM segment: puts with `--tier hbm`
     /// are placed there and peers reach it over tcp. Fails clearly where no CUDA driver is
     /// found; 0 only probes for a driver and reports it.
@@ -429,12 +442,17 @@ impl NodeArgs {
         if self.writeback_queue_max == 0 || self.tier_rate == 0 {
             anyhow::bail!("--writeback-queue-max and --tier-rate must be positive");
         }
+        if self.nvmeof.is_some() && self.nvme == Some(0) {
+            anyhow::bail!("--nvmeof puts the NVMe tier on a remote namespace: drop --nvme 0");
+        }
         Ok(())
     }
 
     fn tier_config(&self, object_store: Option<kvfs_tiers::ObjectStoreConfig>) -> TierConfig {
         let mut t = TierConfig {
-            nvme_bytes: self.nvme.unwrap_or(4 << 30),
+            // With --nvmeof, 0 is "most of the namespace's file system" (the node sizes it).
+            nvme_bytes: self.nvme.unwrap_or(if self.nvmeof.is_some() { 0 } else { 4 << 30 }),
+            nvmeof: self.nvmeof.clone(),
             object_store,
             tick_ms: self.tier_tick_ms,
             writeback_entries_max: self.writeback_queue_max,
@@ -653,6 +671,9 @@ pub async fn node(master: &str, args: NodeCmdArgs) -> anyhow::Result<()> {
     let mut cfg = args.node.node_config(master);
     cfg.tiers = args.node.tier_config(args.store.config(None)?);
     if args.data.is_none() {
+        if args.node.nvmeof.is_some() {
+            anyhow::bail!("--nvmeof needs --data DIR (the namespace is mounted at DIR/nvme)");
+        }
         if args.node.nvme.is_some_and(|n| n > 0) {
             anyhow::bail!("--nvme needs --data DIR (the NVMe tier lives in DIR/nvme)");
         }
@@ -666,7 +687,7 @@ pub async fn node(master: &str, args: NodeCmdArgs) -> anyhow::Result<()> {
         human_bytes(args.node.dram),
         node.endpoint()
     );
-    print_tiers(&node, args.data.as_deref());
+    print_tiers(&node, args.data.as_deref(), args.node.nvmeof.as_ref());
     if node.wait_registered(Duration::from_secs(5)).await.is_err() {
         eprintln!("kvfs node: the master at {master} does not answer yet; still trying");
     }
@@ -822,11 +843,12 @@ async fn start_ha_master(
     Ok((HaMaster { stop, task, admin }, target.master_addr()))
 }
 
-fn print_tiers(node: &Node, data: Option<&std::path::Path>) {
+fn print_tiers(node: &Node, data: Option<&std::path::Path>, nvmeof: Option<&NvmeofSpec>) {
     let s = node.stats();
+    let remote = nvmeof.map(|n| format!(", on {n} over NVMe/TCP")).unwrap_or_default();
     match data {
         Some(d) if s.nvme_capacity_bytes > 0 => println!(
-            "  nvme {} under {} ({} objects from a previous run)",
+            "  nvme {} under {}{remote} ({} objects from a previous run)",
             human_bytes(s.nvme_capacity_bytes),
             d.join("nvme").display(),
             s.nvme_objects
@@ -907,7 +929,7 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    print_tiers(&node, Some(&args.data));
+    print_tiers(&node, Some(&args.data), args.node.nvmeof.as_ref());
     match &store {
         Some(kvfs_tiers::ObjectStoreConfig::Fs { root }) => {
             println!("  object store {}", root.display())

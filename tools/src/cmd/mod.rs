@@ -5,6 +5,7 @@ pub mod conductor;
 pub mod jobs;
 pub mod mooncake_flags;
 pub mod mount;
+pub mod nvmeof;
 pub mod objects;
 pub mod pg;
 pub mod reshard;
