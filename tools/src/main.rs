@@ -471,7 +471,7 @@ fn run() -> anyhow::Result<()> {
                 })
                 .await
             }
-            Cmd::Bench(BenchCmd::Trace(a)) => bench::trace::run(a),
+            Cmd::Bench(BenchCmd::Trace(a)) => bench::trace::run(a).await,
             Cmd::Bench(BenchCmd::Hbm(a)) => bench::hbm::run(a).await,
             Cmd::Bench(BenchCmd::Failover(a)) => bench::failover::run(a).await,
             Cmd::Bench(BenchCmd::Conductor(_)) => unreachable!("handled before the runtime"),

@@ -279,20 +279,20 @@ fn check(reply: &[u8], ct: &str, instances: usize) -> anyhow::Result<()> {
 }
 
 /// One keep-alive HTTP/1.1 connection.
-struct Conn {
+pub(crate) struct Conn {
     rd: BufReader<std::net::TcpStream>,
     wr: std::net::TcpStream,
 }
 
 impl Conn {
-    fn open(addr: std::net::SocketAddr) -> anyhow::Result<Conn> {
+    pub(crate) fn open(addr: std::net::SocketAddr) -> anyhow::Result<Conn> {
         let s = std::net::TcpStream::connect(addr)?;
         s.set_nodelay(true)?;
         s.set_read_timeout(Some(Duration::from_secs(30)))?;
         Ok(Conn { rd: BufReader::new(s.try_clone()?), wr: s })
     }
 
-    fn post(&mut self, path: &str, ct: &str, body: &[u8]) -> anyhow::Result<Vec<u8>> {
+    pub(crate) fn post(&mut self, path: &str, ct: &str, body: &[u8]) -> anyhow::Result<Vec<u8>> {
         let head = format!(
             "POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: {ct}\r\nContent-Length: {}\r\n\r\n",
             body.len()

@@ -8,6 +8,7 @@ pub mod fs;
 pub mod hbm;
 pub mod limits;
 pub mod pg;
+pub mod replay;
 pub mod report;
 pub mod reshard;
 pub mod store;

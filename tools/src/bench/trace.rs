@@ -84,6 +84,21 @@ pub struct TraceArgs {
     /// Seed of the random policy.
     #[arg(long, default_value_t = SimConfig::DEFAULT.seed)]
     pub seed: u64,
+    /// Then replay each trace for real: through a master, a node and the conductor started
+    /// in this process, each 512-token block a pool object of `--block-bytes` (see
+    /// `--pool-bytes`, `--replay-requests`).
+    #[arg(long)]
+    pub replay: bool,
+    /// `--replay`: bytes of one block's object (a real model's 512-token block is megabytes;
+    /// scaled to this machine).
+    #[arg(long, value_parser = super::report::parse_bytes, default_value = "64K")]
+    pub block_bytes: u64,
+    /// `--replay`: DRAM the node gives the pool.
+    #[arg(long, value_parser = super::report::parse_bytes, default_value = "512M")]
+    pub pool_bytes: u64,
+    /// `--replay`: the trace's first requests replayed.
+    #[arg(long, default_value_t = 3000)]
+    pub replay_requests: usize,
 }
 
 /// `100000`, `1e5`, `500K`, `2M` (decimal units: tokens), `unbounded`.
@@ -119,7 +134,7 @@ struct TraceResult {
     rows: Vec<Row>,
 }
 
-pub fn run(a: TraceArgs) -> anyhow::Result<()> {
+pub async fn run(a: TraceArgs) -> anyhow::Result<()> {
     let mut results = Vec::new();
     for path in &a.traces {
         let start = Instant::now();
@@ -157,6 +172,15 @@ pub fn run(a: TraceArgs) -> anyhow::Result<()> {
         }
         if !a.no_simulate {
             run_simulation(&a, &result.name, &trace);
+        }
+        if a.replay {
+            let o = super::replay::ReplayOpts {
+                block_bytes: a.block_bytes,
+                pool_bytes: a.pool_bytes,
+                requests: a.replay_requests,
+                json: a.json,
+            };
+            super::replay::run(&result.name, &trace.requests, &o).await?;
         }
         results.push(result);
     }
