@@ -128,6 +128,18 @@ async fn bucket(root: &std::path::Path) -> BTreeMap<String, Vec<u8>> {
     out
 }
 
+/// A master and `nodes` nodes sharing an `fs` object store in a temporary directory (kept
+/// alive by the first value; the second is the store's root).
+async fn with_object_store(nodes: usize) -> (tempfile::TempDir, std::path::PathBuf, Cluster) {
+    let data = tempfile::tempdir().unwrap();
+    let root = data.path().join("objects");
+    let store = format!("fs:{}", root.display());
+    let mut o = ClusterOpts { nodes, ..ClusterOpts::default() };
+    o.master_args.extend(["--object-store".to_string(), store.clone()]);
+    o.node_args.extend(["--object-store".into(), store]);
+    (data, root, Cluster::start(o).await)
+}
+
 async fn dram_used(c: &Client) -> u64 {
     let s = c.stats().await.unwrap();
     s.tiers.iter().filter(|t| t.tier == Tier::Dram).map(|t| t.used_bytes).sum()
@@ -136,13 +148,7 @@ async fn dram_used(c: &Client) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn offload_survives_the_cli_a_node_and_the_master_killed_mid_job_and_restore_brings_it_back()
 {
-    let data = tempfile::tempdir().unwrap();
-    let root = data.path().join("objects");
-    let store = format!("fs:{}", root.display());
-    let mut o = ClusterOpts { nodes: 2, ..ClusterOpts::default() };
-    o.master_args.extend(["--object-store".to_string(), store.clone()]);
-    o.node_args.extend(["--object-store".into(), store]);
-    let mut cluster = Cluster::start(o).await;
+    let (_data, root, mut cluster) = with_object_store(2).await;
     let c = cluster.client().await;
 
     // N objects under the prefix on both nodes, and some outside it.
@@ -282,13 +288,7 @@ async fn offload_survives_the_cli_a_node_and_the_master_killed_mid_job_and_resto
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_refuse_bad_input_and_cancel() {
-    let data = tempfile::tempdir().unwrap();
-    let root = data.path().join("objects");
-    let store = format!("fs:{}", root.display());
-    let mut o = ClusterOpts { nodes: 1, ..ClusterOpts::default() };
-    o.master_args.extend(["--object-store".to_string(), store.clone()]);
-    o.node_args.extend(["--object-store".into(), store]);
-    let cluster = Cluster::start(o).await;
+    let (_data, root, cluster) = with_object_store(1).await;
     let c = cluster.client().await;
     for i in 0..200 {
         c.put(&format!("c/{i}"), &bytes(i), &PutOptions::default()).await.unwrap();
@@ -345,13 +345,7 @@ async fn a_master_without_an_object_store_refuses_jobs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_job_covers_its_keys_and_only_it_sees_the_job() {
     use kvfs_client::{ErrorKind, JobKind, JobSpec};
-    let data = tempfile::tempdir().unwrap();
-    let root = data.path().join("objects");
-    let store = format!("fs:{}", root.display());
-    let mut o = ClusterOpts { nodes: 1, ..ClusterOpts::default() };
-    o.master_args.extend(["--object-store".to_string(), store.clone()]);
-    o.node_args.extend(["--object-store".into(), store]);
-    let cluster = Cluster::start(o).await;
+    let (_data, root, cluster) = with_object_store(1).await;
     let tenant = |t: &str| {
         let mut cfg = cluster.client_config();
         cfg.tenant = Some(t.into());
