@@ -32,8 +32,9 @@
 //!   hard-pinned objects (and any still leased `MOVE_WAIT_MS` after the walk) are `kept`.
 //! - **Restore of one object.** An object without a memory replica is loaded into DRAM the way
 //!   a get loads it (`tiers::load_dedup`: its NVMe copy first, then the object store).
-//! - **Resumption.** At start the master waits for its object-store scan and the recovery grace
-//!   (nodes report what they hold), reads the job records and runs every job that was running
+//! - **Resumption.** At start the master reads the job records and runs every job that was
+//!   running, once its object-store scan is over and the recovery grace has passed (nodes
+//!   report what they hold; a new job waits only for a recovery under way, as puts do),
 //!   from its checkpoint. The objects between the checkpoint and the crash are visited again:
 //!   persisted ones are found in the object store (`already`: never written twice), and the
 //!   counters are the checkpoint's, so every object is counted once.
@@ -375,11 +376,11 @@ enum Outcome {
 }
 
 async fn run(state: &Arc<State>, job: &Arc<Job>) {
-    wait_rebuilt(state).await;
     let (spec, mut rec) = {
         let r = lock(&job.record).clone();
         (r.status.spec.clone(), r)
     };
+    wait_rebuilt(state, rec.status.resumed > 0).await;
     if rec.status.objects_total == 0 && rec.cursor.is_none() && !rec.walked {
         let (n, bytes) = count(state, &spec.prefix, rec.bound);
         rec.status.objects_total = n;
@@ -567,11 +568,18 @@ async fn fail(state: &State, job: &Job, rec: &mut Record, why: String) {
     let _ = write_record(state, rec).await;
 }
 
-/// Waits until the directory holds what the pool holds: the object-store scan is over and
-/// nodes had the recovery grace to report their objects.
-async fn wait_rebuilt(state: &State) {
+/// Waits until the directory holds what the pool holds: the object-store scan is over, and
+/// nodes had the recovery grace to report their objects (a resumed job waits out the whole
+/// grace after the master's start, since its nodes are coming back; a new one only a recovery
+/// under way, as puts do).
+async fn wait_rebuilt(state: &State, resumed: bool) {
     let until = state.started_ms + state.cfg.recovery_grace_ms;
-    while state.tiers.scanning.load(Ordering::Acquire) || now_ms() < until {
+    loop {
+        let now = now_ms();
+        let grace = if resumed { now < until } else { state.recovering(now) };
+        if !grace && !state.tiers.scanning.load(Ordering::Acquire) {
+            return;
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
