@@ -256,6 +256,9 @@ fn find(state: &State, id: u64) -> Result<Arc<Job>, WireError> {
 // ----- records ------------------------------------------------------------------------------
 
 async fn write_record(state: &State, r: &Record) -> Result<(), WireError> {
+    if let Some(e) = state.fenced() {
+        return Err(e);
+    }
     let Some(store) = &state.tiers.object_store else {
         return Err(err(ErrorCode::Unavailable, "no object store"));
     };
@@ -394,6 +397,12 @@ async fn run(state: &Arc<State>, job: &Arc<Job>) {
     while !rec.walked {
         if job.cancel.load(Ordering::Acquire) {
             break;
+        }
+        // A leader whose lease lapsed stops: the next leader resumes the job from the last
+        // checkpoint, and this one writes nothing more.
+        if let Some(e) = state.fenced() {
+            tracing::warn!(id = rec.status.id, why = %e.message, "job stopped: not the leader");
+            return;
         }
         let listed = state.lock().list(&spec.prefix, rec.cursor.as_deref(), PAGE);
         let page = match listed {
