@@ -258,15 +258,32 @@ async fn offload_survives_the_cli_a_node_and_the_master_killed_mid_job_and_resto
     })
     .await;
     assert!(dram_used(&c).await < in_pool / 10);
-    let mut cli = Cli::start(&cluster.master_addr, &["restore", "job/", "--concurrency", "16"]);
-    let restored = job_id(&cli.until(20, |l| l.starts_with("job ") && l.contains(" started: ")));
+    // The restore, paced, with the master SIGKILLed and restarted a third of the way in.
+    let mut cli = Cli::start(
+        &cluster.master_addr,
+        &["restore", "job/", "--concurrency", "16", "--rate", "8M", "--detach"],
+    );
+    let restored: u64 = cli.until(20, |l| l.parse::<u64>().is_ok()).parse().unwrap();
+    assert!(cli.finish(30).0);
+    wait_until("a third of the restore", 30, async || {
+        c.job(restored).await.is_ok_and(|r| r.objects_done >= N as u64 / 3)
+    })
+    .await;
+    assert_eq!(c.job(restored).await.unwrap().state, JobState::Running);
+    cluster.kill_master();
+    drop(c);
+    cluster.start_master();
+    cluster.wait_nodes(2).await;
+    let cli = Cli::start(&cluster.master_addr, &["jobs", "wait", &restored.to_string()]);
     let (ok, out) = cli.finish(120);
     assert!(ok, "restore failed:\n{out}");
-    assert!(out.contains("loaded into memory"), "{out}");
+    assert!(out.contains("loaded into memory") && out.contains("resumed 1 time(s)"), "{out}");
+    let c = cluster.client().await;
     let r = c.job(restored).await.unwrap();
+    // Loaded before the kill: the nodes reported them, the resumed job finds them in memory.
     assert_eq!(
-        (r.objects_total, r.moved, r.failed),
-        (s.objects_total, s.objects_total, 0),
+        (r.objects_total, r.moved + r.already, r.failed, r.resumed),
+        (s.objects_total, s.objects_total, 0, 1),
         "{r:?}"
     );
     assert!(dram_used(&c).await >= in_pool / 3, "restore left DRAM nearly empty");
