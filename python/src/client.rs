@@ -13,7 +13,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use kvfs_client::{GetInto, Persistence, Pin, PutFrom, PutOptions, RenameMode, Strategy};
+use kvfs_client::{
+    GetInto, JobKind, JobSpec, JobStatus, Persistence, Pin, PutFrom, PutOptions, RenameMode,
+    Strategy,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
@@ -627,6 +630,70 @@ impl PyClient {
         Ok(d)
     }
 
+    /// Starts a job the master owns that persists every object under `prefix` to the object
+    /// store (`move`: then drops their pool copies, freeing the pool). Returns the job's id;
+    /// the job runs on if this process goes (`job(id)` follows it, `kvfs jobs` too).
+    #[pyo3(signature = (prefix, r#move=false, concurrency=8, rate=0))]
+    fn offload(
+        &self,
+        py: Python<'_>,
+        prefix: &str,
+        r#move: bool,
+        concurrency: u32,
+        rate: u64,
+    ) -> PyResult<u64> {
+        self.start_job(py, JobKind::Offload { evict: r#move }, prefix, concurrency, rate)
+    }
+
+    /// Starts a job the master owns that loads every object under `prefix` that no memory
+    /// replica holds back into DRAM (warming the pool). Returns the job's id.
+    #[pyo3(signature = (prefix, concurrency=8, rate=0))]
+    fn restore(&self, py: Python<'_>, prefix: &str, concurrency: u32, rate: u64) -> PyResult<u64> {
+        self.start_job(py, JobKind::Restore, prefix, concurrency, rate)
+    }
+
+    /// A job's status: `{id, kind, prefix, state, objects_total, objects_done, bytes_total,
+    /// bytes_done, moved, already, gone, evicted, kept, failed, resumed, errors, started_ms,
+    /// updated_ms, finished_ms}`; `state` is `running`, `done`, `cancelled` or `failed`.
+    fn job<'py>(&self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, PyAny>> {
+        let s = raise(py, live(&self.slot))?;
+        let st = raise(
+            py,
+            runtime::call(py, "job", s.call_timeout, async {
+                s.client.job(id).await.map_err(Failure::from)
+            }),
+        )?;
+        job_dict(py, &st)
+    }
+
+    /// Every job the master knows (of this client's tenant), running ones first.
+    fn jobs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let s = raise(py, live(&self.slot))?;
+        let v = raise(
+            py,
+            runtime::call(py, "jobs", s.call_timeout, async {
+                s.client.jobs().await.map_err(Failure::from)
+            }),
+        )?;
+        let out = PyList::empty(py);
+        for st in &v {
+            out.append(job_dict(py, st)?)?;
+        }
+        Ok(out)
+    }
+
+    /// Stops a running job after the objects in flight; its status.
+    fn cancel_job<'py>(&self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, PyAny>> {
+        let s = raise(py, live(&self.slot))?;
+        let st = raise(
+            py,
+            runtime::call(py, "cancel_job", s.call_timeout, async {
+                s.client.job_cancel(id).await.map_err(Failure::from)
+            }),
+        )?;
+        job_dict(py, &st)
+    }
+
     /// Leaves the cluster (the embedded segment's objects are gone); idempotent.
     fn close(&self, py: Python<'_>) {
         self.regs.lock().unwrap_or_else(|e| e.into_inner()).clear();
@@ -757,4 +824,57 @@ fn counts(py: Python<'_>, c: kvfs_client::RemoveCounts) -> PyResult<Bound<'_, Py
     d.set_item("skipped_leased", c.skipped_leased)?;
     d.set_item("skipped_pinned", c.skipped_pinned)?;
     Ok(d)
+}
+
+impl PyClient {
+    fn start_job(
+        &self,
+        py: Python<'_>,
+        kind: JobKind,
+        prefix: &str,
+        concurrency: u32,
+        rate: u64,
+    ) -> PyResult<u64> {
+        let s = raise(py, live(&self.slot))?;
+        let spec =
+            JobSpec { kind, prefix: prefix.to_string(), concurrency, rate_bytes_per_s: rate };
+        let st = raise(
+            py,
+            runtime::call(py, "job_start", s.call_timeout, async {
+                s.client.job_start(spec).await.map_err(Failure::from)
+            }),
+        )?;
+        Ok(st.id)
+    }
+}
+
+/// A job's status as a Python dict.
+fn job_dict<'py>(py: Python<'py>, s: &JobStatus) -> PyResult<Bound<'py, PyAny>> {
+    let d = PyDict::new(py);
+    d.set_item("id", s.id)?;
+    d.set_item("kind", s.spec.kind.name())?;
+    d.set_item("prefix", &s.spec.prefix)?;
+    d.set_item("concurrency", s.spec.concurrency)?;
+    d.set_item("rate", s.spec.rate_bytes_per_s)?;
+    d.set_item("state", s.state.name())?;
+    for (k, v) in [
+        ("objects_total", s.objects_total),
+        ("objects_done", s.objects_done),
+        ("bytes_total", s.bytes_total),
+        ("bytes_done", s.bytes_done),
+        ("moved", s.moved),
+        ("already", s.already),
+        ("gone", s.gone),
+        ("evicted", s.evicted),
+        ("kept", s.kept),
+        ("failed", s.failed),
+        ("resumed", u64::from(s.resumed)),
+        ("started_ms", s.started_ms),
+        ("updated_ms", s.updated_ms),
+        ("finished_ms", s.finished_ms),
+    ] {
+        d.set_item(k, v)?;
+    }
+    d.set_item("errors", PyList::new(py, &s.errors)?)?;
+    Ok(d.into_any())
 }
