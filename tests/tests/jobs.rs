@@ -397,3 +397,60 @@ async fn a_tenants_job_covers_its_keys_and_only_it_sees_the_job() {
     assert_eq!(held.len(), 30);
     assert!(held.keys().all(|k| k.starts_with("tenants/acme/m/")), "{:?}", held.keys());
 }
+
+/// `--move` with readers holding leases on some objects: the master is SIGKILLed while the job
+/// waits for those leases; the restarted master resumes the job from its checkpoint, which
+/// names the objects still to evict, and drops their pool copies too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_resumed_after_a_master_crash_still_frees_what_was_leased() {
+    use kvfs_client::{JobKind, JobSpec};
+    let (_data, _root, mut cluster) = with_object_store(1).await;
+    let c = cluster.client().await;
+    for i in 0..20 {
+        c.put(&format!("l/{i:02}"), &bytes(i), &PutOptions::default()).await.unwrap();
+    }
+    let spec = |evict| JobSpec {
+        kind: JobKind::Offload { evict },
+        prefix: "l/".into(),
+        concurrency: 4,
+        rate_bytes_per_s: 0,
+    };
+    let first = c.job_start(spec(false)).await.unwrap().id;
+    wait_until("the offload", 30, async || {
+        c.job(first).await.is_ok_and(|s| s.state == JobState::Done)
+    })
+    .await;
+    // Readers lease five objects (10 s, the master's default lease).
+    for i in 0..5 {
+        c.get(&format!("l/{i:02}")).await.unwrap();
+    }
+    let id = c.job_start(spec(true)).await.unwrap().id;
+    wait_until("the fifteen unleased objects freed", 30, async || {
+        c.job(id).await.is_ok_and(|s| s.evicted == 15)
+    })
+    .await;
+    let s = c.job(id).await.unwrap();
+    assert_eq!(s.state, JobState::Running, "{s:?}");
+    // The walk is over; the job waits for the readers' leases. Its checkpoint is written.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cluster.kill_master();
+    drop(c);
+    cluster.start_master();
+    cluster.wait_nodes(1).await;
+    let c = cluster.client().await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let s = loop {
+        match c.job(id).await {
+            Ok(s) if s.state != JobState::Running => break s,
+            _ => {}
+        }
+        assert!(Instant::now() < deadline, "the resumed job did not end");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!((s.state, s.resumed, s.evicted, s.kept), (JobState::Done, 1, 20, 0), "{s:?}");
+    for i in 0..20 {
+        let v = c.stat(&format!("l/{i:02}")).await.unwrap();
+        assert!(v.replicas.iter().all(|r| r.tier == Tier::ObjectStore), "l/{i:02}: {v:?}");
+    }
+    assert_eq!(dram_used(&c).await, 0);
+}

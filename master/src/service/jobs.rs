@@ -28,8 +28,9 @@
 //!   node's copies leave the directory after its disconnect grace).
 //! - **`--move`.** A persisted object's pool copies are dropped
 //!   (`Directory::release_to_object_store`), refused while a read lease is live (the job's own
-//!   lease too): such objects wait in a queue retried every `RETRY_MS` until their lease ends;
-//!   hard-pinned objects (and any still leased `MOVE_WAIT_MS` after the walk) are `kept`.
+//!   lease too): such objects wait in a queue retried every `RETRY_MS` until their lease ends
+//!   (the queue is part of the checkpoint, so a resumed job still drops them); hard-pinned
+//!   objects (and any still leased `MOVE_WAIT_MS` past the lease TTL after the walk) are `kept`.
 //! - **Restore of one object.** An object without a memory replica is loaded into DRAM the way
 //!   a get loads it (`tiers::load_dedup`: its NVMe copy first, then the object store).
 //! - **Resumption.** At start the master reads the job records and runs every job that was
@@ -90,6 +91,10 @@ struct Record {
     bound: u64,
     /// The walk is over (`--move` may still be draining its queue).
     walked: bool,
+    /// `--move`: objects before the cursor, persisted, whose pool copies are still to drop
+    /// (leased when the checkpoint was written); a resumed job drops them.
+    #[serde(default)]
+    evict: Vec<(String, u64)>,
 }
 
 struct Job {
@@ -207,7 +212,8 @@ async fn start_job(state: &Arc<State>, spec: JobSpec) -> Result<JobStatus, WireE
     };
     // Every version the directory has handed out so far is in the job.
     let bound = state.lock().version_bound(now);
-    let record = Record { status: status.clone(), cursor: None, bound, walked: false };
+    let record =
+        Record { status: status.clone(), cursor: None, bound, walked: false, evict: Vec::new() };
     // The record is written before the answer: a job the caller was told of survives a crash.
     write_record(state, &record).await?;
     state.jobs.metrics.started.fetch_add(1, Ordering::Relaxed);
@@ -391,7 +397,7 @@ async fn run(state: &Arc<State>, job: &Arc<Job>) {
         *lock(&job.live) = rec.status.clone();
     }
     let evict = matches!(spec.kind, JobKind::Offload { evict: true });
-    let mut queue: VecDeque<(String, u64)> = VecDeque::new();
+    let mut queue: VecDeque<(String, u64)> = std::mem::take(&mut rec.evict).into();
     let mut pace = Pace::new(spec.rate_bytes_per_s);
     let mut last_write = Instant::now();
     while !rec.walked {
@@ -468,6 +474,7 @@ async fn run(state: &Arc<State>, job: &Arc<Job>) {
         rec.status = lock(&job.live).clone();
         rec.cursor = page.next_start_after.clone().or(rec.cursor.take());
         rec.walked = page.next_start_after.is_none();
+        rec.evict = queue.iter().cloned().collect();
         if rec.walked || last_write.elapsed() >= Duration::from_millis(CHECKPOINT_MS) {
             *lock(&job.record) = rec.clone();
             if let Err(e) = write_record(state, &rec).await {
@@ -496,6 +503,7 @@ async fn run(state: &Arc<State>, job: &Arc<Job>) {
     status.updated_ms = status.finished_ms;
     *lock(&job.live) = status.clone();
     rec.status = status;
+    rec.evict.clear();
     *lock(&job.record) = rec.clone();
     if let Err(e) = write_record(state, &rec).await {
         tracing::warn!(id = rec.status.id, error = %e.message, "job record not written");
