@@ -645,80 +645,92 @@ impl Pace {
 
 // ----- offload ------------------------------------------------------------------------------
 
-async fn offload_one(state: &Arc<State>, key: &str, version: u64) -> Outcome {
+/// One try at an object: its outcome, or why this try failed (the object is tried again).
+type Try = Result<Outcome, String>;
+
+/// Runs `attempt` until it gives an outcome, at most `ATTEMPTS` times `RETRY_MS` apart; the
+/// last try's reason is the failure.
+async fn retrying<F: Future<Output = Try>>(mut attempt: impl FnMut() -> F) -> Outcome {
     let mut last = String::new();
-    for attempt in 0..ATTEMPTS {
-        if attempt > 0 {
+    for n in 0..ATTEMPTS {
+        if n > 0 {
             tokio::time::sleep(Duration::from_millis(RETRY_MS)).await;
         }
-        let view = match checked_view(state, key, version, false) {
-            Ok(v) => v,
-            Err(o) => return o,
-        };
-        if view.replicas.iter().any(|r| r.tier() == Tier::ObjectStore) {
-            return Outcome::Already;
-        }
-        // A write that a killed master asked for and never heard the end of.
-        if let Some(store) = &state.tiers.object_store
-            && let Ok(meta) = kvfs_tiers::Medium::stat(store.as_ref(), key).await
-            && meta.version == version
-            && view.checksum.is_none_or(|c| c == meta.checksum)
-        {
-            return match record_persisted(state, key, version, meta.checksum) {
-                Ok(()) => Outcome::Already,
-                Err(o) => o,
-            };
-        }
-        // Look up, check and lease under one lock: the ranges stay the object's while leased
-        // (a short lease, renewed while the node works, so `--move` need not wait out a
-        // reader's whole TTL after it).
-        let view = match checked_view(state, key, version, true) {
-            Ok(v) => v,
-            Err(o) => return o,
-        };
-        let mut sources: Vec<_> = view
-            .replicas
-            .iter()
-            .filter_map(|r| match r.location {
-                Location::Node(n) => Some(n),
-                Location::ObjectStore => None,
-            })
-            .collect();
-        // Memory copies first (a memcpy on the node), then NVMe.
-        sources.sort_by_key(|n| (n.tier == Tier::Nvme, n.node.0));
-        for n in sources {
-            let req = NodeRequest::Persist(vec![w::PersistItem {
-                key: key.to_string(),
-                segment: n.segment,
-                offset: n.offset,
-                size: view.size,
-                checksum: view.checksum,
-                version,
-                pin: convert::pin(view.pin),
-            }]);
-            let call = tiers::call_node(state, n.node, &req, state.cfg.persist_timeout_ms);
-            let r = held(state, key, version, call)
-                .await
-                .and_then(|resp| tiers::single(resp, "persist"));
-            match r {
-                Ok(sum) => {
-                    return match record_persisted(state, key, version, sum) {
-                        Ok(()) => Outcome::Moved(view.size),
-                        Err(o) => {
-                            delete_stale(state, key, version).await;
-                            o
-                        }
-                    };
-                }
-                Err(e) if e.code == ErrorCode::Corrupt => return Outcome::Failed(e.message),
-                Err(e) => last = format!("node {}: {}", n.node.0, e.message),
-            }
-        }
-        if last.is_empty() {
-            last = "no node holds a copy".into();
+        match attempt().await {
+            Ok(o) => return o,
+            Err(why) => last = why,
         }
     }
     Outcome::Failed(last)
+}
+
+async fn offload_one(state: &Arc<State>, key: &str, version: u64) -> Outcome {
+    retrying(|| offload_try(state, key, version)).await
+}
+
+async fn offload_try(state: &Arc<State>, key: &str, version: u64) -> Try {
+    let view = match checked_view(state, key, version, false) {
+        Ok(v) => v,
+        Err(o) => return Ok(o),
+    };
+    if view.replicas.iter().any(|r| r.tier() == Tier::ObjectStore) {
+        return Ok(Outcome::Already);
+    }
+    // A write that a killed master asked for and never heard the end of.
+    if let Some(store) = &state.tiers.object_store
+        && let Ok(meta) = kvfs_tiers::Medium::stat(store.as_ref(), key).await
+        && meta.version == version
+        && view.checksum.is_none_or(|c| c == meta.checksum)
+    {
+        return Ok(record_persisted(state, key, version, meta.checksum)
+            .map_or_else(|o| o, |()| Outcome::Already));
+    }
+    // Look up, check and lease under one lock: the ranges stay the object's while leased
+    // (a short lease, renewed while the node works, so `--move` need not wait out a
+    // reader's whole TTL after it).
+    let view = match checked_view(state, key, version, true) {
+        Ok(v) => v,
+        Err(o) => return Ok(o),
+    };
+    let mut sources: Vec<_> = view
+        .replicas
+        .iter()
+        .filter_map(|r| match r.location {
+            Location::Node(n) => Some(n),
+            Location::ObjectStore => None,
+        })
+        .collect();
+    // Memory copies first (a memcpy on the node), then NVMe.
+    sources.sort_by_key(|n| (n.tier == Tier::Nvme, n.node.0));
+    let mut last = None;
+    for n in sources {
+        let req = NodeRequest::Persist(vec![w::PersistItem {
+            key: key.to_string(),
+            segment: n.segment,
+            offset: n.offset,
+            size: view.size,
+            checksum: view.checksum,
+            version,
+            pin: convert::pin(view.pin),
+        }]);
+        let call = tiers::call_node(state, n.node, &req, state.cfg.persist_timeout_ms);
+        let r =
+            held(state, key, version, call).await.and_then(|resp| tiers::single(resp, "persist"));
+        match r {
+            Ok(sum) => {
+                return Ok(match record_persisted(state, key, version, sum) {
+                    Ok(()) => Outcome::Moved(view.size),
+                    Err(o) => {
+                        delete_stale(state, key, version).await;
+                        o
+                    }
+                });
+            }
+            Err(e) if e.code == ErrorCode::Corrupt => return Ok(Outcome::Failed(e.message)),
+            Err(e) => last = Some(format!("node {}: {}", n.node.0, e.message)),
+        }
+    }
+    Err(last.unwrap_or_else(|| "no node holds a copy".into()))
 }
 
 /// The object's view if it is still at `version` (else the outcome to count); with `lease`,
@@ -827,26 +839,22 @@ async fn drain(state: &Arc<State>, job: &Job, queue: &mut VecDeque<(String, u64)
 // ----- restore ------------------------------------------------------------------------------
 
 async fn restore_one(state: &Arc<State>, key: &str, version: u64) -> Outcome {
-    let mut last = String::new();
-    for attempt in 0..ATTEMPTS {
-        if attempt > 0 {
-            tokio::time::sleep(Duration::from_millis(RETRY_MS)).await;
-        }
+    retrying(|| async {
         let view = match checked_view(state, key, version, false) {
             Ok(v) => v,
-            Err(o) => return o,
+            Err(o) => return Ok(o),
         };
         if view.replicas.iter().any(|r| matches!(r.tier(), Tier::Dram | Tier::Hbm)) {
-            return Outcome::Already;
+            return Ok(Outcome::Already);
         }
         match tiers::load_dedup(state, key).await {
-            Ok(()) => return Outcome::Moved(view.size),
-            Err(e) if e.code == ErrorCode::NotFound => return Outcome::Gone,
-            Err(e) if e.code == ErrorCode::Corrupt => return Outcome::Failed(e.message),
-            Err(e) => last = e.message,
+            Ok(()) => Ok(Outcome::Moved(view.size)),
+            Err(e) if e.code == ErrorCode::NotFound => Ok(Outcome::Gone),
+            Err(e) if e.code == ErrorCode::Corrupt => Ok(Outcome::Failed(e.message)),
+            Err(e) => Err(e.message),
         }
-    }
-    Outcome::Failed(last)
+    })
+    .await
 }
 
 // ----- metrics ------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ use kvfs_node::{Node, NodeConfig};
 use serde_json::json;
 
 use super::conductor::Conn;
-use super::report::human_bytes;
+use super::report::{Samples, human_bytes};
 
 /// What `--replay` needs from the command line.
 pub struct ReplayOpts {
@@ -57,12 +57,9 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() - 1) as f64 * p).round() as usize]
+/// The `p` percentile of latencies in microseconds (0 for none).
+fn pct(v: &[f64], p: f64) -> f64 {
+    Samples { lat_us: v.to_vec(), ..Samples::default() }.percentile(p).unwrap_or(0.0)
 }
 
 pub async fn run(name: &str, requests: &[Request], o: &ReplayOpts) -> anyhow::Result<()> {
@@ -227,14 +224,14 @@ pub async fn run(name: &str, requests: &[Request], o: &ReplayOpts) -> anyhow::Re
         "write_gbps": written_bytes as f64 / secs / 1e9,
         "puts_refused": put_refused,
         "evicted_replicas": stats.evicted_replicas,
-        "query_p50_us": pct(&mut q_us, 0.5),
-        "query_p99_us": pct(&mut q_us, 0.99),
-        "get_p50_us": pct(&mut get_us, 0.5),
-        "get_p99_us": pct(&mut get_us, 0.99),
-        "put_p50_us": pct(&mut put_us, 0.5),
-        "put_p99_us": pct(&mut put_us, 0.99),
-        "request_p50_us": pct(&mut req_us, 0.5),
-        "request_p99_us": pct(&mut req_us, 0.99),
+        "query_p50_us": pct(&q_us, 0.5),
+        "query_p99_us": pct(&q_us, 0.99),
+        "get_p50_us": pct(&get_us, 0.5),
+        "get_p99_us": pct(&get_us, 0.99),
+        "put_p50_us": pct(&put_us, 0.5),
+        "put_p99_us": pct(&put_us, 0.99),
+        "request_p50_us": pct(&req_us, 0.5),
+        "request_p99_us": pct(&req_us, 0.99),
         "seconds": secs,
     });
     if o.json {
