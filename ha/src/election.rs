@@ -47,6 +47,11 @@ impl LeaseGuard {
         (self.inner.base.elapsed().as_micros() as u64) < self.inner.until_us.load(Ordering::Acquire)
     }
 
+    /// When the guard lapses unless it is extended first.
+    fn expires(&self) -> Instant {
+        self.inner.base + Duration::from_micros(self.inner.until_us.load(Ordering::Acquire))
+    }
+
     fn extend(&self, until: Instant) {
         let us = until.saturating_duration_since(self.inner.base).as_micros() as u64;
         self.inner.until_us.fetch_max(us, Ordering::AcqRel);
@@ -228,7 +233,7 @@ impl KeepAlive {
         guard: LeaseGuard,
         lost: watch::Sender<Option<String>>,
     ) -> Result<KeepAlive> {
-        let etcd = etcd.fresh()?;
+        let members = etcd.per_member()?;
         let stop = Arc::new(tokio::sync::Notify::new());
         let s = stop.clone();
         std::thread::Builder::new()
@@ -245,7 +250,7 @@ impl KeepAlive {
                 };
                 rt.block_on(async move {
                     tokio::select! {
-                        _ = keep_alive(etcd, lease, ttl, guard, lost) => {}
+                        _ = keep_alive(members, lease, ttl, guard, lost) => {}
                         // `notify_one` stores a permit: a stop before this wait still ends it.
                         _ = s.notified() => {}
                     }
@@ -263,32 +268,93 @@ impl KeepAlive {
 }
 
 async fn keep_alive(
-    etcd: Etcd,
+    members: Vec<Etcd>,
     lease: i64,
     ttl: Duration,
     guard: LeaseGuard,
     lost: watch::Sender<Option<String>>,
 ) {
     let period = (ttl / 4).max(Duration::from_millis(50));
-    let mut last_error = String::new();
+    let mut preferred = 0;
     loop {
         tokio::time::sleep(period).await;
-        let sent = Instant::now();
-        match tokio::time::timeout(period, etcd.lease_keepalive(lease)).await {
-            Ok(Ok(t)) if t > 0 => guard.extend(sent + ttl.mul_f64(0.9)),
-            Ok(Ok(_)) => {
+        match renew(&members, preferred, lease, ttl, period, &guard).await {
+            Renewal::Renewed { member } => preferred = member,
+            Renewal::Gone => {
                 guard.invalidate();
                 let _ = lost.send(Some("the leader's lease expired or was revoked in etcd".into()));
                 return;
             }
-            Ok(Err(e)) => last_error = e.to_string(),
-            Err(_) => last_error = format!("keep-alive took over {period:?}"),
+            Renewal::Lapsed(why) => {
+                guard.invalidate();
+                let _ = lost.send(Some(format!(
+                    "could not renew the leader's lease within its life ({why})"
+                )));
+                return;
+            }
         }
-        if !guard.is_valid() {
-            let _ = lost.send(Some(format!(
-                "could not renew the leader's lease within its life ({last_error})"
-            )));
-            return;
+    }
+}
+
+enum Renewal {
+    /// `member` renewed the lease (and the guard is extended).
+    Renewed { member: usize },
+    /// etcd answered that the lease is gone.
+    Gone,
+    /// The guard lapsed before any member renewed the lease; why the last one asked failed.
+    Lapsed(String),
+}
+
+/// One renewal of the lease. It asks the member that answered last; each `period` without an
+/// answer, and soon after a member fails, it asks the next one as well, leaving the earlier
+/// requests running: a member cut off from us, or one waiting for its peers to elect a raft
+/// leader after theirs was cut off, must not cost the lease while another can renew it. The
+/// first member to answer decides; it gives up when the guard lapses.
+async fn renew(
+    members: &[Etcd],
+    preferred: usize,
+    lease: i64,
+    ttl: Duration,
+    period: Duration,
+    guard: &LeaseGuard,
+) -> Renewal {
+    let n = members.len();
+    let mut asks = tokio::task::JoinSet::new();
+    let mut busy = vec![false; n];
+    let mut asked = 0usize;
+    let mut last_error = String::from("no member answered");
+    let pause = (period / 5).max(Duration::from_millis(10));
+    let mut next_ask = tokio::time::Instant::now();
+    let lapse = tokio::time::Instant::from_std(guard.expires());
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep_until(next_ask) => {
+                // The next member not already asked, in turn from the preferred one.
+                if let Some(m) = (0..n).map(|j| (preferred + asked + j) % n).find(|&m| !busy[m]) {
+                    busy[m] = true;
+                    asked = (m + n - preferred) % n + 1;
+                    let etcd = members[m].clone();
+                    asks.spawn(async move {
+                        let sent = Instant::now();
+                        (m, sent, etcd.lease_keepalive(lease).await)
+                    });
+                }
+                next_ask = tokio::time::Instant::now() + period;
+            }
+            Some(done) = asks.join_next(), if !asks.is_empty() => match done {
+                Ok((m, sent, Ok(t))) if t > 0 => {
+                    guard.extend(sent + ttl.mul_f64(0.9));
+                    return Renewal::Renewed { member: m };
+                }
+                Ok((_, _, Ok(_))) => return Renewal::Gone,
+                Ok((m, _, Err(e))) => {
+                    busy[m] = false;
+                    last_error = e.to_string();
+                    next_ask = next_ask.min(tokio::time::Instant::now() + pause);
+                }
+                Err(e) => last_error = format!("a keep-alive request failed: {e}"),
+            },
+            _ = tokio::time::sleep_until(lapse) => return Renewal::Lapsed(last_error),
         }
     }
 }

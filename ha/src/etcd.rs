@@ -103,6 +103,12 @@ impl Etcd {
         Etcd::new(self.endpoints.to_vec(), self.timeout)
     }
 
+    /// One client per endpoint, each with a connection pool of its own: for a call that asks
+    /// several members at once rather than one after another.
+    pub fn per_member(&self) -> Result<Vec<Etcd>> {
+        self.endpoints.iter().map(|e| Etcd::new(vec![e.clone()], self.timeout)).collect()
+    }
+
     fn unreachable(&self, detail: String) -> Error {
         Error::Unreachable { endpoints: self.endpoints.join(","), detail }
     }
@@ -175,6 +181,15 @@ impl Etcd {
             .call("lease keepalive", "/v3/lease/keepalive", json!({"ID": id.to_string()}))
             .await?;
         Ok(num(&v["result"]["TTL"]))
+    }
+
+    /// Whether the member this client asks leads etcd's raft group: its own member id against
+    /// the raft leader's it reports (maintenance status). Ask one member: a client of several
+    /// answers for whichever of them answered.
+    pub async fn leads_raft(&self) -> Result<bool> {
+        let v = self.call("status", "/v3/maintenance/status", json!({})).await?;
+        let id = v["header"]["member_id"].as_str().unwrap_or("");
+        Ok(!id.is_empty() && v["leader"].as_str() == Some(id))
     }
 
     /// Revokes a lease, deleting every key attached to it; a lease already gone is fine.
