@@ -139,10 +139,15 @@ impl Algorithm {
             Algorithm::Sha256 | Algorithm::Xxhash => pickle(value),
             Algorithm::Sha256Cbor | Algorithm::XxhashCbor => cbor(value),
         };
+        self.digest(&bytes)
+    }
+
+    /// The digest of serialised bytes.
+    fn digest(self, bytes: &[u8]) -> Vec<u8> {
         if self.is_cryptographic() {
-            Sha256::digest(&bytes).to_vec()
+            Sha256::digest(bytes).to_vec()
         } else {
-            xxhash_rust::xxh3::xxh3_128(&bytes).to_be_bytes().to_vec()
+            xxhash_rust::xxh3::xxh3_128(bytes).to_be_bytes().to_vec()
         }
     }
 }
@@ -237,11 +242,46 @@ impl BlockHasher {
         extra: &Extra,
         first_block: bool,
     ) -> BlockDigest {
+        self.hash_block_in(&mut Vec::new(), parent, tokens, extra, first_block)
+    }
+
+    /// [`BlockHasher::hash_block`] serialising into `scratch` (its contents are replaced), so
+    /// that a chain reuses one buffer.
+    fn hash_block_in(
+        &self,
+        scratch: &mut Vec<u8>,
+        parent: Option<&[u8]>,
+        tokens: &[u32],
+        extra: &Extra,
+        first_block: bool,
+    ) -> BlockDigest {
         // vLLM replaces a falsy parent (None or b"") by NONE_HASH.
         let parent = match parent {
             Some(p) if !p.is_empty() => p,
             _ => &self.root,
         };
+        let keys = self.keys(extra, first_block);
+        match self.algorithm {
+            // The CBOR of `(parent, tokens, keys)` written straight into `scratch`: a 128k-token
+            // prompt is half a megabyte of CBOR per query, so no tree and no buffer per block.
+            Algorithm::Sha256Cbor | Algorithm::XxhashCbor => {
+                scratch.clear();
+                cbor_head(scratch, 4, 3);
+                cbor_head(scratch, 2, parent.len() as u64);
+                scratch.extend_from_slice(parent);
+                cbor_tokens(scratch, tokens);
+                cbor_walk(scratch, &keys);
+                self.algorithm.digest(scratch)
+            }
+            Algorithm::Sha256 | Algorithm::Xxhash => {
+                let block = Value::Tuple(vec![Value::Bytes(parent), Value::Tokens(tokens), keys]);
+                self.algorithm.hash(&block)
+            }
+        }
+    }
+
+    /// A block's extra keys: `None`, or the tuple of its tagged keys.
+    fn keys<'a>(&self, extra: &'a Extra, first_block: bool) -> Value<'a> {
         let mut keys = Vec::new();
         if let Some(lora) = &extra.lora {
             keys.push(Value::Tuple(vec![
@@ -253,9 +293,7 @@ impl BlockHasher {
         if let Some(salt) = extra.cache_salt.as_deref().filter(|s| first_block && !s.is_empty()) {
             keys.push(Value::Tuple(vec![Value::Str("cache_salt"), Value::Str(salt)]));
         }
-        let keys = if keys.is_empty() { Value::None } else { Value::Tuple(keys) };
-        let block = Value::Tuple(vec![Value::Bytes(parent), Value::Tokens(tokens), keys]);
-        self.algorithm.hash(&block)
+        if keys.is_empty() { Value::None } else { Value::Tuple(keys) }
     }
 
     /// A lazy iterator over the digests of the full blocks of `tokens`, so that a lookup can
@@ -274,6 +312,7 @@ impl BlockHasher {
             blocks: tokens.chunks_exact(block_size),
             extra,
             parent: None,
+            scratch: Vec::new(),
         })
     }
 
@@ -306,6 +345,7 @@ pub struct BlockHashIter<'a> {
     blocks: std::slice::ChunksExact<'a, u32>,
     extra: &'a Extra,
     parent: Option<BlockDigest>,
+    scratch: Vec<u8>,
 }
 
 impl Iterator for BlockHashIter<'_> {
@@ -314,7 +354,13 @@ impl Iterator for BlockHashIter<'_> {
     fn next(&mut self) -> Option<BlockDigest> {
         let block = self.blocks.next()?;
         let first = self.parent.is_none();
-        let digest = self.hasher.hash_block(self.parent.as_deref(), block, self.extra, first);
+        let digest = self.hasher.hash_block_in(
+            &mut self.scratch,
+            self.parent.as_deref(),
+            block,
+            self.extra,
+            first,
+        );
         self.parent = Some(digest.clone());
         Some(digest)
     }
@@ -373,66 +419,86 @@ enum Value<'a> {
 
 /// Canonical CBOR as `cbor2.dumps(value, canonical=True)` writes these shapes.
 fn cbor(value: &Value<'_>) -> Vec<u8> {
-    fn head(out: &mut Vec<u8>, major: u8, n: u64) {
-        let m = major << 5;
-        match n {
-            0..=23 => out.push(m | n as u8),
-            24..=0xff => out.extend([m | 24, n as u8]),
-            0x100..=0xffff => {
-                out.push(m | 25);
-                out.extend((n as u16).to_be_bytes());
+    let mut out = Vec::with_capacity(256);
+    cbor_walk(&mut out, value);
+    out
+}
+
+/// A CBOR head: major type and argument, in the shortest form.
+fn cbor_head(out: &mut Vec<u8>, major: u8, n: u64) {
+    let m = major << 5;
+    match n {
+        0..=23 => out.push(m | n as u8),
+        24..=0xff => out.extend([m | 24, n as u8]),
+        0x100..=0xffff => {
+            out.push(m | 25);
+            out.extend((n as u16).to_be_bytes());
+        }
+        0x1_0000..=0xffff_ffff => {
+            out.push(m | 26);
+            out.extend((n as u32).to_be_bytes());
+        }
+        _ => {
+            out.push(m | 27);
+            out.extend(n.to_be_bytes());
+        }
+    }
+}
+
+fn cbor_walk(out: &mut Vec<u8>, value: &Value<'_>) {
+    match value {
+        Value::None => out.push(0xf6),
+        Value::Bytes(b) => {
+            cbor_head(out, 2, b.len() as u64);
+            out.extend_from_slice(b);
+        }
+        Value::Str(s) => {
+            cbor_head(out, 3, s.len() as u64);
+            out.extend_from_slice(s.as_bytes());
+        }
+        Value::Tokens(t) => cbor_tokens(out, t),
+        Value::Tuple(items) => {
+            cbor_head(out, 4, items.len() as u64);
+            for item in items {
+                cbor_walk(out, item);
             }
-            0x1_0000..=0xffff_ffff => {
-                out.push(m | 26);
-                out.extend((n as u32).to_be_bytes());
+        }
+    }
+}
+
+/// A tuple of token ids: the bulk of every block, unsigned ints of at most 5 bytes each,
+/// written into room made once (no capacity check per byte).
+fn cbor_tokens(out: &mut Vec<u8>, t: &[u32]) {
+    cbor_head(out, 4, t.len() as u64);
+    let start = out.len();
+    out.resize(start + t.len() * 5, 0);
+    let room = &mut out[start..];
+    let mut p = 0;
+    for &tok in t {
+        let w = &mut room[p..p + 5];
+        match tok {
+            0..=23 => {
+                w[0] = tok as u8;
+                p += 1;
+            }
+            24..=0xff => {
+                w[0] = 24;
+                w[1] = tok as u8;
+                p += 2;
+            }
+            0x100..=0xffff => {
+                w[0] = 25;
+                w[1..3].copy_from_slice(&(tok as u16).to_be_bytes());
+                p += 3;
             }
             _ => {
-                out.push(m | 27);
-                out.extend(n.to_be_bytes());
+                w[0] = 26;
+                w[1..5].copy_from_slice(&tok.to_be_bytes());
+                p += 5;
             }
         }
     }
-    fn walk(out: &mut Vec<u8>, value: &Value<'_>) {
-        match value {
-            Value::None => out.push(0xf6),
-            Value::Bytes(b) => {
-                head(out, 2, b.len() as u64);
-                out.extend_from_slice(b);
-            }
-            Value::Str(s) => {
-                head(out, 3, s.len() as u64);
-                out.extend_from_slice(s.as_bytes());
-            }
-            Value::Tokens(t) => {
-                head(out, 4, t.len() as u64);
-                // The bulk of every block: unsigned ints, at most 5 bytes each.
-                out.reserve(t.len() * 5);
-                for &tok in *t {
-                    match tok {
-                        0..=23 => out.push(tok as u8),
-                        24..=0xff => out.extend_from_slice(&[24, tok as u8]),
-                        0x100..=0xffff => {
-                            let [a, b] = (tok as u16).to_be_bytes();
-                            out.extend_from_slice(&[25, a, b]);
-                        }
-                        _ => {
-                            let [a, b, c, d] = tok.to_be_bytes();
-                            out.extend_from_slice(&[26, a, b, c, d]);
-                        }
-                    }
-                }
-            }
-            Value::Tuple(items) => {
-                head(out, 4, items.len() as u64);
-                for item in items {
-                    walk(out, item);
-                }
-            }
-        }
-    }
-    let mut out = Vec::with_capacity(256);
-    walk(&mut out, value);
-    out
+    out.truncate(start + p);
 }
 
 /// `pickle.dumps(value, protocol=5)` as CPython's `_pickle` writes these shapes.

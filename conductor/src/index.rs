@@ -96,7 +96,7 @@ struct Context {
     key: ContextKey,
     blocks: BlockMap,
     /// Owners that stored in this context, with their local non-GPU block count here.
-    owners: HashMap<OwnerId, u64>,
+    owners: std::collections::BTreeMap<OwnerId, u64>,
 }
 
 struct Owner {
@@ -347,7 +347,7 @@ impl Index {
         self.contexts.push(Context {
             key: key.clone(),
             blocks: BlockMap::default(),
-            owners: HashMap::new(),
+            owners: std::collections::BTreeMap::new(),
         });
         self.context_ids.insert(key.clone(), id);
         id

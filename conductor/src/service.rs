@@ -782,28 +782,33 @@ fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<
                 out.extend_from_slice(b"}}");
             }
             Enc::Msgpack => {
-                use rmp::encode::{write_map_len, write_str, write_uint};
-                let _ = write_str(&mut out, name);
-                let _ = write_map_len(&mut out, 6);
-                for (key, v) in [("longest_matched", d), ("gpu", g), ("cpu", c), ("disk", d)] {
-                    let _ = write_str(&mut out, key);
-                    let _ = write_uint(&mut out, v);
+                mp_str(&mut out, name);
+                out.push(0x86); // a map of 6
+                for (key, v) in [
+                    (b"\xaflongest_matched".as_slice(), d),
+                    (b"\xa3gpu", g),
+                    (b"\xa3cpu", c),
+                    (b"\xa4disk", d),
+                ] {
+                    out.extend_from_slice(key);
+                    mp_uint(&mut out, v);
                 }
-                let _ = write_str(&mut out, "dp");
-                let _ = write_map_len(&mut out, ranks.len() as u32);
+                out.extend_from_slice(b"\xa2dp");
+                mp_map(&mut out, ranks.len());
                 for m in &ranks {
-                    let _ = write_str(&mut out, num.format(m.dp_rank));
-                    let _ = write_uint(&mut out, u64::from(m.gpu) * bs);
+                    mp_str(&mut out, num.format(m.dp_rank));
+                    mp_uint(&mut out, u64::from(m.gpu) * bs);
                 }
-                let _ = write_str(&mut out, "rank_matches");
-                let _ = write_map_len(&mut out, ranks.len() as u32);
+                out.extend_from_slice(b"\xacrank_matches");
+                mp_map(&mut out, ranks.len());
                 for m in &ranks {
-                    let _ = write_str(&mut out, num.format(m.dp_rank));
-                    let _ = write_map_len(&mut out, 3);
-                    for (key, v) in [("gpu", m.gpu), ("cpu", m.cpu), ("disk", m.disk)] {
-                        let _ = write_str(&mut out, key);
-                        let _ = write_uint(&mut out, u64::from(v) * bs);
-                    }
+                    mp_str(&mut out, num.format(m.dp_rank));
+                    out.extend_from_slice(b"\x83\xa3gpu");
+                    mp_uint(&mut out, u64::from(m.gpu) * bs);
+                    out.extend_from_slice(b"\xa3cpu");
+                    mp_uint(&mut out, u64::from(m.cpu) * bs);
+                    out.extend_from_slice(b"\xa4disk");
+                    mp_uint(&mut out, u64::from(m.disk) * bs);
                 }
             }
         }
@@ -812,6 +817,46 @@ fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<
         out.extend_from_slice(b"}}");
     }
     out
+}
+
+/// A msgpack unsigned int in its shortest form (as `rmp::encode::write_uint` writes it).
+fn mp_uint(out: &mut Vec<u8>, v: u64) {
+    match v {
+        0..=0x7f => out.push(v as u8),
+        0x80..=0xff => out.extend_from_slice(&[0xcc, v as u8]),
+        0x100..=0xffff => {
+            let [a, b] = (v as u16).to_be_bytes();
+            out.extend_from_slice(&[0xcd, a, b]);
+        }
+        0x1_0000..=0xffff_ffff => {
+            let [a, b, c, d] = (v as u32).to_be_bytes();
+            out.extend_from_slice(&[0xce, a, b, c, d]);
+        }
+        _ => {
+            out.push(0xcf);
+            out.extend_from_slice(&v.to_be_bytes());
+        }
+    }
+}
+
+/// A msgpack string (as `rmp::encode::write_str` writes it).
+fn mp_str(out: &mut Vec<u8>, s: &str) {
+    let n = s.len();
+    if n < 32 {
+        out.push(0xa0 | n as u8);
+    } else {
+        let _ = rmp::encode::write_str_len(out, n as u32);
+    }
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// A msgpack map header (as `rmp::encode::write_map_len` writes it).
+fn mp_map(out: &mut Vec<u8>, n: usize) {
+    if n < 16 {
+        out.push(0x80 | n as u8);
+    } else {
+        let _ = rmp::encode::write_map_len(out, n as u32);
+    }
 }
 
 /// `/route`'s answer when it accepts.
@@ -1155,6 +1200,30 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
 mod tests {
     use super::*;
     use crate::event::{Event, Medium};
+
+    /// The hand-written msgpack pieces are byte for byte what rmp writes.
+    #[test]
+    fn msgpack_pieces_match_rmp() {
+        let mut edges = vec![0u64, 1, 0x7f, 0x80, 0xff, 0x100, 0xffff, 0x1_0000, 0xffff_ffff];
+        edges.extend([0x1_0000_0000, u64::MAX, 512, 131_072]);
+        for v in edges {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            mp_uint(&mut a, v);
+            rmp::encode::write_uint(&mut b, v).unwrap();
+            assert_eq!(a, b, "uint {v}");
+        }
+        for n in [0usize, 1, 15, 16, 255, 65_535, 65_536] {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            mp_map(&mut a, n);
+            rmp::encode::write_map_len(&mut b, n as u32).unwrap();
+            assert_eq!(a, b, "map {n}");
+            let s = "x".repeat(n.min(70_000));
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            mp_str(&mut a, &s);
+            rmp::encode::write_str(&mut b, &s).unwrap();
+            assert_eq!(a, b, "str of {n}");
+        }
+    }
 
     /// The answer written in one pass has the reference's shape, in JSON and in msgpack.
     #[test]

@@ -54,6 +54,8 @@ struct Figure {
 
 pub fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.instances > 0 && a.dp > 0 && a.queries > 0, "sizes must be positive");
+    // As `kvfs conductor` runs.
+    kvfs_client::keep_freed_buffers();
     let tokens: Vec<u32> =
         (0..a.tokens as u32).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect();
     let mut figures = Vec::new();
