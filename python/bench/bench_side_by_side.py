@@ -355,12 +355,21 @@ def raw_server(args, system):
     return int(words[2].rsplit(":", 1)[1])
 
 
+def worker_env(base):
+    """A worker's environment: numpy's BLAS without its own thread pool (its threads spin after
+    use, and on a 2-core machine they take the CPU from whichever system is being timed)."""
+    env = dict(base)
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 def kvfs_system(args, tmp, free_port):
     binary = kvfs_binary(args)
     rpc, admin = free_port(), free_port()
     cmd = [binary, "master", f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
            f"--metrics_port={admin}", "--metrics_host=127.0.0.1"]
-    env = dict(os.environ)
+    env = worker_env(os.environ)
     if args.kvfs_transport == "tcp":
         env["KVFS_TRANSPORT"] = "tcp"
     else:  # auto: kvfs's own selection, whatever this shell's environment says
@@ -406,7 +415,7 @@ def ref_system(args, tmp, free_port):
            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
            f"--http_metadata_server_port={http}", f"--metrics_port={admin}"]
     return System("reference", py, cmd, lambda: port_open(rpc) and port_open(http), rpc,
-                  f"http://127.0.0.1:{http}/metadata", dict(os.environ), args, tmp)
+                  f"http://127.0.0.1:{http}/metadata", worker_env(os.environ), args, tmp)
 
 
 # ----- driver: rounds and the table ----------------------------------------------------------
