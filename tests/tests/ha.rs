@@ -278,14 +278,15 @@ async fn a_stopped_leader_is_deposed_and_refuses_to_act_when_it_resumes() {
         }
         Err(e) => {
             // Refused while it stands down (its service dropped, its address bound again as a
-            // standby's: a connection still in the dropped listener's backlog is closed), then
-            // answered as a standby.
+            // standby's: a connection still in the dropped listener's backlog is closed or
+            // reset), then answered as a standby.
             let m = e.to_string();
             assert!(
                 m.contains("no longer leads")
                     || m.contains("standby")
                     || m.contains("refused")
-                    || m.contains("closed"),
+                    || m.contains("closed")
+                    || m.contains("reset"),
                 "{m}"
             );
         }
