@@ -128,8 +128,14 @@ def main():
     a = ap.parse_args()
     procs = [int(p) for p in a.procs.split(",")]
     tokens = [int(t) for t in a.tokens.split(",")]
+    import kvfs._native
+    profile = getattr(kvfs._native, "BUILD_PROFILE", "unknown")
     print(f"kvfs bench ep: E={E} experts, top-{K}, H={H} bfloat16, {a.iters} steps each, "
-          f"{os.cpu_count()} CPUs")
+          f"{os.cpu_count()} CPUs, kvfs wheel: {profile}")
+    if profile != "release":
+        print(f"warning: the kvfs wheel is not a release build ({profile}): its figures are "
+              "not kvfs's "
+              "(install a release wheel: pip install ./python)", file=sys.stderr)
     print(f"{'procs':>5} {'tokens':>6} | {'ep p50 ms':>9} {'p99':>7} {'KiB sent':>9} | "
           f"{'fallback p50':>12} {'p99':>7} {'KiB sent':>9} | {'speedup':>7} {'bytes 1/x':>9}")
     ctx = mp.get_context("spawn")

@@ -106,6 +106,17 @@ def run_backend(backend, nprocs, ops, sizes):
     return res
 
 
+def wheel_profile():
+    """The kvfs wheel's build profile; a debug build's figures are not kvfs's (said on stderr)."""
+    import kvfs._native
+    profile = getattr(kvfs._native, "BUILD_PROFILE", "unknown")
+    if profile != "release":
+        print(f"warning: the kvfs wheel is not a release build ({profile}): its figures are "
+              "not kvfs's "
+              "(install a release wheel: pip install ./python)", file=sys.stderr)
+    return profile
+
+
 def memcpy_gbps(size=64 << 20):
     a = np.ones(size, dtype=np.uint8)
     b = np.empty_like(a)
@@ -168,7 +179,8 @@ def main():
     ops = a.ops.split(",")
     backends = a.backends.split(",")
     mem, tcp = memcpy_gbps(), tcp_gbps()
-    print(f"machine: memcpy {mem:.2f} GB/s, raw loopback tcp {tcp:.2f} GB/s (same run)")
+    print(f"machine: memcpy {mem:.2f} GB/s, raw loopback tcp {tcp:.2f} GB/s (same run); "
+          f"kvfs wheel: {wheel_profile()}")
     print(f"{'op':<10}{'n':>3}{'size':>7} | " + " | ".join(
         f"{b:>5} p50 us  p99 us busbw GB/s  /tcp /mcpy" for b in backends) + " | busbw kvfs/gloo  p50 gloo/kvfs")
     for n in procs:

@@ -549,9 +549,17 @@ def main():
             systems.append(kvfs_system(args, tmp, api.free_port))
             if with_ref:
                 systems.append(ref_system(args, tmp, api.free_port))
+            profile = subprocess.run(
+                [args.kvfs_python, "-c",
+                 "import kvfs._native as n; print(getattr(n, 'BUILD_PROFILE', 'unknown'))"],
+                capture_output=True, text=True).stdout.strip() or "unknown"
+            if profile != "release":
+                print(f"warning: the kvfs wheel of {args.kvfs_python} is not a release build "
+                      f"({profile}): its "
+                      "figures are not kvfs's (install a release wheel)", file=sys.stderr)
             if not args.json:
                 print(f"mode {mode}; raw loopback TCP before: {before:.2f} GB/s; kvfs "
-                      f"transport {args.kvfs_transport}"
+                      f"wheel {profile}, transport {args.kvfs_transport}"
                       f"{'' if args.no_ref else ', reference protocol tcp'}; "
                       f"{args.rounds} rounds each, interleaved")
                 head = f"{'call':<15} {'size':>8} {'unit':>5} {'kvfs':>10}"

@@ -79,5 +79,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KIND_CODES", kinds)?;
     m.add("FASTPATH_KEY_AREA_BYTES_DEFAULT", fastpath::KEY_AREA_BYTES_DEFAULT)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Benchmarks print it: figures taken through a debug build are not kvfs's.
+    m.add("BUILD_PROFILE", if cfg!(debug_assertions) { "debug" } else { "release" })?;
     Ok(())
 }

@@ -33,6 +33,12 @@ def test_error_codes_are_the_references():
     assert kvfs.KIND_CODES["leased"] == -706 and kvfs.KIND_CODES["no_space"] == -200
 
 
+def test_the_build_profile_is_told():
+    # Benchmarks print it and warn about anything but a release build.
+    assert kvfs.BUILD_PROFILE in ("debug", "release")
+    assert kvfs._native.BUILD_PROFILE == kvfs.BUILD_PROFILE
+
+
 def test_setup_positional_and_hostname(cluster):
     s = MooncakeDistributedStore()
     assert s.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", cluster.master) == 0

@@ -30,6 +30,7 @@ from kvfs._native import (  # noqa: F401
     BufferHandle,
     ERROR_CODES,
     KIND_CODES,
+    BUILD_PROFILE,
     __version__,
 )
 from kvfs._errors import (  # noqa: F401
@@ -55,6 +56,7 @@ __all__ = [
     "BufferHandle",
     "ERROR_CODES",
     "KIND_CODES",
+    "BUILD_PROFILE",
     "KvfsError",
     "NotFoundError",
     "AlreadyExistsError",
