@@ -261,22 +261,16 @@ impl BlockHasher {
             _ => &self.root,
         };
         let keys = self.keys(extra, first_block);
+        let block = Value::Tuple(vec![Value::Bytes(parent), Value::Tokens(tokens), keys]);
         match self.algorithm {
-            // The CBOR of `(parent, tokens, keys)` written straight into `scratch`: a 128k-token
-            // prompt is half a megabyte of CBOR per query, so no tree and no buffer per block.
+            // Serialised into the chain's one buffer: a 128k-token prompt is half a megabyte of
+            // CBOR per query.
             Algorithm::Sha256Cbor | Algorithm::XxhashCbor => {
                 scratch.clear();
-                cbor_head(scratch, 4, 3);
-                cbor_head(scratch, 2, parent.len() as u64);
-                scratch.extend_from_slice(parent);
-                cbor_tokens(scratch, tokens);
-                cbor_walk(scratch, &keys);
+                cbor_walk(scratch, &block);
                 self.algorithm.digest(scratch)
             }
-            Algorithm::Sha256 | Algorithm::Xxhash => {
-                let block = Value::Tuple(vec![Value::Bytes(parent), Value::Tokens(tokens), keys]);
-                self.algorithm.hash(&block)
-            }
+            Algorithm::Sha256 | Algorithm::Xxhash => self.algorithm.hash(&block),
         }
     }
 

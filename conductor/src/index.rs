@@ -23,7 +23,7 @@
 //! changes nothing), so a replayed batch applied twice leaves the index as applied once.
 
 use std::cell::Cell;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
 use hashbrown::HashMap;
 
@@ -96,7 +96,7 @@ struct Context {
     key: ContextKey,
     blocks: BlockMap,
     /// Owners that stored in this context, with their local non-GPU block count here.
-    owners: std::collections::BTreeMap<OwnerId, u64>,
+    owners: BTreeMap<OwnerId, u64>,
 }
 
 struct Owner {
@@ -347,7 +347,7 @@ impl Index {
         self.contexts.push(Context {
             key: key.clone(),
             blocks: BlockMap::default(),
-            owners: std::collections::BTreeMap::new(),
+            owners: BTreeMap::new(),
         });
         self.context_ids.insert(key.clone(), id);
         id
@@ -824,7 +824,7 @@ mod tests {
             for &id in &ids {
                 ix.join(id, &ctx());
             }
-            let mut held = std::collections::BTreeMap::new();
+            let mut held = BTreeMap::new();
             for (o, a, b) in holds {
                 let (a, b) = (a.min(b) as u64, a.max(b) as u64 + 1);
                 let hs: Vec<u64> = (a..b).collect();
@@ -859,7 +859,7 @@ mod tests {
             for &id in &ids {
                 ix.join(id, &ctx());
             }
-            let mut held = std::collections::BTreeMap::new();
+            let mut held = BTreeMap::new();
             for (o, kind, m, hs) in ops {
                 let medium = Medium::ALL[m];
                 let shared = owners[o as usize].1;

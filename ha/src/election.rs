@@ -321,7 +321,8 @@ async fn renew(
     let n = members.len();
     let mut asks = tokio::task::JoinSet::new();
     let mut busy = vec![false; n];
-    let mut asked = 0usize;
+    // Members are asked in turn from the preferred one: `next` is the first to try.
+    let mut next = preferred;
     let mut last_error = String::from("no member answered");
     let pause = (period / 5).max(Duration::from_millis(10));
     let mut next_ask = tokio::time::Instant::now();
@@ -329,10 +330,9 @@ async fn renew(
     loop {
         tokio::select! {
             _ = tokio::time::sleep_until(next_ask) => {
-                // The next member not already asked, in turn from the preferred one.
-                if let Some(m) = (0..n).map(|j| (preferred + asked + j) % n).find(|&m| !busy[m]) {
+                if let Some(m) = (0..n).map(|j| (next + j) % n).find(|&m| !busy[m]) {
                     busy[m] = true;
-                    asked = (m + n - preferred) % n + 1;
+                    next = m + 1;
                     let etcd = members[m].clone();
                     asks.spawn(async move {
                         let sent = Instant::now();

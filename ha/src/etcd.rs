@@ -97,14 +97,9 @@ impl Etcd {
         Ok(Etcd { http, endpoints: Arc::new(endpoints), next: Arc::default(), timeout })
     }
 
-    /// A client of the same endpoints with a connection pool of its own, for use on another
-    /// runtime (a connection pool belongs to the runtime that made its connections).
-    pub fn fresh(&self) -> Result<Etcd> {
-        Etcd::new(self.endpoints.to_vec(), self.timeout)
-    }
-
     /// One client per endpoint, each with a connection pool of its own: for a call that asks
-    /// several members at once rather than one after another.
+    /// several members at once rather than one after another, and for use on another runtime
+    /// (a connection pool belongs to the runtime that made its connections).
     pub fn per_member(&self) -> Result<Vec<Etcd>> {
         self.endpoints.iter().map(|e| Etcd::new(vec![e.clone()], self.timeout)).collect()
     }

@@ -53,13 +53,14 @@ impl Hosts {
 
     /// Which etcd member leads raft (waits for one).
     async fn raft_leader(&self) -> usize {
+        let urls = self.endpoints.split(',').map(|e| format!("http://{e}")).collect();
+        let members = Etcd::new(urls, Duration::from_secs(2))
+            .and_then(|e| e.per_member())
+            .expect("etcd clients");
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            for (i, e) in self.endpoints.split(',').enumerate() {
-                let one = Etcd::new(vec![format!("http://{e}")], Duration::from_secs(2));
-                if let Ok(one) = one
-                    && one.leads_raft().await.unwrap_or(false)
-                {
+            for (i, one) in members.iter().enumerate() {
+                if one.leads_raft().await.unwrap_or(false) {
                     return i;
                 }
             }
