@@ -78,13 +78,14 @@ impl EtcdMember {
             .join("\n")
     }
 
-    /// Waits (at most 30 s) until it answers healthy; panics with its log if it does not.
-    fn wait_healthy(&mut self) {
+    /// Waits (at most 30 s) until it answers healthy; `Err` with its log if it exits first,
+    /// panics with its log if it never answers.
+    fn wait_healthy(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(30);
         let addr = self.endpoint();
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("etcd exited with {status}: {}", self.log_tail());
+                return Err(format!("etcd exited with {status}: {}", self.log_tail()));
             }
             if let Ok(mut s) = std::net::TcpStream::connect(&addr) {
                 use std::io::{Read, Write};
@@ -94,13 +95,26 @@ impl EtcdMember {
                     && s.read_to_string(&mut out).is_ok()
                     && out.contains("\"health\":\"true\"")
                 {
-                    return;
+                    return Ok(());
                 }
             }
             assert!(Instant::now() < deadline, "etcd at {addr} not healthy: {}", self.log_tail());
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// A new command running what `c` runs (program, arguments, environment), for another try.
+fn copy_command(c: &Command) -> Command {
+    let mut n = Command::new(c.get_program());
+    n.args(c.get_args());
+    for (k, v) in c.get_envs() {
+        match v {
+            Some(v) => n.env(k, v),
+            None => n.env_remove(k),
+        };
+    }
+    n
 }
 
 /// A cluster of etcd members on loopback, each a process of its own.
@@ -119,26 +133,44 @@ impl EtcdCluster {
 
     /// Starts one member per `(address, command running etcd)` (a host in a network
     /// namespace: `ip netns exec NS etcd`) and waits until each answers healthy.
+    ///
+    /// The ports are probed free and then given to etcd, so another process may bind one in
+    /// between: a member that exits with "address already in use" starts the whole cluster
+    /// again on new ports (at most 5 times).
     pub fn start_on(hosts: Vec<(String, Command)>) -> EtcdCluster {
         let dir = tempfile::tempdir().expect("tempdir");
-        let ports: Vec<(u16, u16)> = hosts.iter().map(|_| (free_port(), free_port())).collect();
-        let initial: Vec<String> = hosts
-            .iter()
-            .zip(&ports)
-            .enumerate()
-            .map(|(i, ((h, _), (_, p)))| format!("m{i}=http://{h}:{p}"))
-            .collect();
-        let initial = initial.join(",");
-        let mut members: Vec<EtcdMember> = hosts
-            .into_iter()
-            .zip(ports)
-            .enumerate()
-            .map(|(i, (h, p))| EtcdMember::spawn(dir.path(), &format!("m{i}"), h, p, &initial))
-            .collect();
-        for m in &mut members {
-            m.wait_healthy();
+        for attempt in 0.. {
+            let at = dir.path().join(format!("try{attempt}"));
+            std::fs::create_dir(&at).expect("data directory");
+            let ports: Vec<(u16, u16)> = hosts.iter().map(|_| (free_port(), free_port())).collect();
+            let initial: Vec<String> = hosts
+                .iter()
+                .zip(&ports)
+                .enumerate()
+                .map(|(i, ((h, _), (_, p)))| format!("m{i}=http://{h}:{p}"))
+                .collect();
+            let initial = initial.join(",");
+            let mut members: Vec<EtcdMember> = hosts
+                .iter()
+                .zip(ports)
+                .enumerate()
+                .map(|(i, ((h, c), p))| {
+                    let host = (h.clone(), copy_command(c));
+                    EtcdMember::spawn(&at, &format!("m{i}"), host, p, &initial)
+                })
+                .collect();
+            match members.iter_mut().try_for_each(EtcdMember::wait_healthy) {
+                Ok(()) => {
+                    return EtcdCluster {
+                        members: members.into_iter().map(Some).collect(),
+                        _dir: dir,
+                    };
+                }
+                Err(e) if e.contains("address already in use") && attempt < 4 => {}
+                Err(e) => panic!("{e}"),
+            }
         }
-        EtcdCluster { members: members.into_iter().map(Some).collect(), _dir: dir }
+        unreachable!("the loop returns or panics")
     }
 
     /// Every live member's endpoint (`HOST:PORT`), comma-separated, as kvfs takes them.
