@@ -244,8 +244,9 @@ struct ReshardBenchArgs {
     /// Transports: shm (same host), tcp (loopback sockets).
     #[arg(long, value_delimiter = ',', default_value = "shm,tcp")]
     transports: Vec<String>,
-    /// Timed executions per case.
-    #[arg(long, default_value_t = 10)]
+    /// Timed executions per case (the first one included: it is the cold one a one-shot
+    /// reshard meets).
+    #[arg(long, default_value_t = 30)]
     iters: usize,
     /// Print one JSON object per figure instead of a table.
     #[arg(long)]

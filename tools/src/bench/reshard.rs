@@ -7,7 +7,9 @@
 //! of SIZE, TP on rows, the sources on the first slots and the targets on the next ones, so
 //! every byte crosses processes. Each iteration starts after a barrier; its time is the
 //! slowest target's `execute` (generation checks, the reads, the second check), and GB/s is
-//! the plan's bytes over the p50 of those. Every target verifies its bytes at the end.
+//! the plan's bytes over the p50 of those. Every target verifies its bytes at the end. Each
+//! figure's limit (raw loopback TCP over 1 or 4 streams, or memcpy) is measured just before
+//! its case.
 //!
 //! The planning figure builds a 1,000-tensor model (250 layers of experts, qkv, o and norm, in
 //! torch's [out, in] layout) and plans pp4/ep2/tp8 (64 ranks) -> pp2/ep4/tp4/dp2 (64 ranks).
@@ -36,16 +38,12 @@ const CASES: [(&str, &str, u32); 2] = [("tp1", "tp1", 1), ("tp2", "tp4", 2)];
 pub async fn run(b: ReshardBench) -> anyhow::Result<()> {
     let peer = super::transfer::start_peer().await?;
     let mut rep = Reporter::new(b.json);
-    let memcpy = tokio::task::spawn_blocking(|| memcpy_gbps(256 << 20)).await?;
     let tcp = Limit::Tcp {
         addr: peer.raw_addr,
         bytes: 512 << 20,
         streams: 4,
         dir: Some(Direction::Receive),
-    }
-    .measure()
-    .await?;
-    drop(peer);
+    };
     for transport in &b.transports {
         if transport != "shm" && transport != "tcp" {
             bail!("unknown transport {transport:?} (shm, tcp)");
@@ -56,12 +54,18 @@ pub async fn run(b: ReshardBench) -> anyhow::Result<()> {
                 if mib == 0 {
                     bail!("sizes are whole MiB (got {size} bytes)");
                 }
+                // The limit is measured just before its case: this machine's loopback moves
+                // by 10-20% from minute to minute, and a figure is only comparable with the
+                // limit of its own moment.
+                let (limit, limit_gbps) = if transport == "tcp" {
+                    ("tcp", tcp.measure().await?)
+                } else {
+                    ("memcpy", tokio::task::spawn_blocking(|| memcpy_gbps(256 << 20)).await?)
+                };
                 let (lat, bytes) = run_case(from, to, sources, mib, transport == "tcp", b.iters)
                     .await
                     .with_context(|| format!("{from} -> {to}, {mib} MiB over {transport}"))?;
                 let p50 = percentile(&lat, 0.5);
-                let (limit, limit_gbps) =
-                    if transport == "tcp" { ("tcp", tcp) } else { ("memcpy", memcpy) };
                 rep.emit(&Figure {
                     bench: "reshard",
                     case: format!("{from}->{to}"),
@@ -78,6 +82,7 @@ pub async fn run(b: ReshardBench) -> anyhow::Result<()> {
             }
         }
     }
+    drop(peer);
     plan_figure(&mut rep)
 }
 
