@@ -169,6 +169,12 @@ fn emit_limits(rep: &mut Reporter, memcpy: f64, tcp: &TcpLimits) {
     rep.emit(&limit("receive", Some("raw-tcp"), tcp.receive_1, "limit 1 stream".into()));
     rep.emit(&limit("send", Some("raw-tcp"), tcp.send_n, format!("limit {n} streams")));
     rep.emit(&limit("receive", Some("raw-tcp"), tcp.receive_n, format!("limit {n} streams")));
+    // Not a limit: the same streams re-sending one cache-resident buffer (see limits.rs).
+    for (op, gbps) in [("send", tcp.resident_send_n), ("receive", tcp.resident_receive_n)] {
+        let mut f = limit(op, Some("raw-tcp"), gbps, format!("{n} streams in cache"));
+        f.limit = None;
+        rep.emit(&f);
+    }
 }
 
 async fn open_side(
