@@ -8,8 +8,8 @@
 //! every byte crosses processes. Each iteration starts after a barrier; its time is the
 //! slowest target's `execute` (generation checks, the reads, the second check), and GB/s is
 //! the plan's bytes over the p50 of those. Every target verifies its bytes at the end. Each
-//! figure's limit (raw loopback TCP over 1 or 4 streams, or memcpy) is measured just before
-//! its case.
+//! figure's limit (raw loopback TCP over 1 or 4 streams, or memcpy) is the mean of measurements
+//! just before and just after its case.
 //!
 //! The planning figure builds a 1,000-tensor model (250 layers of experts, qkv, o and norm, in
 //! torch's [out, in] layout) and plans pp4/ep2/tp8 (64 ranks) -> pp2/ep4/tp4/dp2 (64 ranks).
@@ -54,17 +54,22 @@ pub async fn run(b: ReshardBench) -> anyhow::Result<()> {
                 if mib == 0 {
                     bail!("sizes are whole MiB (got {size} bytes)");
                 }
-                // The limit is measured just before its case: this machine's loopback moves
-                // by 10-20% from minute to minute, and a figure is only comparable with the
-                // limit of its own moment.
-                let (limit, limit_gbps) = if transport == "tcp" {
-                    ("tcp", tcp.measure().await?)
-                } else {
-                    ("memcpy", tokio::task::spawn_blocking(|| memcpy_gbps(256 << 20)).await?)
+                // The limit is measured just before and just after its case, and their mean
+                // taken: this machine's loopback moves by 10-30% from minute to minute, and a
+                // figure is only comparable with the limit of its own moment.
+                let limit_now = || async {
+                    if transport == "tcp" {
+                        tcp.measure().await
+                    } else {
+                        Ok(tokio::task::spawn_blocking(|| memcpy_gbps(256 << 20)).await?)
+                    }
                 };
+                let limit = if transport == "tcp" { "tcp" } else { "memcpy" };
+                let before = limit_now().await?;
                 let (lat, bytes) = run_case(from, to, sources, mib, transport == "tcp", b.iters)
                     .await
                     .with_context(|| format!("{from} -> {to}, {mib} MiB over {transport}"))?;
+                let limit_gbps = (before + limit_now().await?) / 2.0;
                 let p50 = percentile(&lat, 0.5);
                 rep.emit(&Figure {
                     bench: "reshard",
