@@ -274,7 +274,10 @@ async fn keep_alive(
     guard: LeaseGuard,
     lost: watch::Sender<Option<String>>,
 ) {
-    let period = (ttl / 4).max(Duration::from_millis(50));
+    // Renewed every eighth of the TTL: when a member is lost just after a renewal, what is left
+    // of the guard (0.9 TTL from the last request) must still cover etcd's re-election (up to
+    // twice its election timeout) and the asks that follow it.
+    let period = (ttl / 8).max(Duration::from_millis(50));
     let mut preferred = 0;
     loop {
         tokio::time::sleep(period).await;
@@ -306,10 +309,11 @@ enum Renewal {
 }
 
 /// One renewal of the lease. It asks the member that answered last; each `period` without an
-/// answer, and soon after a member fails, it asks the next one as well, leaving the earlier
-/// requests running: a member cut off from us, or one waiting for its peers to elect a raft
-/// leader after theirs was cut off, must not cost the lease while another can renew it. The
-/// first member to answer decides; it gives up when the guard lapses.
+/// answer (each `period / 5` once less than half the TTL is left of the guard), and soon after a
+/// member fails, it asks the next one as well, leaving the earlier requests running: a member
+/// cut off from us, or one waiting for its peers to elect a raft leader after theirs was cut
+/// off, must not cost the lease while another can renew it. The first member to answer
+/// decides; it gives up when the guard lapses.
 async fn renew(
     members: &[Etcd],
     preferred: usize,
@@ -339,7 +343,9 @@ async fn renew(
                         (m, sent, etcd.lease_keepalive(lease).await)
                     });
                 }
-                next_ask = tokio::time::Instant::now() + period;
+                let now = tokio::time::Instant::now();
+                let urgent = lapse.saturating_duration_since(now) < ttl / 2;
+                next_ask = now + if urgent { pause } else { period };
             }
             Some(done) = asks.join_next(), if !asks.is_empty() => match done {
                 Ok((m, sent, Ok(t))) if t > 0 => {

@@ -122,8 +122,12 @@ async fn hosts() -> Hosts {
             &h.endpoints,
             "--cluster",
             CLUSTER,
+            // 3 s, not the default 2: the leader must keep its lease while the etcd member
+            // leading raft is cut off, and the others take up to 2 x 500 ms (their election
+            // timeout) and a campaign to elect a new raft leader, which can lose a vote split
+            // and start again; 0.9 x 2 s left too little of the guard on a busy CI machine.
             "--lease-ttl-s",
-            "2",
+            "3",
             "--heartbeat-ms",
             "200",
             "--node-ttl-ms",
