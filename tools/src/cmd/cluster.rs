@@ -575,7 +575,9 @@ pub struct HaArgs {
     #[arg(long, value_name = "HOST:PORT")]
     pub advertise: Option<String>,
     /// Seconds a leader that stopped renewing (stopped, cut off from etcd) keeps the lead;
-    /// one whose address refuses connections (dead) is replaced within a second.
+    /// one whose address refuses connections (dead) is replaced within a second. To keep the
+    /// lead while etcd loses the member leading raft, the TTL must outlast etcd electing a new
+    /// one (up to twice its --election-timeout): with etcd's default of 1 s, use 3 or more.
     #[arg(long, default_value_t = 2)]
     pub lease_ttl_s: u64,
 }
