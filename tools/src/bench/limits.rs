@@ -10,7 +10,7 @@
 //!   reason). Re-sending one 4 MiB buffer per side keeps one stream's bytes in this VM's
 //!   32 MiB L3: one stream measured 4.8-4.9 GB/s that way against 4.0-4.2 from memory, a rate
 //!   no transfer of 16 MiB objects can reach (with four streams the buffers no longer fit,
-//!   and the two ways differ by 0-10%). [`raw_tcp_resident_gbps`] still measures the cached
+//!   and the two ways differ by 0-10%). [`raw_tcp`] with `resident` still measures the cached
 //!   way, printed by `kvfs bench transfer` for comparison; round-trip latencies
 //!   ([`raw_rtt_p50_us`]) use small resident buffers, as a 4 KiB request does.
 //!
@@ -150,17 +150,8 @@ pub fn raw_tcp_gbps(
     raw_tcp(addr, bytes, streams, dir, false)
 }
 
-/// [`raw_tcp_gbps`] with one cache-resident 4 MiB buffer on each side of each stream (what
-/// this limit measured before: faster than any transfer of real objects can go).
-pub fn raw_tcp_resident_gbps(
-    addr: SocketAddr,
-    bytes: usize,
-    streams: usize,
-    dir: Direction,
-) -> std::io::Result<f64> {
-    raw_tcp(addr, bytes, streams, dir, true)
-}
-
+/// [`raw_tcp_gbps`], or with `resident` one cache-resident 4 MiB buffer on each side of each
+/// stream (what this limit measured before: faster than any transfer of real objects can go).
 fn raw_tcp(
     addr: SocketAddr,
     bytes: usize,
@@ -321,8 +312,8 @@ impl TcpLimits {
             send_n: raw_tcp_gbps(addr, bytes, streams, Direction::Send)?,
             receive_n: raw_tcp_gbps(addr, bytes, streams, Direction::Receive)?,
             streams,
-            resident_send_n: raw_tcp_resident_gbps(addr, bytes, streams, Direction::Send)?,
-            resident_receive_n: raw_tcp_resident_gbps(addr, bytes, streams, Direction::Receive)?,
+            resident_send_n: raw_tcp(addr, bytes, streams, Direction::Send, true)?,
+            resident_receive_n: raw_tcp(addr, bytes, streams, Direction::Receive, true)?,
         })
     }
 }
