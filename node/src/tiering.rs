@@ -799,7 +799,8 @@ impl Inner {
                     _ => continue,
                 }
             }
-            if let Err(e) = q.enqueue_meta(&key, &meta).await {
+            let previous = h.renamed_from.as_ref().map(|(k, v)| (k.as_str(), *v));
+            if let Err(e) = q.enqueue_meta(&key, &meta, previous).await {
                 if let Some(cur) = lock(&self.index).objects.get_mut(&key) {
                     cur.queued = false;
                 }

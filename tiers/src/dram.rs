@@ -333,6 +333,21 @@ impl Medium for DramMedium {
         self.fill_and_insert(key, range, Some(data), opts)
     }
 
+    async fn put_renamed(
+        &self,
+        key: &str,
+        data: &[u8],
+        opts: PutOptions,
+        previous: (&str, u64),
+    ) -> Result<ObjectMeta> {
+        validate_key(previous.0)?;
+        let meta = self.put(key, data, opts).await?;
+        if let Some(held) = lock(&self.index).get_mut(key).filter(|h| h.meta == meta) {
+            held.previous = Some(Arc::new((previous.0.to_owned(), previous.1)));
+        }
+        Ok(meta)
+    }
+
     async fn get_into(&self, key: &str, dst: &mut [u8]) -> Result<ObjectMeta> {
         validate_key(key)?;
         let view = self.view(key)?;

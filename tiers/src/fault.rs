@@ -117,6 +117,16 @@ impl<M: Medium> Medium for FaultyMedium<M> {
         self.apply(Op::Put, self.inner.put(key, data, opts)).await
     }
 
+    async fn put_renamed(
+        &self,
+        key: &str,
+        data: &[u8],
+        opts: PutOptions,
+        previous: (&str, u64),
+    ) -> Result<ObjectMeta> {
+        self.apply(Op::Put, self.inner.put_renamed(key, data, opts, previous)).await
+    }
+
     async fn get_into(&self, key: &str, dst: &mut [u8]) -> Result<ObjectMeta> {
         match self.take(Op::Get) {
             Some(Fault::Fail(k)) => Err(Error::new(k, "injected fault before Get")),

@@ -161,6 +161,22 @@ pub trait Medium: Send + Sync {
     /// Store `data` under `key`.
     async fn put(&self, key: &str, data: &[u8], opts: PutOptions) -> Result<ObjectMeta>;
 
+    /// [`put`](Self::put) of the copy of an object that was renamed from `previous` (its key and
+    /// version before the rename), recorded as [`rename`](Self::rename) records it, so
+    /// [`previous_name`](Self::previous_name) and [`stale_after_rename`] see it. The lazy
+    /// write-back uses it for objects renamed before their upload. Media that keep no previous
+    /// names for puts (HBM, NVMe: never write-back targets) store the copy without it.
+    async fn put_renamed(
+        &self,
+        key: &str,
+        data: &[u8],
+        opts: PutOptions,
+        previous: (&str, u64),
+    ) -> Result<ObjectMeta> {
+        let _ = previous;
+        self.put(key, data, opts).await
+    }
+
     /// Read the object into `dst[..size]`, verified where the medium verifies.
     async fn get_into(&self, key: &str, dst: &mut [u8]) -> Result<ObjectMeta>;
 

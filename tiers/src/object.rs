@@ -425,6 +425,47 @@ impl ObjectStoreMedium {
         Ok(removed)
     }
 
+    /// `put`, with the previous name (key, version) written into the header when given.
+    async fn put_with_previous(
+        &self,
+        key: &str,
+        data: &[u8],
+        opts: PutOptions,
+        previous: Option<(&str, u64)>,
+    ) -> Result<ObjectMeta> {
+        validate_key(key)?;
+        let sum = checksum(data);
+        if let Some(want) = opts.checksum
+            && want != sum
+        {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!("object put {key:?}: data does not match the writer's checksum"),
+            ));
+        }
+        let path = object_path(key);
+        let meta = ObjectMeta {
+            size_bytes: data.len() as u64,
+            checksum: sum,
+            persistence: opts.persistence,
+            stored_at_unix_ms: now_unix_ms(),
+            version: opts.version,
+            pin: opts.pin,
+        };
+        let conditional = self.op.info().capability().write_with_if_not_exists;
+        let _creating = self.begin_create(key, &path, opts.mode).await?;
+        let hdr = Bytes::from(header::encode(key, &meta, 0, previous, 1));
+        let total = hdr.len() as u64 + meta.size_bytes;
+        let body = opendal::Buffer::from(vec![hdr, Bytes::copy_from_slice(data)]);
+        let w = self
+            .op
+            .write_with(&path, body)
+            .if_not_exists(opts.mode == PutMode::CreateNew && conditional);
+        w.await.map_err(|e| map_err(format!("object put {key:?}"), e))?;
+        self.used_bytes.fetch_add(total, Ordering::Relaxed);
+        Ok(meta)
+    }
+
     /// Delete `key` if its object is still the copy `meta` describes; false if it is gone or
     /// another copy.
     async fn remove_if_same(&self, key: &str, meta: &ObjectMeta) -> Result<bool> {
@@ -475,37 +516,18 @@ impl Medium for ObjectStoreMedium {
     }
 
     async fn put(&self, key: &str, data: &[u8], opts: PutOptions) -> Result<ObjectMeta> {
-        validate_key(key)?;
-        let sum = checksum(data);
-        if let Some(want) = opts.checksum
-            && want != sum
-        {
-            return Err(Error::new(
-                ErrorKind::Corrupt,
-                format!("object put {key:?}: data does not match the writer's checksum"),
-            ));
-        }
-        let path = object_path(key);
-        let meta = ObjectMeta {
-            size_bytes: data.len() as u64,
-            checksum: sum,
-            persistence: opts.persistence,
-            stored_at_unix_ms: now_unix_ms(),
-            version: opts.version,
-            pin: opts.pin,
-        };
-        let conditional = self.op.info().capability().write_with_if_not_exists;
-        let _creating = self.begin_create(key, &path, opts.mode).await?;
-        let hdr = Bytes::from(header::encode(key, &meta, 0, None, 1));
-        let total = hdr.len() as u64 + meta.size_bytes;
-        let body = opendal::Buffer::from(vec![hdr, Bytes::copy_from_slice(data)]);
-        let w = self
-            .op
-            .write_with(&path, body)
-            .if_not_exists(opts.mode == PutMode::CreateNew && conditional);
-        w.await.map_err(|e| map_err(format!("object put {key:?}"), e))?;
-        self.used_bytes.fetch_add(total, Ordering::Relaxed);
-        Ok(meta)
+        self.put_with_previous(key, data, opts, None).await
+    }
+
+    async fn put_renamed(
+        &self,
+        key: &str,
+        data: &[u8],
+        opts: PutOptions,
+        previous: (&str, u64),
+    ) -> Result<ObjectMeta> {
+        validate_key(previous.0)?;
+        self.put_with_previous(key, data, opts, Some(previous)).await
     }
 
     async fn get_into(&self, key: &str, dst: &mut [u8]) -> Result<ObjectMeta> {

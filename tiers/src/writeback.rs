@@ -14,7 +14,12 @@
 //! 3 failed), `seq: u64 LE`, and for `enqueued`: `size: u64 LE`, `blake3: [u8; 32]`,
 //! `persistence: u8`, `version: u64 LE`, `pin: u8`, `key_len: u32 LE`, `key` (version and pin
 //! are the store's, carried into the object-store header so a rebuilt master can adopt the
-//! object as it was).
+//! object as it was). Kind 4 (enqueued after a rename) adds `previous_version: u64 LE`,
+//! `previous_len: u32 LE`, `previous key`: the name and version the object had before it was
+//! renamed, written into the uploaded copy's header. A write-back under the old name that
+//! finished after the rename leaves a stale copy in the object store until the node deletes it;
+//! if everything is killed first, a rebuilt master finds the new name's header claiming the old
+//! name and deletes that copy instead of bringing the old name back.
 //!
 //! Recovery ([`WritebackQueue::open`]): the journal is replayed; a torn or damaged tail (a
 //! SIGKILL or power cut mid-append) ends the replay and is cut off. Every `enqueued` entry
@@ -83,6 +88,8 @@ pub struct WritebackEntry {
     /// The store's version and pin code, stored in the object-store header.
     pub version: u64,
     pub pin: u8,
+    /// The name and version the object had before a rename, stored in the uploaded header.
+    pub previous: Option<(String, u64)>,
 }
 
 /// What the workers report.
@@ -110,8 +117,15 @@ pub struct Recovery {
 const KIND_ENQUEUED: u8 = 1;
 const KIND_PERSISTED: u8 = 2;
 const KIND_FAILED: u8 = 3;
-/// The largest valid record payload (a 4096-byte key plus the fixed fields).
-const RECORD_BYTES_MAX: usize = 64 + crate::medium::KEY_BYTES_MAX;
+const KIND_ENQUEUED_RENAMED: u8 = 4;
+/// The largest valid record payload (a 4096-byte key and a 4096-byte previous key plus the
+/// fixed fields).
+const RECORD_BYTES_MAX: usize = 80 + 2 * crate::medium::KEY_BYTES_MAX;
+
+/// The record kind that enqueues `e`.
+fn enqueued_kind(e: &WritebackEntry) -> u8 {
+    if e.previous.is_some() { KIND_ENQUEUED_RENAMED } else { KIND_ENQUEUED }
+}
 
 fn encode_record(kind: u8, seq: u64, entry: Option<&WritebackEntry>) -> Vec<u8> {
     let mut p = vec![kind];
@@ -124,6 +138,11 @@ fn encode_record(kind: u8, seq: u64, entry: Option<&WritebackEntry>) -> Vec<u8> 
         p.push(e.pin);
         p.extend_from_slice(&(e.key.len() as u32).to_le_bytes());
         p.extend_from_slice(e.key.as_bytes());
+        if let Some((pk, pv)) = &e.previous {
+            p.extend_from_slice(&pv.to_le_bytes());
+            p.extend_from_slice(&(pk.len() as u32).to_le_bytes());
+            p.extend_from_slice(pk.as_bytes());
+        }
     }
     let mut r = Vec::with_capacity(12 + p.len());
     r.extend_from_slice(&(p.len() as u32).to_le_bytes());
@@ -151,7 +170,7 @@ fn decode_payload(p: &[u8]) -> Option<Record> {
     match kind {
         KIND_PERSISTED if at == p.len() => Some(Record::Persisted(seq)),
         KIND_FAILED if at == p.len() => Some(Record::Failed(seq)),
-        KIND_ENQUEUED => {
+        KIND_ENQUEUED | KIND_ENQUEUED_RENAMED => {
             let size_bytes = u64::from_le_bytes(take::<8>(p, &mut at)?);
             let checksum = take::<32>(p, &mut at)?;
             let [pers] = take::<1>(p, &mut at)?;
@@ -159,7 +178,17 @@ fn decode_payload(p: &[u8]) -> Option<Record> {
             let [pin] = take::<1>(p, &mut at)?;
             let key_len = u32::from_le_bytes(take::<4>(p, &mut at)?) as usize;
             let key = std::str::from_utf8(p.get(at..at + key_len)?).ok()?.to_owned();
-            if at + key_len != p.len() {
+            at += key_len;
+            let previous = if kind == KIND_ENQUEUED_RENAMED {
+                let pv = u64::from_le_bytes(take::<8>(p, &mut at)?);
+                let pk_len = u32::from_le_bytes(take::<4>(p, &mut at)?) as usize;
+                let pk = std::str::from_utf8(p.get(at..at + pk_len)?).ok()?.to_owned();
+                at += pk_len;
+                Some((pk, pv))
+            } else {
+                None
+            };
+            if at != p.len() {
                 return None;
             }
             let persistence = Persistence::from_u8(pers).ok()?;
@@ -171,6 +200,7 @@ fn decode_payload(p: &[u8]) -> Option<Record> {
                 persistence,
                 version,
                 pin,
+                previous,
             }))
         }
         _ => None,
@@ -290,7 +320,7 @@ fn recover(path: &Path) -> Result<(File, Recovery, u64)> {
             File::create(&tmp).map_err(|e| Error::io(format!("create {}", tmp.display()), e))?;
         let mut buf = Vec::new();
         for e in &rec.pending {
-            buf.extend_from_slice(&encode_record(KIND_ENQUEUED, e.seq, Some(e)));
+            buf.extend_from_slice(&encode_record(enqueued_kind(e), e.seq, Some(e)));
         }
         f.write_all(&buf)
             .and_then(|_| f.sync_all())
@@ -358,13 +388,23 @@ impl WritebackQueue {
             version: 0,
             pin: 0,
         };
-        self.enqueue_meta(key, &meta).await
+        self.enqueue_meta(key, &meta, None).await
     }
 
     /// [`enqueue`](Self::enqueue) with the object's version and pin code (stored in the
-    /// object-store header); `meta.stored_at_unix_ms` is ignored.
-    pub async fn enqueue_meta(&self, key: &str, meta: &ObjectMeta) -> Result<u64> {
+    /// object-store header) and, for an object renamed since it was stored, the name and version
+    /// it had before (stored there too); `meta.stored_at_unix_ms` is ignored.
+    pub async fn enqueue_meta(
+        &self,
+        key: &str,
+        meta: &ObjectMeta,
+        previous: Option<(&str, u64)>,
+    ) -> Result<u64> {
         crate::medium::validate_key(key)?;
+        if let Some((pk, _)) = previous {
+            crate::medium::validate_key(pk)?;
+        }
+        let previous = previous.map(|(k, v)| (k.to_owned(), v));
         let (size_bytes, checksum, version, pin) =
             (meta.size_bytes, meta.checksum, meta.version, meta.pin);
         let shared = self.shared.clone();
@@ -394,8 +434,9 @@ impl WritebackQueue {
                 persistence: Persistence::Lazy,
                 version,
                 pin,
+                previous,
             };
-            shared.append(&encode_record(KIND_ENQUEUED, entry.seq, Some(&entry)))?;
+            shared.append(&encode_record(enqueued_kind(&entry), entry.seq, Some(&entry)))?;
             q.next_seq += 1;
             q.entries += 1;
             q.bytes += size_bytes;
@@ -539,7 +580,10 @@ async fn upload_once(shared: &Shared, e: &WritebackEntry) -> Result<()> {
         version: e.version,
         pin: e.pin,
     };
-    shared.target.put(&e.key, &data, opts).await.map(drop)
+    match &e.previous {
+        Some((pk, pv)) => shared.target.put_renamed(&e.key, &data, opts, (pk, *pv)).await.map(drop),
+        None => shared.target.put(&e.key, &data, opts).await.map(drop),
+    }
 }
 
 #[cfg(test)]
@@ -656,17 +700,46 @@ mod tests {
             persistence: Persistence::Lazy,
             version: 9 << 20,
             pin: 1,
+            previous: None,
         };
-        let mut j = encode_record(KIND_ENQUEUED, 7, Some(&e));
+        let renamed =
+            WritebackEntry { seq: 8, previous: Some(("old/\u{e9}".into(), 5)), ..e.clone() };
+        let mut j = encode_record(enqueued_kind(&e), 7, Some(&e));
+        j.extend(encode_record(enqueued_kind(&renamed), 8, Some(&renamed)));
         j.extend(encode_record(KIND_PERSISTED, 7, None));
         let (recs, valid) = replay(&j);
-        assert_eq!((recs.len(), valid), (2, j.len()));
+        assert_eq!((recs.len(), valid), (3, j.len()));
         assert!(matches!(&recs[0], Record::Enqueued(x) if *x == e));
+        assert!(matches!(&recs[1], Record::Enqueued(x) if *x == renamed));
         for i in 0..j.len() {
             let mut bad = j.clone();
             bad[i] ^= 0x20;
             let (recs, _) = replay(&bad);
-            assert!(recs.len() < 2, "flip at {i} went unnoticed");
+            assert!(recs.len() < 3, "flip at {i} went unnoticed");
         }
+    }
+
+    #[tokio::test]
+    async fn a_renamed_object_is_uploaded_with_its_previous_name_across_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = Arc::new(DramMedium::new(1 << 20).unwrap());
+        let dst = Arc::new(FaultyMedium::new(DramMedium::new(1 << 20).unwrap()));
+        let s = put(&src, "new", 64).await;
+        let meta = src.stat("new").await.unwrap();
+        // The first queue never uploads (its target is down); a reopen finds the entry.
+        dst.inject(Op::Put, Fault::Fail(ErrorKind::Unavailable), 1000);
+        let c = WritebackConfig { retries_max: 1000, workers: 1, ..cfg(dir.path()) };
+        let (q, _, _rx) = WritebackQueue::open(c.clone(), src.clone(), dst.clone()).await.unwrap();
+        let bad = q.enqueue_meta("new", &meta, Some(("", 1))).await.unwrap_err();
+        assert_eq!(bad.kind(), ErrorKind::InvalidArgument);
+        q.enqueue_meta("new", &meta, Some(("old", 3))).await.unwrap();
+        drop(q);
+        dst.clear();
+        let (_q, rec, mut rx) = WritebackQueue::open(c, src.clone(), dst.clone()).await.unwrap();
+        assert_eq!(rec.pending.len(), 1);
+        assert_eq!(rec.pending[0].previous, Some(("old".to_owned(), 3)));
+        assert!(matches!(rx.recv().await.unwrap(), WritebackEvent::Persisted { .. }));
+        assert_eq!(dst.inner().stat("new").await.unwrap().checksum, s);
+        assert_eq!(dst.previous_name("new").await.unwrap(), Some(("old".to_owned(), 3)));
     }
 }
