@@ -2,17 +2,19 @@
 //!
 //! A [`Holder`] owns one process's weight buffers for one participant of a placement, one
 //! registered buffer per fragment, and a small *header* buffer peers can read: a magic, the
-//! allocation *generation* and its state (inactive, filling, active). Every [`Holder::allocate`]
-//! starts a new generation. A [`Binding`] is what a holder tells the others: its participant,
+//! allocation *generation*, its state (inactive, filling, active) and an *epoch* that every
+//! header write raises by two, odd while the write is in progress (a seqlock). Every
+//! [`Holder::allocate`] starts a new generation. A [`Binding`] is what a holder tells the others: its participant,
 //! the placement digest, its engine segment, the header's address, the generation and each
 //! fragment's address and length. [`BoundPlan::new`] checks bindings against a plan (digests,
 //! every fragment present with exactly its size) and fails closed.
 //!
 //! [`execute`] runs the regions a target participant receives as Transfer Engine reads from
 //! the sources' segments, after checking its own generation is the bound one and reading each
-//! source's header (bound generation, active). Sources' headers are read again after the
-//! copies: a source that moved to another generation meanwhile fails the regions it served
-//! (their bytes may be torn). The report gives each region's status. [`commit`] then agrees
+//! source's header (bound generation, active, an even epoch; all sources at once). Sources'
+//! headers are read again after the copies: a source whose epoch moved meanwhile (another
+//! generation, or the same one deactivated, refilled or re-activated) fails the regions it
+//! served (their bytes may be torn). The report gives each region's status. [`commit`] then agrees
 //! over a kvfs-pg group: the target generation becomes active on every member only if every
 //! member's regions succeeded and the group lost nobody; otherwise it stays inactive (a
 //! participant killed mid-execution leaves everyone's target generation inactive).
@@ -31,7 +33,8 @@ use crate::plan::Plan;
 use crate::{Error, ErrorKind, Result};
 
 const MAGIC: u64 = 0x4452_4853_5346_564b; // "KVFSHRD"
-const HEADER_BYTES: usize = 24;
+/// magic, generation, state, epoch.
+const HEADER_BYTES: usize = 32;
 
 /// State of a holder's current generation, in its header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -94,6 +97,11 @@ impl Binding {
 pub struct Holder {
     engine: Engine,
     header: Arc<Buffer>,
+    /// The header's epoch: raised by one before and one after each header write.
+    epoch: std::sync::atomic::AtomicU64,
+    /// A registered buffer the sources' headers are read into, kept between executions (an
+    /// execution running concurrently on the same holder makes its own).
+    scratch: std::sync::Mutex<Option<Arc<Buffer>>>,
     placement: Placement,
     digest: String,
     participant: u32,
@@ -128,6 +136,8 @@ impl Holder {
         let h = Holder {
             engine,
             header,
+            epoch: std::sync::atomic::AtomicU64::new(0),
+            scratch: std::sync::Mutex::new(None),
             digest: placement.digest(),
             placement: placement.clone(),
             participant,
@@ -138,12 +148,47 @@ impl Holder {
         Ok(h)
     }
 
+    /// Writes the header as a seqlock: the epoch goes odd, then the fields, then the epoch
+    /// goes even again, so a reader that sees the same even epoch before and after its copies
+    /// knows no header write (and so no refill) happened in between.
     fn write_header(&self, state: State) -> Result<()> {
-        let mut b = [0u8; HEADER_BYTES];
+        use std::sync::atomic::{Ordering, fence};
+        let odd = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
+        self.header.write_at(24, &odd.to_le_bytes()).map_err(transfer("header"))?;
+        fence(Ordering::Release);
+        let mut b = [0u8; 24];
         b[..8].copy_from_slice(&MAGIC.to_le_bytes());
         b[8..16].copy_from_slice(&self.generation.to_le_bytes());
         b[16..].copy_from_slice(&(state as u64).to_le_bytes());
-        self.header.write_at(0, &b).map_err(transfer("header"))
+        self.header.write_at(0, &b).map_err(transfer("header"))?;
+        fence(Ordering::Release);
+        let even = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
+        self.header.write_at(24, &even.to_le_bytes()).map_err(transfer("header"))
+    }
+
+    /// The scratch buffer for `sources` headers: the kept one when it is free and large
+    /// enough, else a new registered one.
+    fn take_scratch(&self, sources: usize) -> Result<Arc<Buffer>> {
+        let want = sources.max(1) * HEADER_BYTES;
+        let kept = self.scratch.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(b) = kept.filter(|b| b.len() >= want) {
+            return Ok(b);
+        }
+        let opts = BufferOptions { huge_pages: false, shareable: false, ..Default::default() };
+        let b = Arc::new(Buffer::new(want, &opts).map_err(transfer("execute"))?);
+        self.engine.register_buffer(b.clone(), false).map_err(transfer("execute"))?;
+        Ok(b)
+    }
+
+    fn give_scratch(&self, b: Arc<Buffer>) {
+        let mut kept = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.as_ref().is_none_or(|k| k.len() < b.len()) {
+            if let Some(old) = kept.replace(b) {
+                let _ = self.engine.unregister(old.addr());
+            }
+        } else {
+            let _ = self.engine.unregister(b.addr());
+        }
     }
 
     pub fn state(&self) -> State {
@@ -151,7 +196,7 @@ impl Holder {
         if self.header.read_at(0, &mut b).is_err() {
             return State::Inactive;
         }
-        State::from_u64(u64::from_le_bytes(b[16..].try_into().expect("8 bytes")))
+        State::from_u64(u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")))
             .unwrap_or(State::Inactive)
     }
 
@@ -340,36 +385,69 @@ impl Report {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Header {
     generation: u64,
     state: Option<State>,
+    epoch: u64,
 }
 
-async fn read_header(
-    engine: &Engine,
-    seg: &SegmentHandle,
-    addr: u64,
-    scratch: &Buffer,
-) -> Result<Header> {
-    let req = TransferRequest {
-        op: TransferOp::Read,
-        segment: seg.clone(),
-        local_addr: scratch.addr(),
-        remote_addr: addr,
-        len: HEADER_BYTES as u64,
-    };
-    engine.transfer_one(&req).await.map_err(transfer("read header"))?;
-    let mut b = [0u8; HEADER_BYTES];
-    scratch.read_at(0, &mut b).map_err(transfer("read header"))?;
-    let word = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
-    if word(0) != MAGIC {
-        return Err(Error::new(
-            ErrorKind::Mismatch,
-            "read header",
-            format!("no reshard header at {addr:#x} of {}", seg.name()),
-        ));
+impl Drop for Holder {
+    /// Peers can no longer reach the buffers (memory still referenced elsewhere stays valid).
+    fn drop(&mut self) {
+        let kept = self.scratch.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let bufs = self.buffers.iter().map(|(_, b, _)| b);
+        for b in bufs.chain([&self.header]).chain(kept.as_ref()) {
+            let _ = self.engine.unregister(b.addr());
+        }
     }
-    Ok(Header { generation: word(1), state: State::from_u64(word(2)) })
+}
+
+/// Reads the headers of `sources` (segment, binding) at once, each into its slot of
+/// `scratch`; one result per source, in order.
+async fn read_headers(
+    engine: &Engine,
+    sources: &[(&SegmentHandle, &Binding)],
+    scratch: &Buffer,
+) -> Vec<Result<Header>> {
+    let reqs: Vec<TransferRequest> = sources
+        .iter()
+        .enumerate()
+        .map(|(k, (seg, b))| TransferRequest {
+            op: TransferOp::Read,
+            segment: (*seg).clone(),
+            local_addr: scratch.addr() + (k * HEADER_BYTES) as u64,
+            remote_addr: b.header_addr,
+            len: HEADER_BYTES as u64,
+        })
+        .collect();
+    // One source (the common case) takes the engine's lowest-latency path.
+    let done = match reqs.as_slice() {
+        [one] => vec![engine.transfer_one(one).await],
+        _ => match engine.transfer(reqs).await {
+            Ok(r) => r,
+            Err(e) => vec![Err(e); sources.len()],
+        },
+    };
+    done.into_iter()
+        .enumerate()
+        .map(|(k, r)| {
+            r.map_err(transfer("read header"))?;
+            let mut b = [0u8; HEADER_BYTES];
+            scratch.read_at(k * HEADER_BYTES, &mut b).map_err(transfer("read header"))?;
+            let word =
+                |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+            if word(0) != MAGIC {
+                let (seg, bd) = sources[k];
+                return Err(Error::new(
+                    ErrorKind::Mismatch,
+                    "read header",
+                    format!("no reshard header at {:#x} of {}", bd.header_addr, seg.name()),
+                ));
+            }
+            Ok(Header { generation: word(1), state: State::from_u64(word(2)), epoch: word(3) })
+        })
+        .collect()
 }
 
 /// Runs the regions `holder`'s participant receives. `holder` must hold the plan's target
@@ -395,11 +473,13 @@ pub async fn execute(holder: &Holder, bound: &BoundPlan) -> Result<Report> {
     let regions: Vec<usize> = (0..bound.plan.regions.len())
         .filter(|&i| bound.plan.regions[i].dst_participant == me)
         .collect();
-    let opts = BufferOptions { huge_pages: false, shareable: false, ..Default::default() };
-    let scratch = Arc::new(Buffer::new(HEADER_BYTES, &opts).map_err(transfer("execute"))?);
-    engine.register_buffer(scratch.clone(), false).map_err(transfer("execute"))?;
-    let result = run(engine, bound, &regions, &scratch).await;
-    let _ = engine.unregister(scratch.addr());
+    let mut sources: Vec<u32> =
+        regions.iter().map(|&i| bound.plan.regions[i].src_participant).collect();
+    sources.sort_unstable();
+    sources.dedup();
+    let scratch = holder.take_scratch(sources.len())?;
+    let result = run(engine, bound, &regions, &sources, &scratch).await;
+    holder.give_scratch(scratch);
     result
 }
 
@@ -407,21 +487,21 @@ async fn run(
     engine: &Engine,
     bound: &BoundPlan,
     regions: &[usize],
+    sources: &[u32],
     scratch: &Buffer,
 ) -> Result<Report> {
-    // Open and check every source this participant reads from.
+    // Open every source this participant reads from, then check all their headers at once.
     let mut segs: HashMap<u32, std::result::Result<SegmentHandle, Error>> = HashMap::new();
-    for &i in regions {
-        let p = bound.plan.regions[i].src_participant;
-        if segs.contains_key(&p) {
-            continue;
+    for &p in sources {
+        let seg = engine.open_segment(&bound.src[&p].segment).await;
+        segs.insert(p, seg.map_err(|e| Error::transfer("open source", e)));
+    }
+    let open: Vec<u32> = sources.iter().copied().filter(|p| segs[p].is_ok()).collect();
+    let before = check_sources(engine, bound, &segs, &open, scratch, None).await;
+    for (p, r) in open.iter().zip(&before) {
+        if let Err(e) = r {
+            segs.insert(*p, Err(e.clone()));
         }
-        let b = &bound.src[&p];
-        let seg = match engine.open_segment(&b.segment).await {
-            Ok(s) => check_source(engine, &s, b, scratch).await.map(|_| s),
-            Err(e) => Err(Error::transfer("open source", e)),
-        };
-        segs.insert(p, seg);
     }
     let mut outcome: HashMap<usize, Result<()>> = HashMap::new();
     let mut reqs = Vec::new();
@@ -466,10 +546,14 @@ async fn run(
         }
         at = end;
     }
-    // A source that changed generation while we read it may have served torn bytes.
-    for (p, seg) in &segs {
-        let Ok(seg) = seg else { continue };
-        if let Err(e) = check_source(engine, seg, &bound.src[p], scratch).await {
+    // A source whose header was written while we read it may have served torn bytes.
+    let checked: Vec<(u32, Header)> =
+        open.iter().zip(before).filter_map(|(p, r)| r.ok().map(|h| (*p, h))).collect();
+    let ps: Vec<u32> = checked.iter().map(|(p, _)| *p).collect();
+    let hs: Vec<Header> = checked.iter().map(|(_, h)| *h).collect();
+    let after = check_sources(engine, bound, &segs, &ps, scratch, Some(&hs)).await;
+    for (p, r) in ps.iter().zip(after) {
+        if let Err(e) = r {
             for &i in regions {
                 if bound.plan.regions[i].src_participant == *p {
                     outcome.insert(i, Err(e.clone()));
@@ -482,24 +566,54 @@ async fn run(
     Ok(Report { regions, bytes })
 }
 
-async fn check_source(
+/// Reads the headers of the open sources `ps` and checks each is at its bound generation,
+/// active, between header writes (an even epoch), and, after the copies (`before` given), at
+/// the very epoch it had before them.
+async fn check_sources(
     engine: &Engine,
-    seg: &SegmentHandle,
-    b: &Binding,
+    bound: &BoundPlan,
+    segs: &HashMap<u32, std::result::Result<SegmentHandle, Error>>,
+    ps: &[u32],
     scratch: &Buffer,
-) -> Result<()> {
-    let h = read_header(engine, seg, b.header_addr, scratch).await?;
-    if h.generation != b.generation || h.state != Some(State::Active) {
-        return Err(Error::new(
-            ErrorKind::StaleGeneration,
-            "execute",
-            format!(
-                "source participant {} ({}) is at generation {} ({:?}), the plan is bound to {} (Active)",
-                b.participant, b.segment, h.generation, h.state, b.generation
-            ),
-        ));
-    }
-    Ok(())
+    before: Option<&[Header]>,
+) -> Vec<Result<Header>> {
+    let sources: Vec<(&SegmentHandle, &Binding)> = ps
+        .iter()
+        .map(|p| (segs[p].as_ref().expect("only open sources are checked"), &bound.src[p]))
+        .collect();
+    let read = read_headers(engine, &sources, scratch).await;
+    read.into_iter()
+        .enumerate()
+        .map(|(k, h)| {
+            let h = h?;
+            let b = sources[k].1;
+            if h.generation != b.generation || h.state != Some(State::Active) {
+                return Err(Error::new(
+                    ErrorKind::StaleGeneration,
+                    "execute",
+                    format!(
+                        "source participant {} ({}) is at generation {} ({:?}), the plan is bound to {} (Active)",
+                        b.participant, b.segment, h.generation, h.state, b.generation
+                    ),
+                ));
+            }
+            let moved = before.is_some_and(|bs| bs[k].epoch != h.epoch);
+            if h.epoch % 2 == 1 || moved {
+                return Err(Error::new(
+                    ErrorKind::StaleGeneration,
+                    "execute",
+                    format!(
+                        "source participant {} ({}) wrote its header while it was read (epoch {} -> {})",
+                        b.participant,
+                        b.segment,
+                        before.map_or(h.epoch, |bs| bs[k].epoch),
+                        h.epoch
+                    ),
+                ));
+            }
+            Ok(h)
+        })
+        .collect()
 }
 
 /// Agrees over `group` whether every member's execution succeeded (`ok`: this member's
@@ -544,4 +658,92 @@ pub async fn commit(
         h.write_header(if outcome.is_ok() { State::Active } else { State::Inactive })?;
     }
     outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::linear_fragment;
+    use crate::{Limits, Parallel, Rule, TensorDesc};
+    use kvfs_transfer::{EngineConfig, Transports};
+
+    /// Two engines over loopback tcp, a tp2 -> tp1 plan of one matrix (the target reads two
+    /// sources), the sources filled and active.
+    async fn setup() -> (Vec<Holder>, Holder, BoundPlan) {
+        let tensors = vec![(
+            TensorDesc::new("w", &[64, 32], "float32", 4),
+            Rule { tp_dim: Some(0), ..Rule::default() },
+        )];
+        let src = Parallel::parse("tp2").unwrap().placement(&tensors).unwrap();
+        let dst = Parallel::parse("tp1").unwrap().placement(&tensors).unwrap();
+        let cfg = || EngineConfig { transports: Transports::tcp_only(), ..EngineConfig::default() };
+        let (a, b) = (Engine::start(cfg()).await.unwrap(), Engine::start(cfg()).await.unwrap());
+        let mut sources = Vec::new();
+        for p in 0..2 {
+            let mut h = Holder::new(a.clone(), &src, p).unwrap();
+            h.allocate().unwrap();
+            for (t, f, buf) in h.buffers() {
+                let tp = &src.tensors[t as usize];
+                buf.write_at(0, &linear_fragment(&tp.desc, &tp.fragments[f as usize])).unwrap();
+            }
+            h.activate().unwrap();
+            sources.push(h);
+        }
+        let mut target = Holder::new(b, &dst, 0).unwrap();
+        target.allocate().unwrap();
+        let plan = crate::plan(&src, &dst, &Limits::default()).unwrap();
+        let sb: Vec<Binding> = sources.iter().map(Holder::binding).collect();
+        let bound = BoundPlan::new(plan, &src, &dst, &sb, &[target.binding()]).unwrap();
+        (sources, target, bound)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_source_refilled_at_its_generation_during_the_copies_fails_its_regions() {
+        let (sources, target, bound) = setup().await;
+        let report = execute(&target, &bound).await.unwrap();
+        assert!(report.ok(), "{:?}", report.first_error());
+        let want = |h: &Holder| {
+            let tp = &h.placement().tensors[0];
+            linear_fragment(&tp.desc, &tp.fragments[0])
+        };
+        let mut got = vec![0u8; 64 * 32 * 4];
+        target.buffer(0, 0).unwrap().read_at(0, &mut got).unwrap();
+        assert!(got == want(&target), "the target holds the matrix");
+
+        // The check around the copies, by hand: source 1 is deactivated, refilled and activated
+        // again at the same generation between the two header reads (the copies would have
+        // read torn bytes). Its generation and state look the same; its epoch does not.
+        let engine = &target.engine;
+        let mut segs = HashMap::new();
+        for p in [0u32, 1] {
+            segs.insert(p, Ok(engine.open_segment(&bound.src[&p].segment).await.unwrap()));
+        }
+        let scratch = target.take_scratch(2).unwrap();
+        let before: Vec<Header> = check_sources(engine, &bound, &segs, &[0, 1], &scratch, None)
+            .await
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect();
+        sources[1].deactivate().unwrap();
+        sources[1].activate().unwrap();
+        let after = check_sources(engine, &bound, &segs, &[0, 1], &scratch, Some(&before)).await;
+        target.give_scratch(scratch);
+        assert!(after[0].is_ok(), "{:?}", after[0]);
+        let e = after[1].as_ref().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::StaleGeneration);
+        assert!(e.to_string().contains("wrote its header"), "{e}");
+
+        // Re-executed after the refill, it reads a consistent source again.
+        assert!(execute(&target, &bound).await.unwrap().ok());
+        // A source left inactive fails only its own regions.
+        sources[0].deactivate().unwrap();
+        let report = execute(&target, &bound).await.unwrap();
+        let failed: Vec<u32> = report
+            .regions
+            .iter()
+            .filter(|(_, r)| r.is_err())
+            .map(|(i, _)| bound.plan.regions[*i].src_participant)
+            .collect();
+        assert!(!failed.is_empty() && failed.iter().all(|&p| p == 0), "{failed:?}");
+    }
 }
