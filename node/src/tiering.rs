@@ -607,7 +607,18 @@ impl Inner {
             version: it.version,
             pin: it.pin.code(),
         };
-        let meta = store.put(&it.key, &bytes, opts).await.map_err(|e| wire(&e))?;
+        // A copy of a renamed object names its previous name, as a write-back's does, so a
+        // late upload under the old name cannot come back after a crash.
+        let previous = lock(&self.index)
+            .objects
+            .get(&it.key)
+            .filter(|h| h.version == it.version)
+            .and_then(|h| h.renamed_from.clone());
+        let meta = match &previous {
+            Some((k, v)) => store.put_renamed(&it.key, &bytes, opts, (k, *v)).await,
+            None => store.put(&it.key, &bytes, opts).await,
+        }
+        .map_err(|e| wire(&e))?;
         self.tiers.counters.eager_persisted.fetch_add(1, Ordering::Relaxed);
         // A committed object (an offload job's, not a pending eager put): its tier policy may
         // now drop the NVMe copy, and write-back has nothing left to do.
