@@ -12,8 +12,9 @@
 //! the CPU cursor extends while the block is in the owner's own CPU or in any shared holder's
 //! CPU; the disk cursor extends likewise with disk (or faster) media. The first miss stops each cursor, so `gpu <= cpu <= disk` (cumulative
 //! block counts). One walk over the blocks serves every owner: the GPU phase intersects the
-//! set of owners still matching with each block's GPU owners (equal sets, the common case of
-//! a chain held whole, cost one slice comparison), and the later phases use run lengths of
+//! set of owners still matching with each block's GPU owners (a bitset ANDed eight words at a
+//! time, only over the words where owners still match; a block where nobody drops, the common
+//! case of a chain held whole, costs one vectorised pass), and the later phases use run lengths of
 //! the shared media computed once per query; only an owner with its own CPU or disk blocks in
 //! the context walks those phases alone.
 //!
