@@ -247,7 +247,7 @@ impl BlockHasher {
 
     /// [`BlockHasher::hash_block`] serialising into `scratch` (its contents are replaced), so
     /// that a chain reuses one buffer.
-    fn hash_block_in(
+    pub(crate) fn hash_block_in(
         &self,
         scratch: &mut Vec<u8>,
         parent: Option<&[u8]>,

@@ -571,6 +571,15 @@ impl Index {
         out
     }
 
+    /// Whether the context holds the block `hash` (any owner, any medium). A token query
+    /// hashes its prompt in runs and stops after a run whose last block nobody holds: the
+    /// walk cannot reach past it.
+    pub fn holds(&self, ctx: &ContextKey, hash: u64) -> bool {
+        self.context_ids
+            .get(ctx)
+            .is_some_and(|&c| self.contexts[c as usize].blocks.contains_key(&hash))
+    }
+
     /// [`Index::query`] into `out` (cleared first), by ids and in no particular order: the
     /// hot path of `/query`, with no allocation per owner.
     pub fn query_raw(&mut self, ctx: &ContextKey, hashes: &[u64], out: &mut Vec<RawMatch>) {

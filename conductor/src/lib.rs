@@ -4,6 +4,7 @@
 pub mod event;
 pub mod hash;
 pub mod index;
+pub mod memo;
 pub mod route;
 pub mod service;
 pub mod sim;

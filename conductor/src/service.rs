@@ -47,6 +47,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::hash::{Algorithm, BlockHasher, Extra, HashProfile, LoraKey, project_low64_be};
 use crate::index::{ContextKey, Index, OwnerKey, RawMatch};
+use crate::memo::ChainMemo;
 use crate::route::{
     CostModel, Decision, FetchFrom, Policy, PrefixMatch, RejectReason, RouteRequest, Scheduler,
     SchedulerConfig,
@@ -234,6 +235,8 @@ pub struct Shared {
     /// A publisher unreachable this long has its blocks cleared.
     pub source_ttl: std::time::Duration,
     router: Mutex<Live>,
+    /// Chain steps of token queries computed lately (see [`crate::memo`]).
+    pub memo: Mutex<ChainMemo>,
 }
 
 /// The scheduler of `/route` and the names of its instances.
@@ -299,6 +302,8 @@ pub struct Config {
     /// A publisher unreachable this long (its engine is gone) has its blocks cleared.
     pub source_ttl: std::time::Duration,
     pub route: RouteConfig,
+    /// Most chain steps the memo of token queries keeps (0: none; about 75 bytes each).
+    pub hash_memo_entries: usize,
 }
 
 impl Default for Config {
@@ -311,6 +316,7 @@ impl Default for Config {
             },
             source_ttl: std::time::Duration::from_secs(30),
             route: RouteConfig::default(),
+            hash_memo_entries: 1 << 19,
         }
     }
 }
@@ -341,6 +347,7 @@ impl Shared {
                 prefill: Names::default(),
                 decode: Names::default(),
             }),
+            memo: Mutex::new(ChainMemo::new(cfg.hash_memo_entries)),
         })
     }
 
@@ -573,7 +580,8 @@ impl Query {
     }
 
     /// The prompt's block hashes: the ones given (`by_hash`), or its tokens hashed as the
-    /// context's engines hash them.
+    /// context's engines hash them, up to the first block the index does not hold (the
+    /// walk stops there).
     fn hashes(&self, s: &Shared, by_hash: bool) -> Result<Vec<u64>, String> {
         if self.block_size == 0 {
             return Err("block_size must be positive".into());
@@ -589,10 +597,89 @@ impl Query {
                 .map(|name| LoraKey { name, path: self.lora_path.clone().unwrap_or_default() }),
             cache_salt: self.cache_salt.clone(),
         };
-        match hasher.iter(&self.token_ids.0, self.block_size as usize, &extra) {
-            Ok(it) => Ok(it.map(|d| project_low64_be(&d)).collect()),
-            Err(e) => Err(e.to_string()),
+        Ok(self.chain(s, &hasher, &extra))
+    }
+
+    /// The token chain: steps the memo holds first, then the rest computed a run at a time,
+    /// each run's last block checked against the index before the next is hashed (the
+    /// reference conductor also hashes only as far as a match can reach).
+    fn chain(&self, s: &Shared, hasher: &BlockHasher, extra: &Extra) -> Vec<u64> {
+        let blocks: Vec<&[u32]> = self.token_ids.0.chunks_exact(self.block_size as usize).collect();
+        let ctx = self.context();
+        let mut out = Vec::with_capacity(blocks.len());
+        let mut parent: Option<Vec<u8>> = None;
+        let (keys, scope) = {
+            let mut memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
+            let keys = memo.keys();
+            let scope = memo.enabled().then(|| {
+                let bs = self.block_size.to_le_bytes();
+                let salt = extra.cache_salt.as_deref().unwrap_or("");
+                let (lora, path) =
+                    extra.lora.as_ref().map_or(("", ""), |l| (l.name.as_str(), l.path.as_str()));
+                let parts: [&[u8]; 6] = [
+                    ctx.tenant.as_bytes(),
+                    ctx.model.as_bytes(),
+                    lora.as_bytes(),
+                    path.as_bytes(),
+                    &bs,
+                    salt.as_bytes(),
+                ];
+                keys.scope(hasher, &parts)
+            });
+            if let Some(scope) = scope {
+                for b in &blocks {
+                    match memo.get(keys.key(scope, parent.as_deref(), b)) {
+                        Some(d) => {
+                            out.push(project_low64_be(&d));
+                            parent = Some(d);
+                        }
+                        None => break,
+                    }
+                }
+            }
+            (keys, scope)
+        };
+        // Whether the walk may reach past the last block hashed so far (only the last is
+        // looked up: a hole before it only makes the chain longer than the walk needs).
+        let reaches = |hashes: &[u64]| {
+            hashes
+                .last()
+                .is_some_and(|&h| s.index.lock().unwrap_or_else(|e| e.into_inner()).holds(&ctx, h))
+        };
+        if out.len() == blocks.len() || (!out.is_empty() && !reaches(&out)) {
+            return out;
         }
+        let mut steps = Vec::new();
+        let mut scratch = Vec::new();
+        let mut run = 4;
+        while out.len() < blocks.len() {
+            let start = out.len();
+            for b in &blocks[start..(start + run).min(blocks.len())] {
+                let d = hasher.hash_block_in(
+                    &mut scratch,
+                    parent.as_deref(),
+                    b,
+                    extra,
+                    parent.is_none(),
+                );
+                if let Some(scope) = scope {
+                    steps.push((keys.key(scope, parent.as_deref(), b), d.clone()));
+                }
+                out.push(project_low64_be(&d));
+                parent = Some(d);
+            }
+            if !reaches(&out) {
+                break;
+            }
+            run = (run * 2).min(64);
+        }
+        if !steps.is_empty() {
+            let mut memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
+            for (k, d) in steps {
+                memo.insert(k, &d);
+            }
+        }
+        out
     }
 }
 
@@ -1158,6 +1245,20 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         l(&m.replicate_hints),
     );
     counter("index_evicted_total", "Index entries dropped by the memory bound.", st.evicted);
+    let (memo_hits, memo_misses, memo_len) = {
+        let memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
+        (memo.hits, memo.misses, memo.len())
+    };
+    counter(
+        "hash_memo_hits_total",
+        "Blocks of token queries whose chain step the memo held (no hashing).",
+        memo_hits,
+    );
+    counter(
+        "hash_memo_misses_total",
+        "Memo lookups missed (the chain computed from there on).",
+        memo_misses,
+    );
     let mut gauge = |name: &str, help: &str, v: u64| {
         out.push_str(&format!(
             "# HELP kvfs_conductor_{name} {help}\n# TYPE kvfs_conductor_{name} gauge\nkvfs_conductor_{name} {v}\n"
@@ -1167,6 +1268,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     gauge("index_contexts", "Contexts (tenant, model, LoRA, block size).", st.contexts as u64);
     gauge("index_owners", "Owners (instance, DP rank, pools).", st.owners as u64);
     gauge("sources", "Registered event sources.", sources as u64);
+    gauge("hash_memo_entries", "Chain steps in the memo of token queries.", memo_len as u64);
     m.query.render(&mut out, "query_seconds", "Prefix query latency.");
     m.route.render(&mut out, "route_seconds", "Route decision latency.");
     {
@@ -1270,5 +1372,155 @@ mod tests {
             rmp_serde::from_slice::<serde_json::Value>(&none).unwrap(),
             serde_json::json!({"instances": {}})
         );
+    }
+
+    /// One step of [`token_queries_with_the_memo_answer_as_hashing_every_block`].
+    #[derive(Debug, Clone)]
+    enum Step {
+        /// An owner stores the first `blocks` blocks of a prompt's chain.
+        Store { owner: usize, prompt: usize, blocks: usize, gpu: bool },
+        /// A token query of a prompt, with or without a cache salt.
+        Query { prompt: usize, salted: bool },
+    }
+
+    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0..4usize, 0..6usize, 0..12usize, any::<bool>()).prop_map(
+                |(owner, prompt, blocks, gpu)| Step::Store { owner, prompt, blocks, gpu }
+            ),
+            (0..6usize, any::<bool>()).prop_map(|(prompt, salted)| Step::Query { prompt, salted }),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Prompts sharing prefixes, an index that grows between queries: a token query
+        /// answers the same with the memo (small, so its generations turn over), without it,
+        /// and as the whole chain hashed up front and walked would.
+        #[test]
+        fn token_queries_with_the_memo_answer_as_hashing_every_block(
+            base in proptest::collection::vec(0u32..200_000, 48),
+            cuts in proptest::collection::vec((0usize..48, proptest::collection::vec(0u32..200_000, 0..16)), 6),
+            steps in proptest::collection::vec(step(), 1..40),
+        ) {
+            const BS: u32 = 4;
+            let prompts: Vec<Vec<u32>> = cuts
+                .iter()
+                .map(|(cut, tail)| base[..*cut].iter().chain(tail).copied().collect())
+                .collect();
+            let hasher = BlockHasher::new(&Config::default().default_profile).unwrap();
+            let chain = |p: &[u32], salt: Option<&str>| -> Vec<u64> {
+                let extra = Extra { lora: None, cache_salt: salt.map(String::from) };
+                hasher.iter(p, BS as usize, &extra).unwrap().map(|d| project_low64_be(&d)).collect()
+            };
+            let memo = Shared::new(&Config { hash_memo_entries: 16, ..Config::default() });
+            let plain = Shared::new(&Config { hash_memo_entries: 0, ..Config::default() });
+            let ctx = ContextKey {
+                tenant: "t".into(),
+                model: "m".into(),
+                lora: String::new(),
+                block_size: BS,
+            };
+            for s in [&memo, &plain] {
+                let mut ix = s.index.lock().unwrap();
+                for o in 0..4u32 {
+                    let id = ix.owner(&OwnerKey { instance: format!("i{o}"), dp_rank: o % 2 }, false);
+                    ix.join(id, &ctx);
+                }
+            }
+            for st in steps {
+                match st {
+                    Step::Store { owner, prompt, blocks, gpu } => {
+                        let h = chain(&prompts[prompt], None);
+                        let ev = Event::Stored {
+                            hashes: h[..blocks.min(h.len())].to_vec(),
+                            parent: None,
+                            block_size: Some(BS),
+                            medium: if gpu { Medium::Gpu } else { Medium::Cpu },
+                            lora_name: None,
+                        };
+                        for s in [&memo, &plain] {
+                            let mut ix = s.index.lock().unwrap();
+                            let id = ix.owner(
+                                &OwnerKey { instance: format!("i{owner}"), dp_rank: owner as u32 % 2 },
+                                false,
+                            );
+                            ix.apply(id, &ctx, &ev);
+                        }
+                    }
+                    Step::Query { prompt, salted } => {
+                        let salt = salted.then_some("s");
+                        let body = serde_json::to_vec(&serde_json::json!({
+                            "model": "m", "tenant_id": "t", "block_size": BS,
+                            "token_ids": prompts[prompt], "cache_salt": salt,
+                        }))
+                        .unwrap();
+                        let with_memo = answer_query(&memo, false, &body, false).unwrap();
+                        let without = answer_query(&plain, false, &body, false).unwrap();
+                        let mut ix = plain.index.lock().unwrap();
+                        let mut raw = Vec::new();
+                        ix.query_raw(&ctx, &chain(&prompts[prompt], salt), &mut raw);
+                        let want = encode_matches(Enc::Json, &ix, &raw, u64::from(BS), None);
+                        let v = |b: &[u8]| serde_json::from_slice::<serde_json::Value>(b).unwrap();
+                        proptest::prop_assert_eq!(v(&with_memo), v(&want));
+                        proptest::prop_assert_eq!(v(&without), v(&want));
+                    }
+                }
+            }
+            let m = memo.memo.lock().unwrap();
+            proptest::prop_assert!(m.len() <= 16);
+            proptest::prop_assert!(plain.memo.lock().unwrap().is_empty());
+        }
+    }
+
+    #[test]
+    fn a_repeated_token_query_is_answered_from_the_memo() {
+        let s = Shared::new(&Config::default());
+        let ctx = ContextKey {
+            tenant: "t".into(),
+            model: "m".into(),
+            lora: String::new(),
+            block_size: 4,
+        };
+        let tokens: Vec<u32> = (0..160).collect();
+        let hasher = BlockHasher::new(&Config::default().default_profile).unwrap();
+        let hashes: Vec<u64> = hasher
+            .iter(&tokens, 4, &Extra::default())
+            .unwrap()
+            .map(|d| project_low64_be(&d))
+            .collect();
+        {
+            let mut ix = s.index.lock().unwrap();
+            let o = ix.owner(&OwnerKey { instance: "a".into(), dp_rank: 0 }, false);
+            ix.join(o, &ctx);
+            ix.apply(
+                o,
+                &ctx,
+                &Event::Stored {
+                    hashes: hashes[..6].to_vec(),
+                    parent: None,
+                    block_size: Some(4),
+                    medium: Medium::Gpu,
+                    lora_name: None,
+                },
+            );
+        }
+        let body = serde_json::to_vec(&serde_json::json!({
+            "model": "m", "tenant_id": "t", "block_size": 4, "token_ids": tokens,
+        }))
+        .unwrap();
+        let count = |s: &Shared| {
+            let m = s.memo.lock().unwrap();
+            (m.hits, m.misses, m.len())
+        };
+        let first = answer_query(&s, false, &body, false).unwrap();
+        // 40 blocks, hashed in runs of 4, then 8: the run that passes the 6 held blocks is the
+        // last (the walk stops at the seventh).
+        assert_eq!(count(&s), (0, 1, 12));
+        let second = answer_query(&s, false, &body, false).unwrap();
+        assert_eq!(second, first);
+        assert_eq!(count(&s), (12, 2, 12), "the second query hashes nothing");
+        let v: serde_json::Value = serde_json::from_slice(&first).unwrap();
+        assert_eq!(v["instances"]["a"]["gpu"], 24);
     }
 }

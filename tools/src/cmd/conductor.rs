@@ -55,6 +55,10 @@ pub struct ConductorArgs {
     /// 70B-class model on 8 GPUs per instance. Fit them to your engines' measured times.
     #[arg(long)]
     pub cost_model: Option<PathBuf>,
+    /// Most hash-chain steps of token queries kept (about 75 bytes each; 0 turns the memo
+    /// off): a prompt whose prefix was queried or routed before is hashed only past it.
+    #[arg(long, default_value_t = 1 << 19)]
+    pub hash_memo_entries: usize,
 }
 
 pub async fn run(a: ConductorArgs, listen_given: bool) -> anyhow::Result<()> {
@@ -86,6 +90,7 @@ pub async fn run(a: ConductorArgs, listen_given: bool) -> anyhow::Result<()> {
             balancing_threshold: a.balancing_threshold,
             cost,
         },
+        hash_memo_entries: a.hash_memo_entries,
     };
     let shared = Shared::new(&cfg);
     let mut listen = a.listen;

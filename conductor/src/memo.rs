@@ -1,0 +1,257 @@
+//! The chain memo: the digest of each block-hash chain step this conductor computed lately.
+//!
+//! Why: a token query pays the engines' hash chain before the index can be walked. For vLLM's
+//! default (`sha256_cbor`) that is CBOR plus SHA-256 over every block, about half a millisecond
+//! for a 128k-token prompt on this project's machines, half of a `/query`. The prompts a router
+//! sees repeat their prefixes: a chat's next turn carries the previous turn, agents and RAG
+//! share system prompts, and a prompt an engine has cached was usually routed (hashed here)
+//! before the engine computed it.
+//!
+//! Mechanism: a chain step is a pure function of (hash profile, extra keys, parent digest,
+//! block tokens). [`ChainMemo::key`] fingerprints those inputs with XXH3-128, seeded with a
+//! secret drawn when the memo is made; the memo maps fingerprints to digests. A query looks its
+//! blocks up in order until the first miss and computes the rest of the chain (adding those
+//! steps). A fingerprint is one XXH3 pass over the block's tokens, about 30 times cheaper than
+//! the SHA-256 step it saves.
+//!
+//! Policy: bounded by `entries_max` in two generations (a simple, scan-resistant LRU
+//! approximation): steps go into the young generation; when it holds half the bound it becomes
+//! the old one and the previous old one is dropped; a hit in the old generation moves the step
+//! to the young one. `entries_max = 0` turns the memo off.
+//!
+//! Invariants: a hit is the digest computed for an input with the same fingerprint, and the
+//! scope of the fingerprint (tenant, model, LoRA, block size, algorithm and root, cache salt)
+//! keeps contexts apart. The fingerprint is not a cryptographic hash: two inputs with one
+//! fingerprint would give the second the first's digest. By chance that is 2^-128 a pair; made
+//! on purpose it needs colliding XXH3 inputs under a secret seed the sender never sees, and it
+//! could only mislead the routing of the sender's own context (an answer is token counts,
+//! never bytes of a cache).
+//!
+//! Not handled: persistence (a restarted conductor starts cold), steps learned from the
+//! engines' events (vLLM's `BlockStored` carries tokens, but by default only 64-bit hashes,
+//! not the parent digest the next step needs).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::hash::BlockHasher;
+
+/// The fingerprints are uniformly distributed already: the map uses their low 64 bits as is.
+#[derive(Default)]
+struct Low64(u64);
+
+impl Hasher for Low64 {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u128(&mut self, v: u128) {
+        self.0 = v as u64;
+    }
+}
+
+/// A digest of up to 32 bytes (SHA-256; XXH3-128 uses 16).
+#[derive(Clone, Copy)]
+struct Step {
+    digest: [u8; 32],
+    len: u8,
+}
+
+type Map = HashMap<u128, Step, BuildHasherDefault<Low64>>;
+
+/// What one chain step is keyed by besides its parent and tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scope(u64);
+
+/// Fingerprints of chain steps under one memo's secret seed.
+#[derive(Debug, Clone, Copy)]
+pub struct StepKeys {
+    seed: u64,
+}
+
+impl StepKeys {
+    /// The scope of a chain: the hasher's algorithm and root (so its seed), and `parts`
+    /// (tenant, model, LoRA, block size, cache salt: whatever else the digests depend on or
+    /// the index keeps apart). Parts are length-prefixed, so no two lists share a scope.
+    pub fn scope(&self, hasher: &BlockHasher, parts: &[&[u8]]) -> Scope {
+        let mut h = Xxh3::with_seed(self.seed);
+        let mut part = |p: &[u8]| {
+            h.update(&(p.len() as u64).to_le_bytes());
+            h.update(p);
+        };
+        part(hasher.algorithm().name().as_bytes());
+        part(hasher.root());
+        for p in parts {
+            part(p);
+        }
+        Scope(h.digest())
+    }
+
+    /// The fingerprint of one step: its scope, its parent's digest (`None` for the first
+    /// block) and its tokens.
+    pub fn key(&self, scope: Scope, parent: Option<&[u8]>, tokens: &[u32]) -> u128 {
+        let mut h = Xxh3::with_seed(self.seed ^ scope.0);
+        match parent {
+            Some(p) => {
+                h.update(&[1, p.len() as u8]);
+                h.update(p);
+            }
+            None => h.update(&[0]),
+        }
+        h.update(bytemuck::cast_slice(tokens));
+        h.digest128()
+    }
+}
+
+/// The memo; see the module notes.
+pub struct ChainMemo {
+    seed: u64,
+    entries_max: usize,
+    young: Map,
+    old: Map,
+    /// Lookups answered, and missed, since start.
+    pub hits: u64,
+    pub misses: u64,
+}
+
+impl ChainMemo {
+    /// A memo of at most `entries_max` steps (0: off), with a fresh secret seed.
+    pub fn new(entries_max: usize) -> ChainMemo {
+        use std::hash::BuildHasher;
+        let seed = std::collections::hash_map::RandomState::new().hash_one(0x6b76_6673_u64);
+        ChainMemo {
+            seed,
+            entries_max,
+            young: Map::default(),
+            old: Map::default(),
+            hits: 0,
+            misses: 0,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.entries_max > 0
+    }
+
+    /// Steps held.
+    pub fn len(&self) -> usize {
+        self.young.len() + self.old.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The fingerprinting half of the memo, usable without holding it.
+    pub fn keys(&self) -> StepKeys {
+        StepKeys { seed: self.seed }
+    }
+
+    /// The digest of the step `key`, if held.
+    pub fn get(&mut self, key: u128) -> Option<Vec<u8>> {
+        let step = match self.young.get(&key) {
+            Some(s) => *s,
+            None => match self.old.remove(&key) {
+                Some(s) => {
+                    self.put(key, s);
+                    s
+                }
+                None => {
+                    self.misses += 1;
+                    return None;
+                }
+            },
+        };
+        self.hits += 1;
+        Some(step.digest[..step.len as usize].to_vec())
+    }
+
+    /// Remember the step `key` (digests longer than 32 bytes are not kept).
+    pub fn insert(&mut self, key: u128, digest: &[u8]) {
+        if !self.enabled() || digest.len() > 32 {
+            return;
+        }
+        let mut step = Step { digest: [0; 32], len: digest.len() as u8 };
+        step.digest[..digest.len()].copy_from_slice(digest);
+        self.put(key, step);
+    }
+
+    fn put(&mut self, key: u128, step: Step) {
+        if self.young.len() >= self.entries_max.div_ceil(2) {
+            self.old = std::mem::take(&mut self.young);
+        }
+        self.young.insert(key, step);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::{Algorithm, HashProfile};
+
+    fn hasher(algorithm: Algorithm, seed: Option<&str>) -> BlockHasher {
+        BlockHasher::new(&HashProfile { algorithm, python_hash_seed: seed.map(String::from) })
+            .expect("profile")
+    }
+
+    #[test]
+    fn bounded_and_recent_steps_survive() {
+        let mut m = ChainMemo::new(100);
+        let h = hasher(Algorithm::Sha256Cbor, None);
+        let s = m.keys().scope(&h, &[b"t"]);
+        let keys: Vec<u128> = (0..1000u32).map(|i| m.keys().key(s, None, &[i])).collect();
+        for (i, &k) in keys.iter().enumerate() {
+            m.insert(k, &[i as u8; 32]);
+            // A step looked up at every insert stays: hits move it to the young generation.
+            assert_eq!(m.get(keys[0]).as_deref(), Some(&[0u8; 32][..]));
+            assert!(m.len() <= 100, "{} steps held", m.len());
+        }
+        assert!(m.get(keys[1]).is_none(), "an old step not used again is dropped");
+        assert_eq!(m.get(keys[999]).as_deref(), Some(&[231u8; 32][..]));
+        let mut off = ChainMemo::new(0);
+        off.insert(keys[0], &[0; 32]);
+        assert!(off.is_empty() && off.get(keys[0]).is_none());
+    }
+
+    #[test]
+    fn keys_separate_scopes_parents_and_tokens() {
+        let m = ChainMemo::new(10).keys();
+        let sha = hasher(Algorithm::Sha256Cbor, None);
+        let seeded = hasher(Algorithm::Sha256Cbor, Some("7"));
+        let a = m.scope(&sha, &[b"tenant", b"model"]);
+        let distinct = [
+            a,
+            m.scope(&seeded, &[b"tenant", b"model"]),
+            m.scope(&hasher(Algorithm::Sha256, None), &[b"tenant", b"model"]),
+            m.scope(&sha, &[b"tenantm", b"odel"]),
+            m.scope(&sha, &[b"tenant", b"model", b""]),
+        ];
+        for i in 0..distinct.len() {
+            for j in 0..i {
+                assert_ne!(distinct[i], distinct[j], "scopes {i} and {j}");
+            }
+        }
+        let root = sha.root().to_vec();
+        let steps = [
+            m.key(a, None, &[1, 2]),
+            m.key(a, Some(&root), &[1, 2]),
+            m.key(a, Some(&root[..16]), &[1, 2]),
+            m.key(a, None, &[1, 2, 0]),
+            m.key(a, None, &[2, 1]),
+            m.key(distinct[1], None, &[1, 2]),
+        ];
+        for i in 0..steps.len() {
+            for j in 0..i {
+                assert_ne!(steps[i], steps[j], "steps {i} and {j}");
+            }
+        }
+        // Another memo has another secret.
+        assert_ne!(ChainMemo::new(10).keys().key(a, None, &[1, 2]), steps[0]);
+    }
+}
