@@ -456,6 +456,13 @@ const BODY_BYTES_MAX: usize = 16 << 20;
 
 /// Serves until the listener fails.
 pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) -> std::io::Result<()> {
+    use axum::serve::ListenerExt;
+    // Answers are written whole: no Nagle wait on their last segment.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY");
+        }
+    });
     axum::serve(listener, router(shared)).await
 }
 
