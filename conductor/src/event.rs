@@ -58,6 +58,9 @@ pub enum Event {
         /// Normalised block hashes, in chain order.
         hashes: Vec<u64>,
         parent: Option<u64>,
+        /// The blocks' tokens, when the publisher sends them (vLLM and SGLang do): the
+        /// conductor learns the chain steps of token queries from them.
+        token_ids: Vec<u32>,
         block_size: Option<u32>,
         medium: Medium,
         lora_name: Option<String>,
@@ -223,6 +226,21 @@ fn hashes(v: Option<&Value>) -> Result<Vec<u64>, DecodeError> {
     }
 }
 
+fn token_ids(v: Option<&Value>) -> Result<Vec<u32>, DecodeError> {
+    match v {
+        None | Some(Value::Nil) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|t| {
+                t.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| bad(format!("token id {t} is not a 32-bit unsigned int")))
+            })
+            .collect(),
+        Some(other) => Err(bad(format!("token_ids of type {}", kind(other)))),
+    }
+}
+
 fn medium(v: Option<&Value>) -> Result<Medium, DecodeError> {
     match v {
         None | Some(Value::Nil) => Ok(Medium::Gpu),
@@ -269,6 +287,7 @@ fn decode_event(v: &Value) -> Result<Option<Event>, DecodeError> {
             Ok(Some(Event::Stored {
                 hashes: hashes(f.get("block_hashes", 1))?,
                 parent,
+                token_ids: token_ids(f.get("token_ids", 3))?,
                 block_size,
                 medium: medium(f.get("medium", 6))?,
                 lora_name: opt_str(f.get("lora_name", 7), "lora_name")?,
@@ -330,6 +349,7 @@ mod tests {
                 vec![Event::Stored {
                     hashes: vec![1, (-2i64) as u64],
                     parent: None,
+                    token_ids: vec![5],
                     block_size: Some(16),
                     medium: Medium::Gpu,
                     lora_name: None
@@ -357,6 +377,7 @@ mod tests {
                 Event::Stored {
                     hashes: vec![42],
                     parent: None,
+                    token_ids: Vec::new(),
                     block_size: None,
                     medium: Medium::Disk,
                     lora_name: None
@@ -397,5 +418,16 @@ mod tests {
             decode_batch(&enc(&Value::Array(vec![Value::F64(0.0), Value::Array(vec![medium])])))
                 .is_err()
         );
+        for tokens in [Value::Array(vec![Value::from(-1i64)]), Value::from(1u64 << 32), s("x")] {
+            let ev = Value::Map(vec![
+                (s("type"), s("BlockStored")),
+                (s("block_hashes"), Value::Array(vec![Value::from(1u64)])),
+                (s("token_ids"), Value::Array(vec![tokens])),
+            ]);
+            let e =
+                decode_batch(&enc(&Value::Array(vec![Value::F64(0.0), Value::Array(vec![ev])])))
+                    .unwrap_err();
+            assert!(e.0.contains("token id"), "{e}");
+        }
     }
 }

@@ -734,6 +734,7 @@ mod tests {
 
     fn stored(hashes: &[u64], medium: Medium) -> Event {
         Event::Stored {
+            token_ids: Vec::new(),
             hashes: hashes.to_vec(),
             parent: None,
             block_size: Some(16),

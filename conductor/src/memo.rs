@@ -7,12 +7,17 @@
 //! share system prompts, and a prompt an engine has cached was usually routed (hashed here)
 //! before the engine computed it.
 //!
-//! Mechanism: a chain step is a pure function of (hash profile, extra keys, parent digest,
-//! block tokens). [`ChainMemo::key`] fingerprints those inputs with XXH3-128, seeded with a
-//! secret drawn when the memo is made; the memo maps fingerprints to digests. A query looks its
-//! blocks up in order until the first miss and computes the rest of the chain (adding those
-//! steps). A fingerprint is one XXH3 pass over the block's tokens, about 30 times cheaper than
-//! the SHA-256 step it saves.
+//! Mechanism: a chain step is a function of (hash profile, extra keys, parent, block tokens).
+//! [`StepKeys::key`] fingerprints those inputs with XXH3-128, seeded with a secret drawn when
+//! the memo is made, the parent as its 64-bit projection (the index already knows blocks by it);
+//! the memo maps fingerprints to the block's projection and, where this conductor computed it,
+//! its full digest (the next SHA-256 step needs the parent's full digest). Steps come from two
+//! places: token queries (with full digests), and the engines' `BlockStored` events, which carry
+//! each block's tokens, its hash and its parent's (projections only; first blocks are not
+//! learned, because a cache salt changes them and events do not carry it). A query looks each
+//! block up, computes a miss (recomputing the full digests of a learned prefix first) and goes
+//! on looking up. A fingerprint is one XXH3 pass over the block's tokens, about 30 times
+//! cheaper than the SHA-256 step it saves.
 //!
 //! Policy: bounded by `entries_max` in two generations (a simple, scan-resistant LRU
 //! approximation): steps go into the young generation; when it holds half the bound it becomes
@@ -56,14 +61,25 @@ impl Hasher for Low64 {
     }
 }
 
-/// A digest of up to 32 bytes (SHA-256; XXH3-128 uses 16).
+/// A block's projection and, when known, its full digest (up to 32 bytes: SHA-256; XXH3-128
+/// uses 16; `len` 0: learned from an event, projection only).
 #[derive(Clone, Copy)]
 struct Step {
+    projection: u64,
     digest: [u8; 32],
     len: u8,
 }
 
 type Map = HashMap<u128, Step, BuildHasherDefault<Low64>>;
+
+/// What comes before a block in its chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Parent<'a> {
+    /// The first block, with the query's cache salt ("" for none).
+    First { salt: &'a str },
+    /// The projection of the parent block's digest.
+    Block(u64),
+}
 
 /// What one chain step is keyed by besides its parent and tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,16 +109,20 @@ impl StepKeys {
         Scope(h.digest())
     }
 
-    /// The fingerprint of one step: its scope, its parent's digest (`None` for the first
-    /// block) and its tokens.
-    pub fn key(&self, scope: Scope, parent: Option<&[u8]>, tokens: &[u32]) -> u128 {
+    /// The fingerprint of one step: its scope, its parent's projection, or for the first
+    /// block (`First`) the cache salt, and its tokens.
+    pub fn key(&self, scope: Scope, parent: Parent<'_>, tokens: &[u32]) -> u128 {
         let mut h = Xxh3::with_seed(self.seed ^ scope.0);
         match parent {
-            Some(p) => {
-                h.update(&[1, p.len() as u8]);
-                h.update(p);
+            Parent::Block(p) => {
+                h.update(&[1]);
+                h.update(&p.to_le_bytes());
             }
-            None => h.update(&[0]),
+            Parent::First { salt } => {
+                h.update(&[0]);
+                h.update(&(salt.len() as u64).to_le_bytes());
+                h.update(salt.as_bytes());
+            }
         }
         h.update(bytemuck::cast_slice(tokens));
         h.digest128()
@@ -153,8 +173,9 @@ impl ChainMemo {
         StepKeys { seed: self.seed }
     }
 
-    /// The digest of the step `key`, if held.
-    pub fn get(&mut self, key: u128) -> Option<Vec<u8>> {
+    /// The step `key`, if held: the block's projection and, when this conductor computed
+    /// it, its full digest.
+    pub fn get(&mut self, key: u128) -> Option<(u64, Option<Vec<u8>>)> {
         let step = match self.young.get(&key) {
             Some(s) => *s,
             None => match self.old.remove(&key) {
@@ -169,17 +190,27 @@ impl ChainMemo {
             },
         };
         self.hits += 1;
-        Some(step.digest[..step.len as usize].to_vec())
+        let full = (step.len > 0).then(|| step.digest[..step.len as usize].to_vec());
+        Some((step.projection, full))
     }
 
-    /// Remember the step `key` (digests longer than 32 bytes are not kept).
-    pub fn insert(&mut self, key: u128, digest: &[u8]) {
+    /// Remember a step this conductor computed (digests longer than 32 bytes are not kept).
+    pub fn insert(&mut self, key: u128, projection: u64, digest: &[u8]) {
         if !self.enabled() || digest.len() > 32 {
             return;
         }
-        let mut step = Step { digest: [0; 32], len: digest.len() as u8 };
+        let mut step = Step { projection, digest: [0; 32], len: digest.len() as u8 };
         step.digest[..digest.len()].copy_from_slice(digest);
         self.put(key, step);
+    }
+
+    /// Remember a step an engine published (its projection only); a step held with its full
+    /// digest is kept as it is.
+    pub fn learn(&mut self, key: u128, projection: u64) {
+        if !self.enabled() || self.young.contains_key(&key) || self.old.contains_key(&key) {
+            return;
+        }
+        self.put(key, Step { projection, digest: [0; 32], len: 0 });
     }
 
     fn put(&mut self, key: u128, step: Step) {
@@ -205,17 +236,25 @@ mod tests {
         let mut m = ChainMemo::new(100);
         let h = hasher(Algorithm::Sha256Cbor, None);
         let s = m.keys().scope(&h, &[b"t"]);
-        let keys: Vec<u128> = (0..1000u32).map(|i| m.keys().key(s, None, &[i])).collect();
+        let first = Parent::First { salt: "" };
+        let keys: Vec<u128> = (0..1000u32).map(|i| m.keys().key(s, first, &[i])).collect();
         for (i, &k) in keys.iter().enumerate() {
-            m.insert(k, &[i as u8; 32]);
+            m.insert(k, i as u64, &[i as u8; 32]);
             // A step looked up at every insert stays: hits move it to the young generation.
-            assert_eq!(m.get(keys[0]).as_deref(), Some(&[0u8; 32][..]));
+            assert_eq!(m.get(keys[0]), Some((0, Some(vec![0u8; 32]))));
             assert!(m.len() <= 100, "{} steps held", m.len());
         }
         assert!(m.get(keys[1]).is_none(), "an old step not used again is dropped");
-        assert_eq!(m.get(keys[999]).as_deref(), Some(&[231u8; 32][..]));
+        assert_eq!(m.get(keys[999]), Some((999, Some(vec![231u8; 32]))));
+        // A learned step has no digest and does not replace a computed one.
+        m.learn(keys[999], 5);
+        assert_eq!(m.get(keys[999]), Some((999, Some(vec![231u8; 32]))));
+        let k = m.keys().key(s, Parent::Block(7), &[1]);
+        m.learn(k, 8);
+        assert_eq!(m.get(k), Some((8, None)));
         let mut off = ChainMemo::new(0);
-        off.insert(keys[0], &[0; 32]);
+        off.insert(keys[0], 0, &[0; 32]);
+        off.learn(keys[1], 1);
         assert!(off.is_empty() && off.get(keys[0]).is_none());
     }
 
@@ -237,14 +276,15 @@ mod tests {
                 assert_ne!(distinct[i], distinct[j], "scopes {i} and {j}");
             }
         }
-        let root = sha.root().to_vec();
+        let none = Parent::First { salt: "" };
         let steps = [
-            m.key(a, None, &[1, 2]),
-            m.key(a, Some(&root), &[1, 2]),
-            m.key(a, Some(&root[..16]), &[1, 2]),
-            m.key(a, None, &[1, 2, 0]),
-            m.key(a, None, &[2, 1]),
-            m.key(distinct[1], None, &[1, 2]),
+            m.key(a, none, &[1, 2]),
+            m.key(a, Parent::First { salt: "s" }, &[1, 2]),
+            m.key(a, Parent::Block(0), &[1, 2]),
+            m.key(a, Parent::Block(1), &[1, 2]),
+            m.key(a, none, &[1, 2, 0]),
+            m.key(a, none, &[2, 1]),
+            m.key(distinct[1], none, &[1, 2]),
         ];
         for i in 0..steps.len() {
             for j in 0..i {
@@ -252,6 +292,6 @@ mod tests {
             }
         }
         // Another memo has another secret.
-        assert_ne!(ChainMemo::new(10).keys().key(a, None, &[1, 2]), steps[0]);
+        assert_ne!(ChainMemo::new(10).keys().key(a, none, &[1, 2]), steps[0]);
     }
 }

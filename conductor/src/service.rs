@@ -47,7 +47,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::hash::{Algorithm, BlockHasher, Extra, HashProfile, LoraKey, project_low64_be};
 use crate::index::{ContextKey, Index, OwnerKey, RawMatch};
-use crate::memo::ChainMemo;
+use crate::memo::{ChainMemo, Parent};
 use crate::route::{
     CostModel, Decision, FetchFrom, Policy, PrefixMatch, RejectReason, RouteRequest, Scheduler,
     SchedulerConfig,
@@ -457,10 +457,20 @@ const BODY_BYTES_MAX: usize = 16 << 20;
 /// Serves until the listener fails.
 pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) -> std::io::Result<()> {
     use axum::serve::ListenerExt;
+    // A 128k-token query is half a megabyte in and a third of one out: with the default
+    // buffers (128 KiB to receive, 16 KiB to send, grown by autotuning) it crosses loopback in
+    // many window-sized steps, each a wake-up of the other side.
+    const SOCKET_BUFFER_BYTES: usize = 4 << 20;
+    if let Err(e) = socket2::SockRef::from(&listener).set_recv_buffer_size(SOCKET_BUFFER_BYTES) {
+        tracing::debug!(error = %e, "SO_RCVBUF");
+    }
     // Answers are written whole: no Nagle wait on their last segment.
     let listener = listener.tap_io(|tcp| {
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(error = %e, "TCP_NODELAY");
+        }
+        if let Err(e) = socket2::SockRef::from(&*tcp).set_send_buffer_size(SOCKET_BUFFER_BYTES) {
+            tracing::debug!(error = %e, "SO_SNDBUF");
         }
     });
     axum::serve(listener, router(shared)).await
@@ -607,86 +617,115 @@ impl Query {
         Ok(self.chain(s, &hasher, &extra))
     }
 
-    /// The token chain: steps the memo holds first, then the rest computed a run at a time,
-    /// each run's last block checked against the index before the next is hashed (the
+    /// The token chain, block by block: a step the memo holds is looked up, a miss is
+    /// computed (after recomputing the full digests of a prefix learned from events, which
+    /// carry projections only), and every few blocks (runs of 4 doubling to 64) the last
+    /// block is checked against the index, so hashing stops where the walk will (the
     /// reference conductor also hashes only as far as a match can reach).
     fn chain(&self, s: &Shared, hasher: &BlockHasher, extra: &Extra) -> Vec<u64> {
-        let blocks: Vec<&[u32]> = self.token_ids.0.chunks_exact(self.block_size as usize).collect();
+        let bs = self.block_size as usize;
+        let blocks: Vec<&[u32]> = self.token_ids.0.chunks_exact(bs).collect();
         let ctx = self.context();
-        let mut out = Vec::with_capacity(blocks.len());
-        let mut parent: Option<Vec<u8>> = None;
         let (keys, scope) = {
-            let mut memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
-            let keys = memo.keys();
+            let memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
+            let lora = extra.lora.as_ref();
             let scope = memo.enabled().then(|| {
-                let bs = self.block_size.to_le_bytes();
-                let salt = extra.cache_salt.as_deref().unwrap_or("");
-                let (lora, path) =
-                    extra.lora.as_ref().map_or(("", ""), |l| (l.name.as_str(), l.path.as_str()));
-                let parts: [&[u8]; 6] = [
-                    ctx.tenant.as_bytes(),
-                    ctx.model.as_bytes(),
-                    lora.as_bytes(),
-                    path.as_bytes(),
-                    &bs,
-                    salt.as_bytes(),
-                ];
-                keys.scope(hasher, &parts)
+                memo.keys().scope(
+                    hasher,
+                    &chain_scope(
+                        &ctx,
+                        lora.map_or("", |l| l.path.as_str()),
+                        &self.block_size.to_le_bytes(),
+                    ),
+                )
             });
-            if let Some(scope) = scope {
-                for b in &blocks {
-                    match memo.get(keys.key(scope, parent.as_deref(), b)) {
-                        Some(d) => {
-                            out.push(project_low64_be(&d));
-                            parent = Some(d);
-                        }
-                        None => break,
-                    }
-                }
-            }
-            (keys, scope)
+            (memo.keys(), scope)
         };
-        // Whether the walk may reach past the last block hashed so far (only the last is
-        // looked up: a hole before it only makes the chain longer than the walk needs).
-        let reaches = |hashes: &[u64]| {
-            hashes
-                .last()
-                .is_some_and(|&h| s.index.lock().unwrap_or_else(|e| e.into_inner()).holds(&ctx, h))
-        };
-        if out.len() == blocks.len() || (!out.is_empty() && !reaches(&out)) {
-            return out;
-        }
-        let mut steps = Vec::new();
+        let salt = extra.cache_salt.as_deref().unwrap_or("");
+        let mut out: Vec<u64> = Vec::with_capacity(blocks.len());
+        // The full digest of the last block, when known (computed, or held in the memo).
+        let mut full: Option<Vec<u8>> = None;
+        let mut computed = Vec::new();
         let mut scratch = Vec::new();
-        let mut run = 4;
-        while out.len() < blocks.len() {
-            let start = out.len();
-            for b in &blocks[start..(start + run).min(blocks.len())] {
-                let d = hasher.hash_block_in(
-                    &mut scratch,
-                    parent.as_deref(),
-                    b,
-                    extra,
-                    parent.is_none(),
-                );
-                if let Some(scope) = scope {
-                    steps.push((keys.key(scope, parent.as_deref(), b), d.clone()));
+        let (mut run, mut next_check) = (4, 4);
+        for (i, b) in blocks.iter().enumerate() {
+            let parent = match out.last() {
+                None => Parent::First { salt },
+                Some(&p) => Parent::Block(p),
+            };
+            let key = scope.map(|sc| keys.key(sc, parent, b));
+            let hit = key.and_then(|k| s.memo.lock().unwrap_or_else(|e| e.into_inner()).get(k));
+            match hit {
+                Some((projection, digest)) => {
+                    out.push(projection);
+                    full = digest;
                 }
-                out.push(project_low64_be(&d));
-                parent = Some(d);
+                None => {
+                    if i > 0 && full.is_none() {
+                        full = hasher
+                            .iter(&self.token_ids.0[..i * bs], bs, extra)
+                            .ok()
+                            .and_then(|it| it.last());
+                    }
+                    let d = hasher.hash_block_in(&mut scratch, full.as_deref(), b, extra, i == 0);
+                    let projection = project_low64_be(&d);
+                    if let Some(k) = key {
+                        computed.push((k, projection, d.clone()));
+                    }
+                    out.push(projection);
+                    full = Some(d);
+                }
             }
-            if !reaches(&out) {
-                break;
+            if out.len() == next_check && out.len() < blocks.len() {
+                let reaches = s.index.lock().unwrap_or_else(|e| e.into_inner()).holds(&ctx, out[i]);
+                if !reaches {
+                    break;
+                }
+                run = (run * 2).min(64);
+                next_check += run;
             }
-            run = (run * 2).min(64);
         }
-        if !steps.is_empty() {
+        if !computed.is_empty() {
             let mut memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
-            for (k, d) in steps {
-                memo.insert(k, &d);
+            for (k, projection, d) in computed {
+                memo.insert(k, projection, &d);
             }
         }
         out
+    }
+}
+
+/// The memo scope of a context's chains: tenant, model, LoRA name and path, block size.
+fn chain_scope<'a>(ctx: &'a ContextKey, lora_path: &'a str, bs: &'a [u8; 4]) -> [&'a [u8]; 5] {
+    [ctx.tenant.as_bytes(), ctx.model.as_bytes(), ctx.lora.as_bytes(), lora_path.as_bytes(), bs]
+}
+
+impl Shared {
+    /// Learn the chain steps of an engine's `BlockStored` event (its blocks' tokens, hashes
+    /// and parent) for token queries of `ctx`. First blocks are not learned (a cache salt
+    /// changes them and events do not carry it), nor blocks of LoRA contexts (their keys
+    /// include the adapter's path, which events do not carry).
+    pub fn learn_steps(&self, ctx: &ContextKey, event: &crate::event::Event) {
+        let crate::event::Event::Stored { hashes, parent, token_ids, .. } = event else {
+            return;
+        };
+        let bs = ctx.block_size as usize;
+        if bs == 0 || !ctx.lora.is_empty() || token_ids.len() != hashes.len() * bs {
+            return;
+        }
+        let Ok(hasher) = self.hasher(&ctx.tenant, &ctx.model, ctx.block_size) else { return };
+        let mut memo = self.memo.lock().unwrap_or_else(|e| e.into_inner());
+        if !memo.enabled() {
+            return;
+        }
+        let keys = memo.keys();
+        let scope = keys.scope(&hasher, &chain_scope(ctx, "", &ctx.block_size.to_le_bytes()));
+        let parents = std::iter::once(*parent).chain(hashes.iter().map(|&h| Some(h)));
+        for ((&h, p), b) in hashes.iter().zip(parents).zip(token_ids.chunks_exact(bs)) {
+            if let Some(p) = p {
+                memo.learn(keys.key(scope, Parent::Block(p), b), h);
+            }
+        }
     }
 }
 
@@ -1345,6 +1384,7 @@ mod tests {
             block_size: 16,
         };
         let stored = |h: &[u64], medium| Event::Stored {
+            token_ids: Vec::new(),
             hashes: h.to_vec(),
             parent: None,
             block_size: Some(16),
@@ -1384,8 +1424,17 @@ mod tests {
     /// One step of [`token_queries_with_the_memo_answer_as_hashing_every_block`].
     #[derive(Debug, Clone)]
     enum Step {
-        /// An owner stores the first `blocks` blocks of a prompt's chain.
-        Store { owner: usize, prompt: usize, blocks: usize, gpu: bool },
+        /// An owner stores blocks `from..to` of a prompt's chain (salted or not); `tokens`:
+        /// its event carries their tokens (the memo learns the steps).
+        Store {
+            owner: usize,
+            prompt: usize,
+            from: usize,
+            to: usize,
+            gpu: bool,
+            tokens: bool,
+            salted: bool,
+        },
         /// A token query of a prompt, with or without a cache salt.
         Query { prompt: usize, salted: bool },
     }
@@ -1393,17 +1442,28 @@ mod tests {
     fn step() -> impl proptest::strategy::Strategy<Value = Step> {
         use proptest::prelude::*;
         prop_oneof![
-            (0..4usize, 0..6usize, 0..12usize, any::<bool>()).prop_map(
-                |(owner, prompt, blocks, gpu)| Step::Store { owner, prompt, blocks, gpu }
-            ),
+            (
+                0..4usize,
+                0..6usize,
+                0..12usize,
+                0..12usize,
+                any::<bool>(),
+                any::<bool>(),
+                any::<bool>()
+            )
+                .prop_map(|(owner, prompt, a, b, gpu, tokens, salted)| {
+                    let (from, to) = if a % 3 == 0 { (0, b) } else { (a.min(b), a.max(b)) };
+                    Step::Store { owner, prompt, from, to, gpu, tokens, salted }
+                }),
             (0..6usize, any::<bool>()).prop_map(|(prompt, salted)| Step::Query { prompt, salted }),
         ]
     }
 
     proptest::proptest! {
-        /// Prompts sharing prefixes, an index that grows between queries: a token query
-        /// answers the same with the memo (small, so its generations turn over), without it,
-        /// and as the whole chain hashed up front and walked would.
+        /// Prompts sharing prefixes, an index that grows between queries from events that
+        /// carry their blocks' tokens or not: a token query answers the same with the memo
+        /// (small, so its generations turn over), without it, and as the whole chain hashed
+        /// up front and walked would.
         #[test]
         fn token_queries_with_the_memo_answer_as_hashing_every_block(
             base in proptest::collection::vec(0u32..200_000, 48),
@@ -1420,7 +1480,7 @@ mod tests {
                 let extra = Extra { lora: None, cache_salt: salt.map(String::from) };
                 hasher.iter(p, BS as usize, &extra).unwrap().map(|d| project_low64_be(&d)).collect()
             };
-            let memo = Shared::new(&Config { hash_memo_entries: 16, ..Config::default() });
+            let memo = Shared::new(&Config { hash_memo_entries: 24, ..Config::default() });
             let plain = Shared::new(&Config { hash_memo_entries: 0, ..Config::default() });
             let ctx = ContextKey {
                 tenant: "t".into(),
@@ -1437,15 +1497,23 @@ mod tests {
             }
             for st in steps {
                 match st {
-                    Step::Store { owner, prompt, blocks, gpu } => {
-                        let h = chain(&prompts[prompt], None);
+                    Step::Store { owner, prompt, from, to, gpu, tokens, salted } => {
+                        let h = chain(&prompts[prompt], salted.then_some("s"));
+                        let (from, to) = (from.min(h.len()), to.min(h.len()));
+                        let bs = BS as usize;
                         let ev = Event::Stored {
-                            hashes: h[..blocks.min(h.len())].to_vec(),
-                            parent: None,
+                            hashes: h[from..to].to_vec(),
+                            parent: from.checked_sub(1).map(|p| h[p]),
+                            token_ids: if tokens {
+                                prompts[prompt][from * bs..to * bs].to_vec()
+                            } else {
+                                Vec::new()
+                            },
                             block_size: Some(BS),
                             medium: if gpu { Medium::Gpu } else { Medium::Cpu },
                             lora_name: None,
                         };
+                        memo.learn_steps(&ctx, &ev);
                         for s in [&memo, &plain] {
                             let mut ix = s.index.lock().unwrap();
                             let id = ix.owner(
@@ -1475,14 +1543,13 @@ mod tests {
                 }
             }
             let m = memo.memo.lock().unwrap();
-            proptest::prop_assert!(m.len() <= 16);
+            proptest::prop_assert!(m.len() <= 24);
             proptest::prop_assert!(plain.memo.lock().unwrap().is_empty());
         }
     }
 
     #[test]
-    fn a_repeated_token_query_is_answered_from_the_memo() {
-        let s = Shared::new(&Config::default());
+    fn token_queries_use_steps_computed_before_and_steps_learned_from_events() {
         let ctx = ContextKey {
             tenant: "t".into(),
             model: "m".into(),
@@ -1496,22 +1563,24 @@ mod tests {
             .unwrap()
             .map(|d| project_low64_be(&d))
             .collect();
-        {
+        // The engine's event for the first 6 of the prompt's 40 blocks, with their tokens.
+        let event = Event::Stored {
+            token_ids: tokens[..24].to_vec(),
+            hashes: hashes[..6].to_vec(),
+            parent: None,
+            block_size: Some(4),
+            medium: Medium::Gpu,
+            lora_name: None,
+        };
+        let shared = || {
+            let s = Shared::new(&Config::default());
             let mut ix = s.index.lock().unwrap();
             let o = ix.owner(&OwnerKey { instance: "a".into(), dp_rank: 0 }, false);
             ix.join(o, &ctx);
-            ix.apply(
-                o,
-                &ctx,
-                &Event::Stored {
-                    hashes: hashes[..6].to_vec(),
-                    parent: None,
-                    block_size: Some(4),
-                    medium: Medium::Gpu,
-                    lora_name: None,
-                },
-            );
-        }
+            ix.apply(o, &ctx, &event);
+            drop(ix);
+            s
+        };
         let body = serde_json::to_vec(&serde_json::json!({
             "model": "m", "tenant_id": "t", "block_size": 4, "token_ids": tokens,
         }))
@@ -1520,14 +1589,37 @@ mod tests {
             let m = s.memo.lock().unwrap();
             (m.hits, m.misses, m.len())
         };
+        let s = shared();
         let first = answer_query(&s, false, &body, false).unwrap();
-        // 40 blocks, hashed in runs of 4, then 8: the run that passes the 6 held blocks is the
-        // last (the walk stops at the seventh).
-        assert_eq!(count(&s), (0, 1, 12));
+        // Blocks are checked against the index after 4, then 8 more: the run that passes the
+        // 6 held blocks is the last hashed (the walk stops at the seventh).
+        assert_eq!(count(&s), (0, 12, 12));
         let second = answer_query(&s, false, &body, false).unwrap();
         assert_eq!(second, first);
-        assert_eq!(count(&s), (12, 2, 12), "the second query hashes nothing");
+        assert_eq!(count(&s), (12, 12, 12), "the second query hashes nothing");
         let v: serde_json::Value = serde_json::from_slice(&first).unwrap();
         assert_eq!(v["instances"]["a"]["gpu"], 24);
+
+        // Learned from the event: blocks 2-6 (the first block is not learned: a salt would
+        // change it). The query hashes block 1, looks up 2-6, recomputes their full digests
+        // for block 7 and hashes 7-12.
+        let s = shared();
+        s.learn_steps(&ctx, &event);
+        assert_eq!(count(&s), (0, 0, 5));
+        assert_eq!(answer_query(&s, false, &body, false).unwrap(), first);
+        assert_eq!(count(&s), (5, 7, 12));
+        // An event without tokens, or whose tokens do not cover its blocks, teaches nothing.
+        let s = shared();
+        for token_ids in [Vec::new(), tokens[..23].to_vec()] {
+            let Event::Stored { hashes, parent, block_size, medium, lora_name, .. } = event.clone()
+            else {
+                unreachable!()
+            };
+            s.learn_steps(
+                &ctx,
+                &Event::Stored { hashes, parent, token_ids, block_size, medium, lora_name },
+            );
+        }
+        assert_eq!(count(&s), (0, 0, 0));
     }
 }

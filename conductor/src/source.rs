@@ -377,6 +377,7 @@ fn apply(reg: &Registration, shared: &Shared, payload: &[u8]) {
     let mut ix = shared.index.lock().unwrap_or_else(|e| e.into_inner());
     let key = owner_key(reg, batch.dp_rank);
     let id = ix.owner(&key, reg.shared());
+    let mut learn = Vec::new();
     for ev in &batch.events {
         let (bs, lora) = match ev {
             crate::event::Event::Stored { block_size, lora_name, .. } => {
@@ -391,6 +392,14 @@ fn apply(reg: &Registration, shared: &Shared, payload: &[u8]) {
             block_size: bs,
         };
         ix.apply(id, &ctx, ev);
+        if matches!(ev, crate::event::Event::Stored { token_ids, .. } if !token_ids.is_empty()) {
+            learn.push((ctx, ev));
+        }
+    }
+    drop(ix);
+    // The blocks' tokens teach token queries their chain steps (outside the index's lock).
+    for (ctx, ev) in learn {
+        shared.learn_steps(&ctx, ev);
     }
 }
 

@@ -198,24 +198,34 @@ fn engines_events_feed_the_index() {
     });
     assert!(metric(addr, "publisher_restarts_total") >= 1);
 
-    // Token queries hash as vLLM does (sha256_cbor, default root) and find the same blocks.
+    // Token queries hash as vLLM does (sha256_cbor, default root) and find the same blocks;
+    // the event carried the blocks' tokens, so the query looks the second block's chain step
+    // up instead of hashing it (the first block is always hashed: a salt may change it).
     let tokens: Vec<u32> = (0..40).map(|i| i * 7 + 1).collect();
+    let hasher = kvfs_conductor::hash::BlockHasher::new(&Config::default().default_profile)
+        .expect("the default profile");
+    let hashes: Vec<u64> = hasher
+        .iter(&tokens, 16, &Default::default())
+        .unwrap()
+        .map(|d| kvfs_conductor::hash::project_low64_be(&d))
+        .collect();
     a2.send(
         json!([{"type": "stored_tokens", "tokens": tokens, "block_size": 16,
                 "algorithm": "sha256_cbor", "seed": null}]),
         true,
     );
-    eventually("blocks stored by token hash", || {
-        let (code, body) = http(
-            addr,
-            "POST",
-            "/query",
-            Some(&json!({"model": "m", "block_size": 16, "token_ids": tokens})),
-        );
-        assert_eq!(code, 200, "{body}");
-        let v: Value = serde_json::from_str(&body).unwrap();
-        gpu(&v, "a") == 32
-    });
+    eventually("blocks stored by token hash", || gpu(&query(addr, &hashes), "a") == 32);
+    let hits = metric(addr, "hash_memo_hits_total");
+    let (code, body) = http(
+        addr,
+        "POST",
+        "/query",
+        Some(&json!({"model": "m", "block_size": 16, "token_ids": tokens})),
+    );
+    assert_eq!(code, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(gpu(&v, "a"), 32, "{v}");
+    assert_eq!(metric(addr, "hash_memo_hits_total"), hits + 1, "the learned step was used");
 
     // Views and bad input.
     let (code, body) = http(addr, "GET", "/global_view", None);

@@ -36,17 +36,21 @@ def event(e, fmt):
         case = {"algorithm": e["algorithm"], "seed": e.get("seed"), "tokens": e["tokens"],
                 "block_size": e["block_size"], "lora": None, "cache_salt": None}
         _, digests = transcription(case)
-        # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (the default): the low 8 bytes, big-endian.
+        # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (the default): the low 8 bytes, big-endian. As
+        # vLLM, the event carries the stored blocks' tokens.
+        full = len(digests) * e["block_size"]
         e = {"type": "stored", "hashes": [int.from_bytes(d[-8:], "big") for d in digests],
-             "medium": e.get("medium", "GPU"), "block_size": e["block_size"]}
+             "medium": e.get("medium", "GPU"), "block_size": e["block_size"],
+             "token_ids": e["tokens"][:full]}
         kind = "stored"
     if kind == "stored":
-        fields = {"block_hashes": e["hashes"], "parent_block_hash": None, "token_ids": [],
+        fields = {"block_hashes": e["hashes"], "parent_block_hash": None,
+                  "token_ids": e.get("token_ids", []),
                   "block_size": e.get("block_size", 16), "lora_id": None,
                   "medium": e.get("medium")}
         if fmt == "array":
-            return ["BlockStored", fields["block_hashes"], None, [], fields["block_size"], None,
-                    fields["medium"]]
+            return ["BlockStored", fields["block_hashes"], None, fields["token_ids"],
+                    fields["block_size"], None, fields["medium"]]
         out = {"type": "BlockStored", **fields}
         return {k: v for k, v in out.items() if v is not None}
     if kind == "removed":

@@ -8,8 +8,9 @@
 //! answer the API gives). Measured: the index walk alone (by hash), `/query_by_hash` and
 //! `/query` (tokens, hashed by the conductor) over one keep-alive HTTP/1.1 connection from
 //! another thread, JSON and msgpack. Answers are checked (the instance count) before timing.
-//! Token queries are timed cold (the chain memo off: every block hashed) and warm (the prompt
-//! queried before, so its chain steps come from the memo).
+//! Token queries are timed cold (the chain memo off: every block hashed), learned (the memo
+//! filled from an engine's event carrying the prompt's tokens, fresh before each query) and
+//! warm (the prompt queried before).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::time::{Duration, Instant};
@@ -44,6 +45,14 @@ pub struct ConductorBenchArgs {
     /// Print one JSON object per figure instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// What the chain memo holds before a token query (see `one`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Prep {
+    Cold,
+    Learned,
+    Warm,
 }
 
 struct Figure {
@@ -84,12 +93,12 @@ pub fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
         a.instances, a.dp, a.tokens, a.queries
     );
     println!(
-        "{:>6} {:>8} {:<40} {:>10} {:>10} {:>12}",
+        "{:>6} {:>8} {:<42} {:>10} {:>10} {:>12}",
         "block", "holders", "case", "p50 us", "p99 us", "reply bytes"
     );
     for f in &figures {
         println!(
-            "{:>6} {:>7}% {:<40} {:>10.1} {:>10.1} {:>12}",
+            "{:>6} {:>7}% {:<42} {:>10.1} {:>10.1} {:>12}",
             f.block_size, f.holders_pct, f.case, f.p50_us, f.p99_us, f.reply_bytes
         );
     }
@@ -204,26 +213,50 @@ fn one(
         raw.extend_from_slice(&t.to_le_bytes());
     }
     let by_tokens_mp = rmp_bin_query(bs, &raw);
-    // Token queries cold (the memo off: every block hashed, as for a prompt the conductor
-    // never saw) and warm (the memo on and the prompt queried before: a chat's next turn, a
-    // shared system prompt, a request routed here before its engine cached it).
-    let memo = |entries: usize| {
+    // Token queries three ways. Cold: the chain memo off, every block hashed. Learned: before
+    // each query a fresh memo learns the prompt's steps from a `BlockStored` event carrying
+    // its tokens, as the engines publish them (a prompt the conductor never hashed, cached by
+    // an engine). Warm: the prompt was queried before (a chat's next turn, a shared system
+    // prompt, a request routed here before its engine cached it).
+    let event = Event::Stored {
+        hashes: hashes.clone(),
+        parent: None,
+        token_ids: tokens[..n * bs as usize].to_vec(),
+        block_size: Some(bs),
+        medium: Medium::Cpu,
+        lora_name: None,
+    };
+    let prep = |p: Prep| {
+        let entries = if p == Prep::Cold { 0 } else { 1 << 19 };
         *shared.memo.lock().unwrap_or_else(|e| e.into_inner()) = ChainMemo::new(entries);
+        if p == Prep::Learned {
+            shared.learn_steps(&ctx, &event);
+        }
     };
     // The service without HTTP: decoding the request, hashing, the walk, the answer.
-    for (name, body, msgpack, by_hash, warm) in [
-        ("service by hash (no http)", &by_hash[..], false, true, false),
-        ("service tokens msgpack, cold (no http)", &by_tokens_mp[..], true, false, false),
-        ("service tokens msgpack, warm (no http)", &by_tokens_mp[..], true, false, true),
+    for (name, body, msgpack, by_hash, p) in [
+        ("service by hash (no http)", &by_hash[..], false, true, Prep::Cold),
+        ("service tokens msgpack, cold (no http)", &by_tokens_mp[..], true, false, Prep::Cold),
+        (
+            "service tokens msgpack, learned (no http)",
+            &by_tokens_mp[..],
+            true,
+            false,
+            Prep::Learned,
+        ),
+        ("service tokens msgpack, warm (no http)", &by_tokens_mp[..], true, false, Prep::Warm),
     ] {
-        memo(if warm { 1 << 19 } else { 0 });
-        if warm {
+        prep(p);
+        if p == Prep::Warm {
             kvfs_conductor::service::answer_query(&shared, msgpack, body, by_hash)
                 .map_err(|e| anyhow::anyhow!(e))?;
         }
         let mut lat = Vec::with_capacity(a.queries);
         let mut bytes = 0;
         for _ in 0..a.queries {
+            if p == Prep::Learned {
+                prep(p);
+            }
             let t = Instant::now();
             let r = kvfs_conductor::service::answer_query(&shared, msgpack, body, by_hash)
                 .map_err(|e| anyhow::anyhow!(e))?;
@@ -232,19 +265,24 @@ fn one(
         }
         out.push(Figure::new(bs, holders, name, lat, bytes));
     }
-    let cases: [(&'static str, &str, &[u8], &str, bool); 4] = [
-        ("/query_by_hash json", "/query_by_hash", &by_hash, "application/json", false),
-        ("/query tokens json, cold", "/query", &by_tokens, "application/json", false),
-        ("/query tokens msgpack bin, cold", "/query", &by_tokens_mp, "application/msgpack", false),
-        ("/query tokens msgpack bin, warm", "/query", &by_tokens_mp, "application/msgpack", true),
+    let (json, mp) = ("application/json", "application/msgpack");
+    let cases: [(&'static str, &str, &[u8], &str, Prep); 5] = [
+        ("/query_by_hash json", "/query_by_hash", &by_hash, json, Prep::Cold),
+        ("/query tokens json, cold", "/query", &by_tokens, json, Prep::Cold),
+        ("/query tokens msgpack bin, cold", "/query", &by_tokens_mp, mp, Prep::Cold),
+        ("/query tokens msgpack bin, learned", "/query", &by_tokens_mp, mp, Prep::Learned),
+        ("/query tokens msgpack bin, warm", "/query", &by_tokens_mp, mp, Prep::Warm),
     ];
     let mut conn = Conn::open(addr)?;
-    for (name, path, body, ct, warm) in cases {
+    for (name, path, body, ct, p) in cases {
         // Warm: the five untimed queries below fill the memo.
-        memo(if warm { 1 << 19 } else { 0 });
+        prep(p);
         let mut lat = Vec::with_capacity(a.queries);
         let mut bytes = 0;
         for i in 0..a.queries + 5 {
+            if p == Prep::Learned {
+                prep(p);
+            }
             let t = Instant::now();
             let reply = conn.post(path, ct, body)?;
             let us = t.elapsed().as_secs_f64() * 1e6;
@@ -265,6 +303,7 @@ fn one(
 
 fn stored(hashes: &[u64], medium: Medium, bs: u32) -> Event {
     Event::Stored {
+        token_ids: Vec::new(),
         hashes: hashes.to_vec(),
         parent: None,
         block_size: Some(bs),
