@@ -8,7 +8,7 @@
 //! before the engine computed it.
 //!
 //! Mechanism: a chain step is a function of (hash profile, extra keys, parent, block tokens).
-//! [`StepKeys::key`] fingerprints those inputs with XXH3-128, seeded with a secret drawn when
+//! [`StepKeys::key`] fingerprints those inputs with XXH3-128 under a secret drawn when
 //! the memo is made, the parent as its 64-bit projection (the index already knows blocks by it);
 //! the memo maps fingerprints to the block's projection and, where this conductor computed it,
 //! its full digest (the next SHA-256 step needs the parent's full digest). Steps come from two
@@ -28,7 +28,7 @@
 //! scope of the fingerprint (tenant, model, LoRA, block size, algorithm and root, cache salt)
 //! keeps contexts apart. The fingerprint is not a cryptographic hash: two inputs with one
 //! fingerprint would give the second the first's digest. By chance that is 2^-128 a pair; made
-//! on purpose it needs colliding XXH3 inputs under a secret seed the sender never sees, and it
+//! on purpose it needs colliding XXH3 inputs under a secret the sender never sees, and it
 //! could only mislead the routing of the sender's own context (an answer is token counts,
 //! never bytes of a cache).
 //!
@@ -39,7 +39,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use xxhash_rust::xxh3::Xxh3;
+use xxhash_rust::xxh3::{xxh3_64_with_secret, xxh3_128_with_secret};
 
 use crate::hash::BlockHasher;
 
@@ -72,6 +72,22 @@ struct Step {
 
 type Map = HashMap<u128, Step, BuildHasherDefault<Low64>>;
 
+/// A step the memo held: the block's projection and, when this conductor computed it, its
+/// full digest.
+#[derive(Clone, Copy)]
+pub struct Hit(Step);
+
+impl Hit {
+    pub fn projection(&self) -> u64 {
+        self.0.projection
+    }
+
+    /// The full digest, when known (`None`: learned from an event).
+    pub fn digest(&self) -> Option<&[u8]> {
+        (self.0.len > 0).then(|| &self.0.digest[..self.0.len as usize])
+    }
+}
+
 /// What comes before a block in its chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Parent<'a> {
@@ -85,53 +101,62 @@ pub enum Parent<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Scope(u64);
 
-/// Fingerprints of chain steps under one memo's secret seed.
-#[derive(Debug, Clone, Copy)]
+/// Fingerprints of chain steps under one memo's secret (no `Debug`: the secret stays in).
+#[derive(Clone, Copy)]
 pub struct StepKeys {
-    seed: u64,
+    /// XXH3's secret, random per memo: fingerprints cannot be precomputed from outside.
+    secret: [u8; 192],
 }
 
 impl StepKeys {
-    /// The scope of a chain: the hasher's algorithm and root (so its seed), and `parts`
-    /// (tenant, model, LoRA, block size, cache salt: whatever else the digests depend on or
-    /// the index keeps apart). Parts are length-prefixed, so no two lists share a scope.
-    pub fn scope(&self, hasher: &BlockHasher, parts: &[&[u8]]) -> Scope {
-        let mut h = Xxh3::with_seed(self.seed);
-        let mut part = |p: &[u8]| {
-            h.update(&(p.len() as u64).to_le_bytes());
-            h.update(p);
-        };
-        part(hasher.algorithm().name().as_bytes());
-        part(hasher.root());
-        for p in parts {
-            part(p);
+    fn new() -> StepKeys {
+        use std::hash::BuildHasher;
+        let random = std::collections::hash_map::RandomState::new();
+        let mut secret = [0u8; 192];
+        for (i, c) in secret.chunks_exact_mut(8).enumerate() {
+            c.copy_from_slice(&random.hash_one(i as u64).to_le_bytes());
         }
-        Scope(h.digest())
+        StepKeys { secret }
+    }
+
+    /// The scope of a chain: the hasher's algorithm and root (so its seed), and `parts`
+    /// (tenant, model, LoRA, block size: whatever else the digests depend on or the index
+    /// keeps apart). Parts are length-prefixed, so no two lists share a scope.
+    pub fn scope(&self, hasher: &BlockHasher, parts: &[&[u8]]) -> Scope {
+        let mut buf = Vec::new();
+        let fixed = [hasher.algorithm().name().as_bytes(), hasher.root()];
+        for p in fixed.iter().chain(parts) {
+            buf.extend_from_slice(&(p.len() as u64).to_le_bytes());
+            buf.extend_from_slice(p);
+        }
+        Scope(xxh3_64_with_secret(&buf, &self.secret))
     }
 
     /// The fingerprint of one step: its scope, its parent's projection, or for the first
-    /// block (`First`) the cache salt, and its tokens.
-    pub fn key(&self, scope: Scope, parent: Parent<'_>, tokens: &[u32]) -> u128 {
-        let mut h = Xxh3::with_seed(self.seed ^ scope.0);
-        match parent {
-            Parent::Block(p) => {
-                h.update(&[1]);
-                h.update(&p.to_le_bytes());
-            }
-            Parent::First { salt } => {
-                h.update(&[0]);
-                h.update(&(salt.len() as u64).to_le_bytes());
-                h.update(salt.as_bytes());
-            }
-        }
-        h.update(bytemuck::cast_slice(tokens));
-        h.digest128()
+    /// block (`First`) the cache salt, and its tokens; `scratch` is reused between calls.
+    pub fn key(
+        &self,
+        scope: Scope,
+        parent: Parent<'_>,
+        tokens: &[u32],
+        scratch: &mut Vec<u8>,
+    ) -> u128 {
+        scratch.clear();
+        scratch.extend_from_slice(&scope.0.to_le_bytes());
+        let (tag, word) = match parent {
+            Parent::Block(p) => (1, p),
+            Parent::First { salt } => (0, xxh3_64_with_secret(salt.as_bytes(), &self.secret)),
+        };
+        scratch.push(tag);
+        scratch.extend_from_slice(&word.to_le_bytes());
+        scratch.extend_from_slice(bytemuck::cast_slice(tokens));
+        xxh3_128_with_secret(scratch, &self.secret)
     }
 }
 
 /// The memo; see the module notes.
 pub struct ChainMemo {
-    seed: u64,
+    keys: StepKeys,
     entries_max: usize,
     young: Map,
     old: Map,
@@ -141,12 +166,10 @@ pub struct ChainMemo {
 }
 
 impl ChainMemo {
-    /// A memo of at most `entries_max` steps (0: off), with a fresh secret seed.
+    /// A memo of at most `entries_max` steps (0: off), with a fresh secret.
     pub fn new(entries_max: usize) -> ChainMemo {
-        use std::hash::BuildHasher;
-        let seed = std::collections::hash_map::RandomState::new().hash_one(0x6b76_6673_u64);
         ChainMemo {
-            seed,
+            keys: StepKeys::new(),
             entries_max,
             young: Map::default(),
             old: Map::default(),
@@ -170,12 +193,11 @@ impl ChainMemo {
 
     /// The fingerprinting half of the memo, usable without holding it.
     pub fn keys(&self) -> StepKeys {
-        StepKeys { seed: self.seed }
+        self.keys
     }
 
-    /// The step `key`, if held: the block's projection and, when this conductor computed
-    /// it, its full digest.
-    pub fn get(&mut self, key: u128) -> Option<(u64, Option<Vec<u8>>)> {
+    /// The step `key`, if held.
+    pub fn get(&mut self, key: u128) -> Option<Hit> {
         let step = match self.young.get(&key) {
             Some(s) => *s,
             None => match self.old.remove(&key) {
@@ -190,8 +212,7 @@ impl ChainMemo {
             },
         };
         self.hits += 1;
-        let full = (step.len > 0).then(|| step.digest[..step.len as usize].to_vec());
-        Some((step.projection, full))
+        Some(Hit(step))
     }
 
     /// Remember a step this conductor computed (digests longer than 32 bytes are not kept).
@@ -231,27 +252,32 @@ mod tests {
             .expect("profile")
     }
 
+    fn got(h: Option<Hit>) -> Option<(u64, Option<Vec<u8>>)> {
+        h.map(|h| (h.projection(), h.digest().map(<[u8]>::to_vec)))
+    }
+
     #[test]
     fn bounded_and_recent_steps_survive() {
         let mut m = ChainMemo::new(100);
         let h = hasher(Algorithm::Sha256Cbor, None);
         let s = m.keys().scope(&h, &[b"t"]);
         let first = Parent::First { salt: "" };
-        let keys: Vec<u128> = (0..1000u32).map(|i| m.keys().key(s, first, &[i])).collect();
+        let keys: Vec<u128> =
+            (0..1000u32).map(|i| m.keys().key(s, first, &[i], &mut Vec::new())).collect();
         for (i, &k) in keys.iter().enumerate() {
             m.insert(k, i as u64, &[i as u8; 32]);
             // A step looked up at every insert stays: hits move it to the young generation.
-            assert_eq!(m.get(keys[0]), Some((0, Some(vec![0u8; 32]))));
+            assert_eq!(got(m.get(keys[0])), Some((0, Some(vec![0u8; 32]))));
             assert!(m.len() <= 100, "{} steps held", m.len());
         }
         assert!(m.get(keys[1]).is_none(), "an old step not used again is dropped");
-        assert_eq!(m.get(keys[999]), Some((999, Some(vec![231u8; 32]))));
+        assert_eq!(got(m.get(keys[999])), Some((999, Some(vec![231u8; 32]))));
         // A learned step has no digest and does not replace a computed one.
         m.learn(keys[999], 5);
-        assert_eq!(m.get(keys[999]), Some((999, Some(vec![231u8; 32]))));
-        let k = m.keys().key(s, Parent::Block(7), &[1]);
+        assert_eq!(got(m.get(keys[999])), Some((999, Some(vec![231u8; 32]))));
+        let k = m.keys().key(s, Parent::Block(7), &[1], &mut Vec::new());
         m.learn(k, 8);
-        assert_eq!(m.get(k), Some((8, None)));
+        assert_eq!(got(m.get(k)), Some((8, None)));
         let mut off = ChainMemo::new(0);
         off.insert(keys[0], 0, &[0; 32]);
         off.learn(keys[1], 1);
@@ -278,13 +304,13 @@ mod tests {
         }
         let none = Parent::First { salt: "" };
         let steps = [
-            m.key(a, none, &[1, 2]),
-            m.key(a, Parent::First { salt: "s" }, &[1, 2]),
-            m.key(a, Parent::Block(0), &[1, 2]),
-            m.key(a, Parent::Block(1), &[1, 2]),
-            m.key(a, none, &[1, 2, 0]),
-            m.key(a, none, &[2, 1]),
-            m.key(distinct[1], none, &[1, 2]),
+            m.key(a, none, &[1, 2], &mut Vec::new()),
+            m.key(a, Parent::First { salt: "s" }, &[1, 2], &mut Vec::new()),
+            m.key(a, Parent::Block(0), &[1, 2], &mut Vec::new()),
+            m.key(a, Parent::Block(1), &[1, 2], &mut Vec::new()),
+            m.key(a, none, &[1, 2, 0], &mut Vec::new()),
+            m.key(a, none, &[2, 1], &mut Vec::new()),
+            m.key(distinct[1], none, &[1, 2], &mut Vec::new()),
         ];
         for i in 0..steps.len() {
             for j in 0..i {
@@ -292,6 +318,6 @@ mod tests {
             }
         }
         // Another memo has another secret.
-        assert_ne!(ChainMemo::new(10).keys().key(a, none, &[1, 2]), steps[0]);
+        assert_ne!(ChainMemo::new(10).keys().key(a, none, &[1, 2], &mut Vec::new()), steps[0]);
     }
 }

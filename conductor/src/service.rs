@@ -47,7 +47,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::hash::{Algorithm, BlockHasher, Extra, HashProfile, LoraKey, project_low64_be};
 use crate::index::{ContextKey, Index, OwnerKey, RawMatch};
-use crate::memo::{ChainMemo, Parent};
+use crate::memo::{ChainMemo, Hit, Parent};
 use crate::route::{
     CostModel, Decision, FetchFrom, Policy, PrefixMatch, RejectReason, RouteRequest, Scheduler,
     SchedulerConfig,
@@ -643,24 +643,33 @@ impl Query {
         };
         let salt = extra.cache_salt.as_deref().unwrap_or("");
         let mut out: Vec<u64> = Vec::with_capacity(blocks.len());
-        // The full digest of the last block, when known (computed, or held in the memo).
+        // The full digest of the last block when it was computed, else its memo entry.
         let mut full: Option<Vec<u8>> = None;
+        let mut last_hit: Option<Hit> = None;
         let mut computed = Vec::new();
-        let mut scratch = Vec::new();
+        let (mut scratch, mut key_scratch) = (Vec::new(), Vec::new());
         let (mut run, mut next_check) = (4, 4);
+        // Held across a run of hits; let go to hash a miss and to ask the index.
+        let mut memo = None;
         for (i, b) in blocks.iter().enumerate() {
             let parent = match out.last() {
                 None => Parent::First { salt },
                 Some(&p) => Parent::Block(p),
             };
-            let key = scope.map(|sc| keys.key(sc, parent, b));
-            let hit = key.and_then(|k| s.memo.lock().unwrap_or_else(|e| e.into_inner()).get(k));
+            let key = scope.map(|sc| keys.key(sc, parent, b, &mut key_scratch));
+            let hit = key.and_then(|k| {
+                memo.get_or_insert_with(|| s.memo.lock().unwrap_or_else(|e| e.into_inner())).get(k)
+            });
             match hit {
-                Some((projection, digest)) => {
-                    out.push(projection);
-                    full = digest;
+                Some(h) => {
+                    out.push(h.projection());
+                    last_hit = Some(h);
                 }
                 None => {
+                    memo = None;
+                    if let Some(h) = last_hit.take() {
+                        full = h.digest().map(<[u8]>::to_vec);
+                    }
                     if i > 0 && full.is_none() {
                         full = hasher
                             .iter(&self.token_ids.0[..i * bs], bs, extra)
@@ -677,6 +686,7 @@ impl Query {
                 }
             }
             if out.len() == next_check && out.len() < blocks.len() {
+                memo = None;
                 let reaches = s.index.lock().unwrap_or_else(|e| e.into_inner()).holds(&ctx, out[i]);
                 if !reaches {
                     break;
@@ -685,6 +695,7 @@ impl Query {
                 next_check += run;
             }
         }
+        drop(memo);
         if !computed.is_empty() {
             let mut memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
             for (k, projection, d) in computed {
@@ -721,9 +732,10 @@ impl Shared {
         let keys = memo.keys();
         let scope = keys.scope(&hasher, &chain_scope(ctx, "", &ctx.block_size.to_le_bytes()));
         let parents = std::iter::once(*parent).chain(hashes.iter().map(|&h| Some(h)));
+        let mut scratch = Vec::new();
         for ((&h, p), b) in hashes.iter().zip(parents).zip(token_ids.chunks_exact(bs)) {
             if let Some(p) = p {
-                memo.learn(keys.key(scope, Parent::Block(p), b), h);
+                memo.learn(keys.key(scope, Parent::Block(p), b, &mut scratch), h);
             }
         }
     }
