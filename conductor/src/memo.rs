@@ -31,10 +31,12 @@
 //! on purpose it needs colliding XXH3 inputs under a secret the sender never sees, and it
 //! could only mislead the routing of the sender's own context (an answer is token counts,
 //! never bytes of a cache).
+//! Learned steps trust the publisher as the index already does: one that publishes wrong
+//! hashes for its blocks misleads routing in its context with or without the memo.
 //!
-//! Not handled: persistence (a restarted conductor starts cold), steps learned from the
-//! engines' events (vLLM's `BlockStored` carries tokens, but by default only 64-bit hashes,
-//! not the parent digest the next step needs).
+//! Not handled: persistence (a restarted conductor relearns from the publishers' replay
+//! buffers and from queries), learned first blocks (salt) and LoRA contexts (the adapter's
+//! path is part of every step and events do not carry it).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
