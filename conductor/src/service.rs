@@ -618,8 +618,8 @@ impl Query {
     }
 
     /// The token chain, block by block: a step the memo holds is looked up, a miss is
-    /// computed (after recomputing the full digests of a prefix learned from events, which
-    /// carry projections only), and every few blocks (runs of 4 doubling to 64) the last
+    /// computed (after hashing forward from the last full digest known, since steps learned
+    /// from events carry projections only), and every few blocks (runs of 4 doubling to 64) the last
     /// block is checked against the index, so hashing stops where the walk will (the
     /// reference conductor also hashes only as far as a match can reach).
     fn chain(&self, s: &Shared, hasher: &BlockHasher, extra: &Extra) -> Vec<u64> {
@@ -643,9 +643,10 @@ impl Query {
         };
         let salt = extra.cache_salt.as_deref().unwrap_or("");
         let mut out: Vec<u64> = Vec::with_capacity(blocks.len());
-        // The full digest of the last block when it was computed, else its memo entry.
-        let mut full: Option<Vec<u8>> = None;
-        let mut last_hit: Option<Hit> = None;
+        // The last block whose full digest is known: computed here (`known`), or a memo hit
+        // holding it (`known_hit`, copied out only when a miss needs it).
+        let mut known: Option<(usize, Vec<u8>)> = None;
+        let mut known_hit: Option<(usize, Hit)> = None;
         let mut computed = Vec::new();
         let (mut scratch, mut key_scratch) = (Vec::new(), Vec::new());
         let (mut run, mut next_check) = (4, 4);
@@ -663,18 +664,33 @@ impl Query {
             match hit {
                 Some(h) => {
                     out.push(h.projection());
-                    last_hit = Some(h);
+                    if h.digest().is_some() {
+                        known_hit = Some((i, h));
+                    }
                 }
                 None => {
                     memo = None;
-                    if let Some(h) = last_hit.take() {
-                        full = h.digest().map(<[u8]>::to_vec);
-                    }
-                    if i > 0 && full.is_none() {
-                        full = hasher
-                            .iter(&self.token_ids.0[..i * bs], bs, extra)
-                            .ok()
-                            .and_then(|it| it.last());
+                    // The parent's full digest: hashed forward from the last block whose
+                    // digest is known (blocks learned from events hold none), so no block of
+                    // a query is hashed twice.
+                    let (mut at, mut full) = match (known.take(), known_hit.take()) {
+                        (Some((k, _)), Some((j, h))) if j > k => {
+                            (j + 1, h.digest().map(<[u8]>::to_vec))
+                        }
+                        (Some((k, d)), _) => (k + 1, Some(d)),
+                        (None, Some((j, h))) => (j + 1, h.digest().map(<[u8]>::to_vec)),
+                        (None, None) => (0, None),
+                    };
+                    while at < i {
+                        let d = hasher.hash_block_in(
+                            &mut scratch,
+                            full.as_deref(),
+                            blocks[at],
+                            extra,
+                            at == 0,
+                        );
+                        full = Some(d);
+                        at += 1;
                     }
                     let d = hasher.hash_block_in(&mut scratch, full.as_deref(), b, extra, i == 0);
                     let projection = project_low64_be(&d);
@@ -682,7 +698,7 @@ impl Query {
                         computed.push((k, projection, d.clone()));
                     }
                     out.push(projection);
-                    full = Some(d);
+                    known = Some((i, d));
                 }
             }
             if out.len() == next_check && out.len() < blocks.len() {
