@@ -46,6 +46,10 @@ impl std::hash::Hasher for IdHasher {
     fn write_u64(&mut self, v: u64) {
         self.0 = v;
     }
+    /// The chain memo's 128-bit fingerprints: their low 64 bits.
+    fn write_u128(&mut self, v: u128) {
+        self.0 = v as u64;
+    }
 }
 
 type BlockMap = HashMap<u64, Entry, std::hash::BuildHasherDefault<IdHasher>>;

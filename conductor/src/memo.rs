@@ -39,29 +39,12 @@
 //! path is part of every step and events do not carry it).
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 
 use xxhash_rust::xxh3::{xxh3_64_with_secret, xxh3_128_with_secret};
 
 use crate::hash::BlockHasher;
-
-/// The fingerprints are uniformly distributed already: the map uses their low 64 bits as is.
-#[derive(Default)]
-struct Low64(u64);
-
-impl Hasher for Low64 {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u128(&mut self, v: u128) {
-        self.0 = v as u64;
-    }
-}
+use crate::index::IdHasher;
 
 /// A block's projection and, when known, its full digest (up to 32 bytes: SHA-256; XXH3-128
 /// uses 16; `len` 0: learned from an event, projection only).
@@ -72,7 +55,8 @@ struct Step {
     len: u8,
 }
 
-type Map = HashMap<u128, Step, BuildHasherDefault<Low64>>;
+/// Fingerprints are uniformly distributed already: the map uses their low 64 bits as is.
+type Map = HashMap<u128, Step, BuildHasherDefault<IdHasher>>;
 
 /// A step the memo held: the block's projection and, when this conductor computed it, its
 /// full digest.
