@@ -614,11 +614,8 @@ impl Inner {
             .get(&it.key)
             .filter(|h| h.version == it.version)
             .and_then(|h| h.renamed_from.clone());
-        let meta = match &previous {
-            Some((k, v)) => store.put_renamed(&it.key, &bytes, opts, (k, *v)).await,
-            None => store.put(&it.key, &bytes, opts).await,
-        }
-        .map_err(|e| wire(&e))?;
+        let previous = previous.as_ref().map(|(k, v)| (k.as_str(), *v));
+        let meta = store.put_copy(&it.key, &bytes, opts, previous).await.map_err(|e| wire(&e))?;
         self.tiers.counters.eager_persisted.fetch_add(1, Ordering::Relaxed);
         // A committed object (an offload job's, not a pending eager put): its tier policy may
         // now drop the NVMe copy, and write-back has nothing left to do.

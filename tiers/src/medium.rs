@@ -177,6 +177,21 @@ pub trait Medium: Send + Sync {
         self.put(key, data, opts).await
     }
 
+    /// [`put_renamed`](Self::put_renamed) when `previous` is given, else [`put`](Self::put):
+    /// the one call for a copy that may have been renamed (write-back, persistence).
+    async fn put_copy(
+        &self,
+        key: &str,
+        data: &[u8],
+        opts: PutOptions,
+        previous: Option<(&str, u64)>,
+    ) -> Result<ObjectMeta> {
+        match previous {
+            Some(p) => self.put_renamed(key, data, opts, p).await,
+            None => self.put(key, data, opts).await,
+        }
+    }
+
     /// Read the object into `dst[..size]`, verified where the medium verifies.
     async fn get_into(&self, key: &str, dst: &mut [u8]) -> Result<ObjectMeta>;
 

@@ -580,10 +580,8 @@ async fn upload_once(shared: &Shared, e: &WritebackEntry) -> Result<()> {
         version: e.version,
         pin: e.pin,
     };
-    match &e.previous {
-        Some((pk, pv)) => shared.target.put_renamed(&e.key, &data, opts, (pk, *pv)).await.map(drop),
-        None => shared.target.put(&e.key, &data, opts).await.map(drop),
-    }
+    let previous = e.previous.as_ref().map(|(k, v)| (k.as_str(), *v));
+    shared.target.put_copy(&e.key, &data, opts, previous).await.map(drop)
 }
 
 #[cfg(test)]
