@@ -626,27 +626,18 @@ impl Query {
         let bs = self.block_size as usize;
         let blocks: Vec<&[u32]> = self.token_ids.0.chunks_exact(bs).collect();
         let ctx = self.context();
-        let (keys, scope) = {
+        let (keys, enabled) = {
             let memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
-            let lora = extra.lora.as_ref();
-            let scope = memo.enabled().then(|| {
-                memo.keys().scope(
-                    hasher,
-                    &chain_scope(
-                        &ctx,
-                        lora.map_or("", |l| l.path.as_str()),
-                        &self.block_size.to_le_bytes(),
-                    ),
-                )
-            });
-            (memo.keys(), scope)
+            (memo.keys(), memo.enabled())
         };
+        let scope = enabled.then(|| {
+            let lora_path = extra.lora.as_ref().map_or("", |l| l.path.as_str());
+            keys.scope(hasher, &chain_scope(&ctx, lora_path, &self.block_size.to_le_bytes()))
+        });
         let salt = extra.cache_salt.as_deref().unwrap_or("");
         let mut out: Vec<u64> = Vec::with_capacity(blocks.len());
-        // The last block whose full digest is known: computed here (`known`), or a memo hit
-        // holding it (`known_hit`, copied out only when a miss needs it).
-        let mut known: Option<(usize, Vec<u8>)> = None;
-        let mut known_hit: Option<(usize, Hit)> = None;
+        // The last block whose full digest is known, and where it is.
+        let mut known: Option<(usize, Known)> = None;
         let mut computed = Vec::new();
         let (mut scratch, mut key_scratch) = (Vec::new(), Vec::new());
         let (mut run, mut next_check) = (4, 4);
@@ -665,7 +656,7 @@ impl Query {
                 Some(h) => {
                     out.push(h.projection());
                     if h.digest().is_some() {
-                        known_hit = Some((i, h));
+                        known = Some((i, Known::Held(h)));
                     }
                 }
                 None => {
@@ -673,13 +664,10 @@ impl Query {
                     // The parent's full digest: hashed forward from the last block whose
                     // digest is known (blocks learned from events hold none), so no block of
                     // a query is hashed twice.
-                    let (mut at, mut full) = match (known.take(), known_hit.take()) {
-                        (Some((k, _)), Some((j, h))) if j > k => {
-                            (j + 1, h.digest().map(<[u8]>::to_vec))
-                        }
-                        (Some((k, d)), _) => (k + 1, Some(d)),
-                        (None, Some((j, h))) => (j + 1, h.digest().map(<[u8]>::to_vec)),
-                        (None, None) => (0, None),
+                    let (mut at, mut full) = match known.take() {
+                        Some((k, Known::Computed(d))) => (k + 1, Some(d)),
+                        Some((k, Known::Held(h))) => (k + 1, h.digest().map(<[u8]>::to_vec)),
+                        None => (0, None),
                     };
                     while at < i {
                         let d = hasher.hash_block_in(
@@ -698,7 +686,7 @@ impl Query {
                         computed.push((k, projection, d.clone()));
                     }
                     out.push(projection);
-                    known = Some((i, d));
+                    known = Some((i, Known::Computed(d)));
                 }
             }
             if out.len() == next_check && out.len() < blocks.len() {
@@ -720,6 +708,13 @@ impl Query {
         }
         out
     }
+}
+
+/// Where a token chain's last known full digest is: computed by the query, or held by a memo
+/// hit (copied out only when a miss needs it).
+enum Known {
+    Computed(Vec<u8>),
+    Held(Hit),
 }
 
 /// The memo scope of a context's chains: tenant, model, LoRA name and path, block size.
