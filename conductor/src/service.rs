@@ -855,26 +855,31 @@ pub fn answer_query(
 /// of strings first cost more than the index walk).
 fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<&str>) -> Vec<u8> {
     const NONE: u32 = u32::MAX;
-    // The matches of each instance as a linked list through `next`, instances in order of
-    // first appearance.
+    // The matches of each instance as a linked list through `next` in the order of `raw`
+    // (owners are mostly numbered in rank order, so the sort below finds them sorted),
+    // instances in order of first appearance.
     let mut first = vec![NONE; ix.instance_count()];
+    let mut last = vec![NONE; ix.instance_count()];
     let mut next = vec![NONE; raw.len()];
     let mut order: Vec<u32> = Vec::new();
     for (k, m) in raw.iter().enumerate() {
         if only.is_some_and(|i| i != ix.instance_name(m.instance)) {
             continue;
         }
-        let f = &mut first[m.instance as usize];
-        if *f == NONE {
+        let i = m.instance as usize;
+        if first[i] == NONE {
             order.push(m.instance);
+            first[i] = k as u32;
+        } else {
+            next[last[i] as usize] = k as u32;
         }
-        next[k] = *f;
-        *f = k as u32;
+        last[i] = k as u32;
     }
     let mut out = Vec::with_capacity(64 + order.len() * 96 + raw.len() * 64);
     let mut ranks: Vec<&RawMatch> = Vec::new();
     let mut num = itoa::Buffer::new();
-    let mut chunk = Chunk::new();
+    let mut room = [0u8; Chunk::CAP];
+    let mut chunk = Chunk { buf: &mut room, len: 0 };
     match enc {
         Enc::Json => out.extend_from_slice(b"{\"instances\":{"),
         Enc::Msgpack => {
@@ -982,20 +987,19 @@ fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<
 /// Room on the stack where an answer's msgpack pieces are written before they join the answer
 /// in one copy: the pieces are a few bytes each, and appending each to the answer directly cost
 /// a call to `memcpy` apiece (about 20,000 per 1,000 x 8 answer, a third of the writing time).
-struct Chunk {
-    buf: [u8; Chunk::CAP],
+struct Chunk<'a> {
+    /// Borrowed rather than owned, so that the compiler keeps `len` in a register.
+    buf: &'a mut [u8; CHUNK],
     len: usize,
 }
 
-impl Chunk {
-    const CAP: usize = 1024;
+const CHUNK: usize = 1024;
+
+impl Chunk<'_> {
+    const CAP: usize = CHUNK;
     /// The most one rank's entry in `rank_matches` takes (a key of up to 11 bytes and three
     /// fields of up to 14).
     const ENTRY: usize = 64;
-
-    fn new() -> Chunk {
-        Chunk { buf: [0; Chunk::CAP], len: 0 }
-    }
 
     /// Moves what is written to `out` when less than one entry's room is left.
     #[inline(always)]
@@ -1450,7 +1454,8 @@ mod tests {
         }
         // The stack writer's pieces.
         let chunk = |f: &dyn Fn(&mut Chunk)| {
-            let mut c = Chunk::new();
+            let mut room = [0u8; CHUNK];
+            let mut c = Chunk { buf: &mut room, len: 0 };
             f(&mut c);
             c.buf[..c.len].to_vec()
         };

@@ -10,7 +10,8 @@
 //! another thread, JSON and msgpack. Answers are checked (the instance count) before timing.
 //! Token queries are timed cold (the chain memo off: every block hashed), learned (the memo
 //! filled from an engine's event carrying the prompt's tokens, fresh before each query) and
-//! warm (the prompt queried before).
+//! warm (the prompt queried before). The last figure is the floor under the HTTP ones: the same
+//! request and answer bytes over a raw loopback TCP connection, with no HTTP and no work.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::time::{Duration, Instant};
@@ -287,7 +288,7 @@ fn one(
             let reply = conn.post(path, ct, body)?;
             let us = t.elapsed().as_secs_f64() * 1e6;
             if i == 0 {
-                check(&reply, ct, a.instances)?;
+                check(reply, ct, a.instances)?;
             }
             if i >= 5 {
                 lat.push(us);
@@ -298,7 +299,50 @@ fn one(
     }
     drop(conn);
     rt.shutdown_timeout(Duration::from_secs(1));
+    // The machine's floor under the HTTP figures: the same bytes in and out with no HTTP and
+    // no work.
+    let down = out.last().map_or(0, |f| f.reply_bytes);
+    let lat = raw_round_trip(by_tokens_mp.len(), down, a.queries)?;
+    out.push(Figure::new(bs, holders, "raw tcp round trip, same bytes (limit)", lat, down));
     Ok(out)
+}
+
+/// Round trips of `up` bytes out and `down` bytes back over a raw loopback TCP connection to a
+/// thread that answers once the whole request is in (as an HTTP server does), in us.
+fn raw_round_trip(up: usize, down: usize, n: usize) -> anyhow::Result<Vec<f64>> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let server = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = l.accept()?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))?;
+        let mut req = vec![0u8; up];
+        let reply = vec![1u8; down];
+        loop {
+            match s.read_exact(&mut req) {
+                Ok(()) => s.write_all(&reply)?,
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+    });
+    let mut c = std::net::TcpStream::connect(addr)?;
+    c.set_nodelay(true)?;
+    c.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let req = vec![2u8; up];
+    let mut answer = vec![0u8; down];
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n + 5 {
+        let t = Instant::now();
+        c.write_all(&req)?;
+        c.read_exact(&mut answer)?;
+        if i >= 5 {
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    drop(c);
+    server.join().map_err(|_| anyhow::anyhow!("the raw tcp server panicked"))??;
+    Ok(lat)
 }
 
 fn stored(hashes: &[u64], medium: Medium, bs: u32) -> Event {
@@ -341,6 +385,8 @@ fn check(reply: &[u8], ct: &str, instances: usize) -> anyhow::Result<()> {
 pub(crate) struct Conn {
     rd: BufReader<std::net::TcpStream>,
     wr: std::net::TcpStream,
+    /// The last answer's body, its room reused (as an HTTP client library keeps its buffers).
+    reply: Vec<u8>,
 }
 
 impl Conn {
@@ -348,10 +394,10 @@ impl Conn {
         let s = std::net::TcpStream::connect(addr)?;
         s.set_nodelay(true)?;
         s.set_read_timeout(Some(Duration::from_secs(30)))?;
-        Ok(Conn { rd: BufReader::new(s.try_clone()?), wr: s })
+        Ok(Conn { rd: BufReader::new(s.try_clone()?), wr: s, reply: Vec::new() })
     }
 
-    pub(crate) fn post(&mut self, path: &str, ct: &str, body: &[u8]) -> anyhow::Result<Vec<u8>> {
+    pub(crate) fn post(&mut self, path: &str, ct: &str, body: &[u8]) -> anyhow::Result<&[u8]> {
         let head = format!(
             "POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: {ct}\r\nContent-Length: {}\r\n\r\n",
             body.len()
@@ -375,8 +421,8 @@ impl Conn {
                 len = v.trim().parse()?;
             }
         }
-        let mut out = vec![0u8; len];
-        self.rd.read_exact(&mut out)?;
-        Ok(out)
+        self.reply.resize(len, 0);
+        self.rd.read_exact(&mut self.reply)?;
+        Ok(&self.reply)
     }
 }

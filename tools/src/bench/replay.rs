@@ -143,7 +143,7 @@ pub async fn run(name: &str, requests: &[Request], o: &ReplayOpts) -> anyhow::Re
         )?;
         let answer =
             tokio::task::block_in_place(|| conn.post("/query_by_hash", "application/json", &body))?;
-        let v: serde_json::Value = serde_json::from_slice(&answer)?;
+        let v: serde_json::Value = serde_json::from_slice(answer)?;
         let predicted = v["instances"]["engine"]["longest_matched"].as_u64().unwrap_or(0);
         let t1 = Instant::now();
         let keys: Vec<String> = r.blocks.iter().map(|b| b.to_string()).collect();
