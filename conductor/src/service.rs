@@ -639,7 +639,7 @@ impl Query {
         // The last block whose full digest is known, and where it is.
         let mut known: Option<(usize, Known)> = None;
         let mut computed = Vec::new();
-        let (mut scratch, mut key_scratch) = (Vec::new(), Vec::new());
+        let mut scratch = Vec::new();
         let (mut run, mut next_check) = (4, 4);
         // Held across a run of hits; let go to hash a miss and to ask the index.
         let mut memo = None;
@@ -648,7 +648,7 @@ impl Query {
                 None => Parent::First { salt },
                 Some(&p) => Parent::Block(p),
             };
-            let key = scope.map(|sc| keys.key(sc, parent, b, &mut key_scratch));
+            let key = scope.map(|sc| keys.key(sc, parent, b));
             let hit = key.and_then(|k| {
                 memo.get_or_insert_with(|| s.memo.lock().unwrap_or_else(|e| e.into_inner())).get(k)
             });
@@ -743,10 +743,9 @@ impl Shared {
         let keys = memo.keys();
         let scope = keys.scope(&hasher, &chain_scope(ctx, "", &ctx.block_size.to_le_bytes()));
         let parents = std::iter::once(*parent).chain(hashes.iter().map(|&h| Some(h)));
-        let mut scratch = Vec::new();
         for ((&h, p), b) in hashes.iter().zip(parents).zip(token_ids.chunks_exact(bs)) {
             if let Some(p) = p {
-                memo.learn(keys.key(scope, Parent::Block(p), b, &mut scratch), h);
+                memo.learn(keys.key(scope, Parent::Block(p), b), h);
             }
         }
     }
