@@ -119,21 +119,32 @@ impl StepKeys {
     }
 
     /// The fingerprint of one step: its scope, its parent's projection, or for the first
-    /// block (`First`) the cache salt, and its tokens. The tokens are hashed where they lie
-    /// (XXH3-128 under the secret), and that with the rest in a second pass of 33 bytes:
+    /// block (`First`) the cache salt, and its tokens as little-endian 32-bit ints
+    /// ([`le_bytes`]; a query's msgpack binary as it came). The tokens are hashed where they
+    /// lie (XXH3-128 under the secret), and that with the rest in a second pass of 33 bytes:
     /// copying 2 KiB of tokens per block behind the rest cost as much as hashing them.
-    pub fn key(&self, scope: Scope, parent: Parent<'_>, tokens: &[u32]) -> u128 {
+    pub fn key(&self, scope: Scope, parent: Parent<'_>, tokens: &[u8]) -> u128 {
         let (tag, word) = match parent {
             Parent::Block(p) => (1, p),
             Parent::First { salt } => (0, xxh3_64_with_secret(salt.as_bytes(), &self.secret)),
         };
-        let t = xxh3_128_with_secret(bytemuck::cast_slice(tokens), &self.secret);
+        let t = xxh3_128_with_secret(tokens, &self.secret);
         let mut head = [0u8; 33];
         head[..8].copy_from_slice(&scope.0.to_le_bytes());
         head[8] = tag;
         head[9..17].copy_from_slice(&word.to_le_bytes());
         head[17..].copy_from_slice(&t.to_le_bytes());
         xxh3_128_with_secret(&head, &self.secret)
+    }
+}
+
+/// Token ids as little-endian 32-bit ints, as [`StepKeys::key`] takes them (borrowed where the
+/// machine is little-endian).
+pub fn le_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(tokens))
+    } else {
+        std::borrow::Cow::Owned(tokens.iter().flat_map(|t| t.to_le_bytes()).collect())
     }
 }
 
@@ -245,7 +256,8 @@ mod tests {
         let h = hasher(Algorithm::Sha256Cbor, None);
         let s = m.keys().scope(&h, &[b"t"]);
         let first = Parent::First { salt: "" };
-        let keys: Vec<u128> = (0..1000u32).map(|i| m.keys().key(s, first, &[i])).collect();
+        let keys: Vec<u128> =
+            (0..1000u32).map(|i| m.keys().key(s, first, &i.to_le_bytes())).collect();
         for (i, &k) in keys.iter().enumerate() {
             m.insert(k, i as u64, &[i as u8; 32]);
             // A step looked up at every insert stays: hits move it to the young generation.
@@ -257,7 +269,7 @@ mod tests {
         // A learned step has no digest and does not replace a computed one.
         m.learn(keys[999], 5);
         assert_eq!(got(m.get(keys[999])), Some((999, Some(vec![231u8; 32]))));
-        let k = m.keys().key(s, Parent::Block(7), &[1]);
+        let k = m.keys().key(s, Parent::Block(7), &le_bytes(&[1]));
         m.learn(k, 8);
         assert_eq!(got(m.get(k)), Some((8, None)));
         let mut off = ChainMemo::new(0);
@@ -286,13 +298,13 @@ mod tests {
         }
         let none = Parent::First { salt: "" };
         let steps = [
-            m.key(a, none, &[1, 2]),
-            m.key(a, Parent::First { salt: "s" }, &[1, 2]),
-            m.key(a, Parent::Block(0), &[1, 2]),
-            m.key(a, Parent::Block(1), &[1, 2]),
-            m.key(a, none, &[1, 2, 0]),
-            m.key(a, none, &[2, 1]),
-            m.key(distinct[1], none, &[1, 2]),
+            m.key(a, none, &le_bytes(&[1, 2])),
+            m.key(a, Parent::First { salt: "s" }, &le_bytes(&[1, 2])),
+            m.key(a, Parent::Block(0), &le_bytes(&[1, 2])),
+            m.key(a, Parent::Block(1), &le_bytes(&[1, 2])),
+            m.key(a, none, &le_bytes(&[1, 2, 0])),
+            m.key(a, none, &le_bytes(&[2, 1])),
+            m.key(distinct[1], none, &le_bytes(&[1, 2])),
         ];
         for i in 0..steps.len() {
             for j in 0..i {
@@ -300,6 +312,6 @@ mod tests {
             }
         }
         // Another memo has another secret.
-        assert_ne!(ChainMemo::new(10).keys().key(a, none, &[1, 2]), steps[0]);
+        assert_ne!(ChainMemo::new(10).keys().key(a, none, &le_bytes(&[1, 2])), steps[0]);
     }
 }

@@ -33,6 +33,7 @@
 //!
 //! Errors are JSON `{"error": ...}` with 400 (bad input), 404, 405, 415, 429 or 503.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -488,7 +489,7 @@ fn encoding(h: &HeaderMap) -> Enc {
 }
 
 /// The request body, or the 400 answer naming what is wrong with it.
-fn decode<T: serde::de::DeserializeOwned>(enc: Enc, body: &[u8]) -> Result<T, Box<Response>> {
+fn decode<'a, T: Deserialize<'a>>(enc: Enc, body: &'a [u8]) -> Result<T, Box<Response>> {
     let r = match enc {
         Enc::Json => serde_json::from_slice(body).map_err(|e| e.to_string()),
         Enc::Msgpack => rmp_serde::from_slice(body).map_err(|e| e.to_string()),
@@ -551,14 +552,14 @@ async fn unregister(State(s): State<Arc<Shared>>, h: HeaderMap, body: Bytes) -> 
 }
 
 #[derive(Deserialize)]
-struct Query {
+struct Query<'a> {
     model: String,
     #[serde(default)]
     lora_name: Option<String>,
     #[serde(default)]
     lora_path: Option<String>,
-    #[serde(default)]
-    token_ids: TokenIds,
+    #[serde(default, borrow)]
+    token_ids: TokenIds<'a>,
     #[serde(default, alias = "block_hash")]
     seq_hashes: Vec<u64>,
     #[serde(default = "default_tenant")]
@@ -586,7 +587,7 @@ struct Query {
     decode_instances: Option<Vec<String>>,
 }
 
-impl Query {
+impl Query<'_> {
     fn context(&self) -> ContextKey {
         ContextKey {
             tenant: self.tenant_id.clone(),
@@ -624,7 +625,9 @@ impl Query {
     /// reference conductor also hashes only as far as a match can reach).
     fn chain(&self, s: &Shared, hasher: &BlockHasher, extra: &Extra) -> Vec<u64> {
         let bs = self.block_size as usize;
-        let blocks: Vec<&[u32]> = self.token_ids.0.chunks_exact(bs).collect();
+        // Little-endian bytes, as the memo fingerprints them; as ints only where hashed.
+        let blocks: Vec<&[u8]> = self.token_ids.0.chunks_exact(4 * bs).collect();
+        let mut ints = Vec::with_capacity(bs);
         let ctx = self.context();
         let (keys, enabled) = {
             let memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
@@ -670,17 +673,20 @@ impl Query {
                         None => (0, None),
                     };
                     while at < i {
+                        le_ints(blocks[at], &mut ints);
                         let d = hasher.hash_block_in(
                             &mut scratch,
                             full.as_deref(),
-                            blocks[at],
+                            &ints,
                             extra,
                             at == 0,
                         );
                         full = Some(d);
                         at += 1;
                     }
-                    let d = hasher.hash_block_in(&mut scratch, full.as_deref(), b, extra, i == 0);
+                    le_ints(b, &mut ints);
+                    let d =
+                        hasher.hash_block_in(&mut scratch, full.as_deref(), &ints, extra, i == 0);
                     let projection = project_low64_be(&d);
                     if let Some(k) = key {
                         computed.push((k, projection, d.clone()));
@@ -745,51 +751,74 @@ impl Shared {
         let parents = std::iter::once(*parent).chain(hashes.iter().map(|&h| Some(h)));
         for ((&h, p), b) in hashes.iter().zip(parents).zip(token_ids.chunks_exact(bs)) {
             if let Some(p) = p {
-                memo.learn(keys.key(scope, Parent::Block(p), b), h);
+                memo.learn(keys.key(scope, Parent::Block(p), &crate::memo::le_bytes(b)), h);
             }
         }
     }
 }
 
-/// Token ids as an array of integers, or (msgpack) as one binary of little-endian 32-bit
-/// integers, as the reference conductor takes them: a 128k-token prompt is then one 512 KiB
-/// copy to decode instead of 128k integers.
-#[derive(Default)]
-struct TokenIds(Vec<u32>);
+/// `b`'s little-endian 32-bit ints into `out` (its contents replaced).
+fn le_ints(b: &[u8], out: &mut Vec<u32>) {
+    out.clear();
+    out.extend(b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+}
 
-impl<'de> Deserialize<'de> for TokenIds {
+/// Token ids as an array of integers, or (msgpack) as one binary of little-endian 32-bit
+/// integers, as the reference conductor takes them, held as little-endian bytes: a 128k-token
+/// prompt in a binary is then read where it lies in the request (the memo fingerprints those
+/// bytes; only blocks that must be hashed are read as ints).
+#[derive(Default)]
+struct TokenIds<'a>(Cow<'a, [u8]>);
+
+impl TokenIds<'_> {
+    fn len(&self) -> usize {
+        self.0.len() / 4
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for TokenIds<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;
+        fn whole<E: serde::de::Error>(b: &[u8]) -> Result<(), E> {
+            if b.len().is_multiple_of(4) {
+                Ok(())
+            } else {
+                Err(E::custom(format!("{} bytes of token ids: not a multiple of 4", b.len())))
+            }
+        }
         impl<'de> serde::de::Visitor<'de> for V {
-            type Value = TokenIds;
+            type Value = TokenIds<'de>;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("an array of token ids or little-endian 32-bit token ids as bytes")
             }
             fn visit_seq<A: serde::de::SeqAccess<'de>>(
                 self,
                 mut a: A,
-            ) -> Result<TokenIds, A::Error> {
-                let mut v = Vec::with_capacity(a.size_hint().unwrap_or(0).min(1 << 20));
+            ) -> Result<TokenIds<'de>, A::Error> {
+                let mut v = Vec::with_capacity(4 * a.size_hint().unwrap_or(0).min(1 << 20));
                 while let Some(t) = a.next_element::<u32>()? {
-                    v.push(t);
+                    v.extend_from_slice(&t.to_le_bytes());
                 }
-                Ok(TokenIds(v))
+                Ok(TokenIds(Cow::Owned(v)))
             }
-            fn visit_bytes<E: serde::de::Error>(self, b: &[u8]) -> Result<TokenIds, E> {
-                if !b.len().is_multiple_of(4) {
-                    return Err(E::custom(format!(
-                        "{} bytes of token ids: not a multiple of 4",
-                        b.len()
-                    )));
-                }
-                Ok(TokenIds(
-                    b.chunks_exact(4)
-                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                        .collect(),
-                ))
+            fn visit_borrowed_bytes<E: serde::de::Error>(
+                self,
+                b: &'de [u8],
+            ) -> Result<TokenIds<'de>, E> {
+                whole(b)?;
+                Ok(TokenIds(Cow::Borrowed(b)))
             }
-            fn visit_byte_buf<E: serde::de::Error>(self, b: Vec<u8>) -> Result<TokenIds, E> {
-                self.visit_bytes(&b)
+            fn visit_bytes<E: serde::de::Error>(self, b: &[u8]) -> Result<TokenIds<'de>, E> {
+                whole(b)?;
+                Ok(TokenIds(Cow::Owned(b.to_vec())))
+            }
+            fn visit_byte_buf<E: serde::de::Error>(self, b: Vec<u8>) -> Result<TokenIds<'de>, E> {
+                whole(&b)?;
+                Ok(TokenIds(Cow::Owned(b)))
             }
         }
         d.deserialize_any(V)
@@ -1152,7 +1181,7 @@ fn run_route(s: &Shared, enc: Enc, body: &[u8]) -> Response {
     if !(ttft.is_finite() && ttft > 0.0 && tbt.is_finite() && tbt > 0.0) {
         return error(StatusCode::BAD_REQUEST, "ttft_slo_ms and tbt_slo_ms must be positive");
     }
-    let by_hash = q.token_ids.0.is_empty();
+    let by_hash = q.token_ids.is_empty();
     let hashes = match q.hashes(s, by_hash) {
         Ok(h) => h,
         Err(e) => return error(StatusCode::BAD_REQUEST, &e),
@@ -1161,7 +1190,7 @@ fn run_route(s: &Shared, enc: Enc, body: &[u8]) -> Response {
     let input_len = q.input_len.unwrap_or(if by_hash {
         hashes.len() as u64 * bs
     } else {
-        q.token_ids.0.len() as u64
+        q.token_ids.len() as u64
     });
     if input_len == 0 {
         return error(
@@ -1539,6 +1568,40 @@ mod tests {
             rmp_serde::from_slice::<serde_json::Value>(&none).unwrap(),
             serde_json::json!({"instances": {}})
         );
+    }
+
+    /// Token ids as a msgpack binary are read where they lie in the request; as an array (JSON
+    /// or msgpack) they are the same little-endian bytes; a binary not a multiple of 4 is refused.
+    #[test]
+    fn token_ids_decode_to_little_endian_bytes() {
+        let ids = [1u32, 70_000, u32::MAX];
+        let le: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let bin = rmpv::Value::Map(vec![
+            ("model".into(), "m".into()),
+            ("block_size".into(), 4.into()),
+            ("token_ids".into(), rmpv::Value::Binary(le.clone())),
+        ]);
+        let mut body = Vec::new();
+        rmpv::encode::write_value(&mut body, &bin).unwrap();
+        let q: Query = rmp_serde::from_slice(&body).unwrap();
+        assert!(matches!(q.token_ids.0, Cow::Borrowed(_)), "copied");
+        assert_eq!((&q.token_ids.0[..], q.token_ids.len()), (&le[..], 3));
+        let arr = serde_json::json!({"model": "m", "block_size": 4, "token_ids": ids});
+        let json = serde_json::to_vec(&arr).unwrap();
+        let q: Query = serde_json::from_slice(&json).unwrap();
+        assert_eq!(&q.token_ids.0[..], &le[..]);
+        let mp = rmp_serde::to_vec_named(&arr).unwrap();
+        let q: Query = rmp_serde::from_slice(&mp).unwrap();
+        assert_eq!(&q.token_ids.0[..], &le[..]);
+        let mut odd = Vec::new();
+        let bad = rmpv::Value::Map(vec![
+            ("model".into(), "m".into()),
+            ("block_size".into(), 4.into()),
+            ("token_ids".into(), rmpv::Value::Binary(vec![1, 2, 3])),
+        ]);
+        rmpv::encode::write_value(&mut odd, &bad).unwrap();
+        let e = rmp_serde::from_slice::<Query>(&odd).err().unwrap().to_string();
+        assert!(e.contains("not a multiple of 4"), "{e}");
     }
 
     /// An answer bigger than the msgpack writer's stack room (instances of up to 70 ranks out of
