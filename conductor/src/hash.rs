@@ -461,7 +461,9 @@ fn cbor_walk(out: &mut Vec<u8>, value: &Value<'_>) {
 }
 
 /// A tuple of token ids: the bulk of every block, unsigned ints of at most 5 bytes each,
-/// written into room made once (no capacity check per byte).
+/// written into room made once (no capacity check per byte). (A branchless form, five bytes
+/// stored per token and 1, 2, 3 or 5 kept, measured slower: the chain of a 128k-token prompt
+/// took 595-609 us against 508-515.)
 fn cbor_tokens(out: &mut Vec<u8>, t: &[u32]) {
     cbor_head(out, 4, t.len() as u64);
     let start = out.len();
@@ -700,6 +702,32 @@ mod tests {
         ]);
         let hex: String = cbor(&v).iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(hex, "834178850118181901001a000111701affffffff8183646c6f726161616162");
+    }
+
+    /// Token tuples are what the general head writer gives each token, at every width boundary
+    /// and for random ids.
+    #[test]
+    fn cbor_tokens_match_the_head_writer() {
+        let mut ids: Vec<u32> = [0u32, 23, 24, 255, 256, 65_535, 65_536, u32::MAX - 1, u32::MAX]
+            .into_iter()
+            .chain((0..32).flat_map(|b| [(1u32 << b) - 1, 1 << b, (1 << b) + 1]))
+            .collect();
+        let mut x = 0x9e37_79b9u32;
+        ids.extend((0..1000).map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x >> (x % 32)
+        }));
+        let mut want = Vec::new();
+        cbor_head(&mut want, 4, ids.len() as u64);
+        for &t in &ids {
+            cbor_head(&mut want, 0, u64::from(t));
+        }
+        let mut got = vec![0xaa];
+        cbor_tokens(&mut got, &ids);
+        assert_eq!(got[0], 0xaa, "what came before is kept");
+        assert_eq!(&got[1..], &want[..]);
     }
 
     #[test]
