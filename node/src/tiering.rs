@@ -615,7 +615,8 @@ impl Inner {
             .filter(|h| h.version == it.version)
             .and_then(|h| h.renamed_from.clone());
         let previous = previous.as_ref().map(|(k, v)| (k.as_str(), *v));
-        let meta = store.put_copy(&it.key, &bytes, opts, previous).await.map_err(|e| wire(&e))?;
+        let meta =
+            store.put_with_previous(&it.key, &bytes, opts, previous).await.map_err(|e| wire(&e))?;
         self.tiers.counters.eager_persisted.fetch_add(1, Ordering::Relaxed);
         // A committed object (an offload job's, not a pending eager put): its tier policy may
         // now drop the NVMe copy, and write-back has nothing left to do.

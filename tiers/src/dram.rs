@@ -333,13 +333,14 @@ impl Medium for DramMedium {
         self.fill_and_insert(key, range, Some(data), opts)
     }
 
-    async fn put_renamed(
+    async fn put_with_previous(
         &self,
         key: &str,
         data: &[u8],
         opts: PutOptions,
-        previous: (&str, u64),
+        previous: Option<(&str, u64)>,
     ) -> Result<ObjectMeta> {
+        let Some(previous) = previous else { return self.put(key, data, opts).await };
         validate_key(previous.0)?;
         let meta = self.put(key, data, opts).await?;
         if let Some(held) = lock(&self.index).get_mut(key).filter(|h| h.meta == meta) {

@@ -117,14 +117,14 @@ impl<M: Medium> Medium for FaultyMedium<M> {
         self.apply(Op::Put, self.inner.put(key, data, opts)).await
     }
 
-    async fn put_renamed(
+    async fn put_with_previous(
         &self,
         key: &str,
         data: &[u8],
         opts: PutOptions,
-        previous: (&str, u64),
+        previous: Option<(&str, u64)>,
     ) -> Result<ObjectMeta> {
-        self.apply(Op::Put, self.inner.put_renamed(key, data, opts, previous)).await
+        self.apply(Op::Put, self.inner.put_with_previous(key, data, opts, previous)).await
     }
 
     async fn get_into(&self, key: &str, dst: &mut [u8]) -> Result<ObjectMeta> {

@@ -161,35 +161,21 @@ pub trait Medium: Send + Sync {
     /// Store `data` under `key`.
     async fn put(&self, key: &str, data: &[u8], opts: PutOptions) -> Result<ObjectMeta>;
 
-    /// [`put`](Self::put) of the copy of an object that was renamed from `previous` (its key and
-    /// version before the rename), recorded as [`rename`](Self::rename) records it, so
-    /// [`previous_name`](Self::previous_name) and [`stale_after_rename`] see it. The lazy
-    /// write-back uses it for objects renamed before their upload. Media that keep no previous
-    /// names for puts (HBM, NVMe: never write-back targets) store the copy without it.
-    async fn put_renamed(
-        &self,
-        key: &str,
-        data: &[u8],
-        opts: PutOptions,
-        previous: (&str, u64),
-    ) -> Result<ObjectMeta> {
-        let _ = previous;
-        self.put(key, data, opts).await
-    }
-
-    /// [`put_renamed`](Self::put_renamed) when `previous` is given, else [`put`](Self::put):
-    /// the one call for a copy that may have been renamed (write-back, persistence).
-    async fn put_copy(
+    /// [`put`](Self::put) of the copy of an object, naming `previous` (its key and version
+    /// before a rename) when it was renamed, recorded as [`rename`](Self::rename) records it, so
+    /// [`previous_name`](Self::previous_name) and [`stale_after_rename`] see it: the one call
+    /// for a copy that may have been renamed (the lazy write-back, persistence). Media that
+    /// keep no previous names for puts (HBM, NVMe: never write-back targets) store the copy
+    /// without it.
+    async fn put_with_previous(
         &self,
         key: &str,
         data: &[u8],
         opts: PutOptions,
         previous: Option<(&str, u64)>,
     ) -> Result<ObjectMeta> {
-        match previous {
-            Some(p) => self.put_renamed(key, data, opts, p).await,
-            None => self.put(key, data, opts).await,
-        }
+        let _ = previous;
+        self.put(key, data, opts).await
     }
 
     /// Read the object into `dst[..size]`, verified where the medium verifies.

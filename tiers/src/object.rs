@@ -426,7 +426,7 @@ impl ObjectStoreMedium {
     }
 
     /// `put`, with the previous name (key, version) written into the header when given.
-    async fn put_with_previous(
+    async fn put_object(
         &self,
         key: &str,
         data: &[u8],
@@ -516,18 +516,20 @@ impl Medium for ObjectStoreMedium {
     }
 
     async fn put(&self, key: &str, data: &[u8], opts: PutOptions) -> Result<ObjectMeta> {
-        self.put_with_previous(key, data, opts, None).await
+        self.put_object(key, data, opts, None).await
     }
 
-    async fn put_renamed(
+    async fn put_with_previous(
         &self,
         key: &str,
         data: &[u8],
         opts: PutOptions,
-        previous: (&str, u64),
+        previous: Option<(&str, u64)>,
     ) -> Result<ObjectMeta> {
-        validate_key(previous.0)?;
-        self.put_with_previous(key, data, opts, Some(previous)).await
+        if let Some((k, _)) = previous {
+            validate_key(k)?;
+        }
+        self.put_object(key, data, opts, previous).await
     }
 
     async fn get_into(&self, key: &str, dst: &mut [u8]) -> Result<ObjectMeta> {

@@ -581,7 +581,7 @@ async fn upload_once(shared: &Shared, e: &WritebackEntry) -> Result<()> {
         pin: e.pin,
     };
     let previous = e.previous.as_ref().map(|(k, v)| (k.as_str(), *v));
-    shared.target.put_copy(&e.key, &data, opts, previous).await.map(drop)
+    shared.target.put_with_previous(&e.key, &data, opts, previous).await.map(drop)
 }
 
 #[cfg(test)]

@@ -329,7 +329,7 @@ async fn object_both_names_are_listed_and_resolved(m: &ObjectStoreMedium) -> Res
     // A lazy write-back that uploads under the old name after the rename, and the one under
     // the new name that carries the old name: the old name is the stale one.
     m.put("w", &data[..1000], v(3)).await?;
-    m.put_renamed("W", &data[..1000], v(4), ("w", 3)).await?;
+    m.put_with_previous("W", &data[..1000], v(4), Some(("w", 3))).await?;
     ensure!(m.previous_name("W").await? == Some(("w".into(), 3)));
     ensure!(m.remove_stale_renames(&m.list_detailed().await?).await? == ["w"]);
     ensure!(m.get("W").await? == data[..1000] && kind(m.stat("w").await) == ErrorKind::NotFound);
