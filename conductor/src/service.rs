@@ -902,8 +902,11 @@ fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<
     let mut scattered = false;
     for (n, &(i, ..)) in runs.iter().enumerate() {
         let f = &mut first_run[i as usize];
-        scattered |= *f != u32::MAX;
-        *f = (*f).min(n as u32);
+        if *f == u32::MAX {
+            *f = n as u32;
+        } else {
+            scattered = true;
+        }
     }
     let sorted;
     let raw = if scattered {
@@ -921,7 +924,7 @@ fn encode_matches(enc: Enc, ix: &Index, raw: &[RawMatch], bs: u64, only: Option<
     let mut out = Vec::with_capacity(64 + runs.len() * 96 + raw.len() * 64);
     let mut unsorted: Vec<RawMatch> = Vec::new();
     let mut num = itoa::Buffer::new();
-    let mut room = [0u8; Chunk::CAP];
+    let mut room = [0u8; CHUNK];
     let mut chunk = Chunk { buf: &mut room, len: 0 };
     match enc {
         Enc::Json => out.extend_from_slice(b"{\"instances\":{"),
@@ -1035,10 +1038,10 @@ struct Chunk<'a> {
     len: usize,
 }
 
+/// A [`Chunk`]'s room in bytes.
 const CHUNK: usize = 1024;
 
 impl Chunk<'_> {
-    const CAP: usize = CHUNK;
     /// The most one rank's entry in `rank_matches` takes (a key of up to 11 bytes and three
     /// fields of up to 14).
     const ENTRY: usize = 64;
@@ -1046,7 +1049,7 @@ impl Chunk<'_> {
     /// Moves what is written to `out` when less than one entry's room is left.
     #[inline(always)]
     fn room(&mut self, out: &mut Vec<u8>) {
-        if self.len > Chunk::CAP - Chunk::ENTRY {
+        if self.len > CHUNK - Chunk::ENTRY {
             self.flush(out);
         }
     }
