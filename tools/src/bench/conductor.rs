@@ -302,47 +302,9 @@ fn one(
     // The machine's floor under the HTTP figures: the same bytes in and out with no HTTP and
     // no work.
     let down = out.last().map_or(0, |f| f.reply_bytes);
-    let lat = raw_round_trip(by_tokens_mp.len(), down, a.queries)?;
+    let lat = crate::bench::limits::raw_exchange_us(by_tokens_mp.len(), down, a.queries)?;
     out.push(Figure::new(bs, holders, "raw tcp round trip, same bytes (limit)", lat, down));
     Ok(out)
-}
-
-/// Round trips of `up` bytes out and `down` bytes back over a raw loopback TCP connection to a
-/// thread that answers once the whole request is in (as an HTTP server does), in us.
-fn raw_round_trip(up: usize, down: usize, n: usize) -> anyhow::Result<Vec<f64>> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let addr = l.local_addr()?;
-    let server = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut s, _) = l.accept()?;
-        s.set_nodelay(true)?;
-        s.set_read_timeout(Some(Duration::from_secs(30)))?;
-        let mut req = vec![0u8; up];
-        let reply = vec![1u8; down];
-        loop {
-            match s.read_exact(&mut req) {
-                Ok(()) => s.write_all(&reply)?,
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-                Err(e) => return Err(e),
-            }
-        }
-    });
-    let mut c = std::net::TcpStream::connect(addr)?;
-    c.set_nodelay(true)?;
-    c.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let req = vec![2u8; up];
-    let mut answer = vec![0u8; down];
-    let mut lat = Vec::with_capacity(n);
-    for i in 0..n + 5 {
-        let t = Instant::now();
-        c.write_all(&req)?;
-        c.read_exact(&mut answer)?;
-        if i >= 5 {
-            lat.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-    }
-    drop(c);
-    server.join().map_err(|_| anyhow::anyhow!("the raw tcp server panicked"))??;
-    Ok(lat)
 }
 
 fn stored(hashes: &[u64], medium: Medium, bs: u32) -> Event {

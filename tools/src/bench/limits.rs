@@ -12,7 +12,9 @@
 //!   no transfer of 16 MiB objects can reach (with four streams the buffers no longer fit,
 //!   and the two ways differ by 0-10%). [`raw_tcp`] with `resident` still measures the cached
 //!   way, printed by `kvfs bench transfer` for comparison; round-trip latencies
-//!   ([`raw_rtt_p50_us`]) use small resident buffers, as a 4 KiB request does.
+//!   ([`raw_rtt_p50_us`]) use small resident buffers, as a 4 KiB request does;
+//!   [`raw_exchange_us`] times a request and an answer of given sizes to a thread of the same
+//!   process (the floor under `kvfs bench conductor`'s HTTP figures).
 //!
 //! The raw TCP server runs in the bench's peer process (`serve_raw_tcp`), so the bytes cross
 //! between two processes exactly as the engine's do.
@@ -289,6 +291,45 @@ pub fn raw_rtt_p50_us(
     }
     lat.sort_by(|a, b| a.total_cmp(b));
     Ok(lat[lat.len() / 2])
+}
+
+/// Round trips of `up` bytes out and `down` bytes back over a raw loopback TCP connection to a
+/// thread that answers once the whole request is in (as an HTTP server does), each in us after
+/// five untimed: the floor under a request/answer API's latency for those sizes.
+pub fn raw_exchange_us(up: usize, down: usize, n: usize) -> anyhow::Result<Vec<f64>> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let server = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = l.accept()?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(std::time::Duration::from_secs(30)))?;
+        let mut req = vec![0u8; up];
+        let reply = vec![1u8; down];
+        loop {
+            match s.read_exact(&mut req) {
+                Ok(()) => s.write_all(&reply)?,
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+    });
+    let mut c = TcpStream::connect(addr)?;
+    c.set_nodelay(true)?;
+    c.set_read_timeout(Some(std::time::Duration::from_secs(30)))?;
+    let req = vec![2u8; up];
+    let mut answer = vec![0u8; down];
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n + 5 {
+        let t = Instant::now();
+        c.write_all(&req)?;
+        c.read_exact(&mut answer)?;
+        if i >= 5 {
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    drop(c);
+    server.join().map_err(|_| anyhow::anyhow!("the raw tcp server panicked"))??;
+    Ok(lat)
 }
 
 /// Loopback TCP limits measured against the peer's raw server.
