@@ -19,10 +19,19 @@
 //! on looking up. A fingerprint is one XXH3 pass over the block's tokens where they lie, and
 //! one over 33 bytes, about 30 times cheaper than the SHA-256 step it saves.
 //!
+//! Runs: at 16-token blocks a 128k-token prompt is 8,192 steps, each a fingerprint and a lookup
+//! that waits for the one before (its parent is the last step's answer). So the memo also keeps
+//! runs of [`RUN`] consecutive steps under one fingerprint over their parent and all their
+//! tokens: a query on a grid of `RUN` blocks from the prompt's start looks a run up first, and
+//! one hit answers 64 steps. Queries store the runs they completed; events store the runs whose
+//! parent they name, from their first block on (aligned with a query's grid where an engine's
+//! events start at multiples of `RUN` blocks, as a prefill's chunks do).
+//!
 //! Policy: bounded by `entries_max` in two generations (a simple, scan-resistant LRU
 //! approximation): steps go into the young generation; when it holds half the bound it becomes
 //! the old one and the previous old one is dropped; a hit in the old generation moves the step
-//! to the young one. `entries_max = 0` turns the memo off.
+//! to the young one. Runs are kept the same way, at most `entries_max / RUN` of them (about a
+//! tenth of the steps' memory). `entries_max = 0` turns the memo off.
 //!
 //! Invariants: a hit is the digest computed for an input with the same fingerprint, and the
 //! scope of the fingerprint (tenant, model, LoRA, block size, algorithm and root, cache salt)
@@ -57,6 +66,33 @@ struct Step {
 
 /// Fingerprints are uniformly distributed already: the map uses their low 64 bits as is.
 type Map = HashMap<u128, Step, BuildHasherDefault<IdHasher>>;
+
+/// Blocks in a run: [`ChainMemo::get_run`] answers this many steps in one lookup.
+pub const RUN: usize = 64;
+
+/// `RUN` consecutive steps: their projections and, when known, the last one's full digest.
+struct Run {
+    projections: [u64; RUN],
+    digest: [u8; 32],
+    len: u8,
+}
+
+type RunMap = HashMap<u128, Box<Run>, BuildHasherDefault<IdHasher>>;
+
+/// A run the memo held.
+pub struct RunHit<'a>(&'a Run);
+
+impl RunHit<'_> {
+    /// The projections of the run's blocks, in chain order.
+    pub fn projections(&self) -> &[u64] {
+        &self.0.projections
+    }
+
+    /// The full digest of the run's last block, when known (`None`: learned from an event).
+    pub fn digest(&self) -> Option<&[u8]> {
+        (self.0.len > 0).then(|| &self.0.digest[..self.0.len as usize])
+    }
+}
 
 /// A step the memo held: the block's projection and, when this conductor computed it, its
 /// full digest.
@@ -124,6 +160,16 @@ impl StepKeys {
     /// lie (XXH3-128 under the secret), and that with the rest in a second pass of 33 bytes:
     /// copying 2 KiB of tokens per block behind the rest cost as much as hashing them.
     pub fn key(&self, scope: Scope, parent: Parent<'_>, tokens: &[u8]) -> u128 {
+        self.fingerprint(scope, parent, tokens, 0)
+    }
+
+    /// The fingerprint of a run: [`RUN`] steps from `parent`, `tokens` being their blocks'
+    /// tokens end to end (as [`StepKeys::key`] takes one block's), apart from any step's.
+    pub fn run_key(&self, scope: Scope, parent: Parent<'_>, tokens: &[u8]) -> u128 {
+        self.fingerprint(scope, parent, tokens, 2)
+    }
+
+    fn fingerprint(&self, scope: Scope, parent: Parent<'_>, tokens: &[u8], kind: u8) -> u128 {
         let (tag, word) = match parent {
             Parent::Block(p) => (1, p),
             Parent::First { salt } => (0, xxh3_64_with_secret(salt.as_bytes(), &self.secret)),
@@ -131,7 +177,7 @@ impl StepKeys {
         let t = xxh3_128_with_secret(tokens, &self.secret);
         let mut head = [0u8; 33];
         head[..8].copy_from_slice(&scope.0.to_le_bytes());
-        head[8] = tag;
+        head[8] = tag | kind;
         head[9..17].copy_from_slice(&word.to_le_bytes());
         head[17..].copy_from_slice(&t.to_le_bytes());
         xxh3_128_with_secret(&head, &self.secret)
@@ -154,6 +200,9 @@ pub struct ChainMemo {
     entries_max: usize,
     young: Map,
     old: Map,
+    /// Runs, in two generations of at most `entries_max / RUN / 2` each.
+    runs_young: RunMap,
+    runs_old: RunMap,
     /// Lookups answered, and missed, since start.
     pub hits: u64,
     pub misses: u64,
@@ -167,6 +216,8 @@ impl ChainMemo {
             entries_max,
             young: Map::default(),
             old: Map::default(),
+            runs_young: RunMap::default(),
+            runs_old: RunMap::default(),
             hits: 0,
             misses: 0,
         }
@@ -176,9 +227,15 @@ impl ChainMemo {
         self.entries_max > 0
     }
 
-    /// Steps held.
+    /// Steps held (runs apart: [`ChainMemo::runs`]).
     pub fn len(&self) -> usize {
         self.young.len() + self.old.len()
+    }
+
+    /// Runs held: at most `entries_max / RUN`, so runs take about a tenth of the memory steps
+    /// may (64 projections in 512 bytes, against about 80 bytes a step).
+    pub fn runs(&self) -> usize {
+        self.runs_young.len() + self.runs_old.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -226,6 +283,48 @@ impl ChainMemo {
             return;
         }
         self.put(key, Step { projection, digest: [0; 32], len: 0 });
+    }
+
+    /// The run `key`, if held (a hit counts as one).
+    pub fn get_run(&mut self, key: u128) -> Option<RunHit<'_>> {
+        if !self.runs_young.contains_key(&key) {
+            let Some(run) = self.runs_old.remove(&key) else {
+                self.misses += 1;
+                return None;
+            };
+            self.put_run(key, run);
+        }
+        self.hits += 1;
+        self.runs_young.get(&key).map(|r| RunHit(r))
+    }
+
+    /// Remember a run: `projections` ([`RUN`] of them, else nothing is kept) and the last
+    /// block's full digest when known (`None`: learned from an event, which does not replace
+    /// a run held with its digest).
+    pub fn insert_run(&mut self, key: u128, projections: &[u64], digest: Option<&[u8]>) {
+        let runs_max = self.entries_max / RUN;
+        if runs_max == 0 || projections.len() != RUN || digest.is_some_and(|d| d.len() > 32) {
+            return;
+        }
+        if digest.is_none()
+            && (self.runs_young.contains_key(&key) || self.runs_old.contains_key(&key))
+        {
+            return;
+        }
+        let mut run = Box::new(Run { projections: [0; RUN], digest: [0; 32], len: 0 });
+        run.projections.copy_from_slice(projections);
+        if let Some(d) = digest {
+            run.digest[..d.len()].copy_from_slice(d);
+            run.len = d.len() as u8;
+        }
+        self.put_run(key, run);
+    }
+
+    fn put_run(&mut self, key: u128, run: Box<Run>) {
+        if self.runs_young.len() >= (self.entries_max / RUN).div_ceil(2) {
+            self.runs_old = std::mem::take(&mut self.runs_young);
+        }
+        self.runs_young.insert(key, run);
     }
 
     fn put(&mut self, key: u128, step: Step) {

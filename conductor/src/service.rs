@@ -48,7 +48,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::hash::{Algorithm, BlockHasher, Extra, HashProfile, LoraKey, project_low64_be};
 use crate::index::{ContextKey, Index, OwnerKey, RawMatch};
-use crate::memo::{ChainMemo, Hit, Parent};
+use crate::memo::{ChainMemo, Hit, Parent, RUN};
 use crate::route::{
     CostModel, Decision, FetchFrom, Policy, PrefixMatch, RejectReason, RouteRequest, Scheduler,
     SchedulerConfig,
@@ -642,74 +642,124 @@ impl Query<'_> {
         // The last block whose full digest is known, and where it is.
         let mut known: Option<(usize, Known)> = None;
         let mut computed = Vec::new();
+        // Runs looked up and missed (their first block, their key), and the full digests of
+        // blocks that end a run, so the runs this query completes are remembered.
+        let mut missed_runs: Vec<(usize, u128)> = Vec::new();
+        let mut run_ends: Vec<(usize, Vec<u8>)> = Vec::new();
         let mut scratch = Vec::new();
-        let (mut run, mut next_check) = (4, 4);
+        let (mut step, mut next_check) = (4, 4);
         // Held across a run of hits; let go to hash a miss and to ask the index.
         let mut memo = None;
-        for (i, b) in blocks.iter().enumerate() {
+        let mut i = 0;
+        while i < blocks.len() {
             let parent = match out.last() {
                 None => Parent::First { salt },
                 Some(&p) => Parent::Block(p),
             };
-            let key = scope.map(|sc| keys.key(sc, parent, b));
-            let hit = key.and_then(|k| {
-                memo.get_or_insert_with(|| s.memo.lock().unwrap_or_else(|e| e.into_inner())).get(k)
-            });
-            match hit {
-                Some(h) => {
-                    out.push(h.projection());
-                    if h.digest().is_some() {
-                        known = Some((i, Known::Held(h)));
+            let run = scope.filter(|_| i.is_multiple_of(RUN) && i + RUN <= blocks.len());
+            let mut ran = false;
+            if let Some(sc) = run {
+                let all = &self.token_ids.0[i * 4 * bs..(i + RUN) * 4 * bs];
+                let key = keys.run_key(sc, parent, all);
+                let m =
+                    memo.get_or_insert_with(|| s.memo.lock().unwrap_or_else(|e| e.into_inner()));
+                match m.get_run(key) {
+                    Some(hit) => {
+                        out.extend_from_slice(hit.projections());
+                        if let Some(d) = hit.digest() {
+                            known = Some((i + RUN - 1, Known::Computed(d.to_vec())));
+                        }
+                        i += RUN;
+                        ran = true;
                     }
+                    None => missed_runs.push((i, key)),
                 }
-                None => {
-                    memo = None;
-                    // The parent's full digest: hashed forward from the last block whose
-                    // digest is known (blocks learned from events hold none), so no block of
-                    // a query is hashed twice.
-                    let (mut at, mut full) = match known.take() {
-                        Some((k, Known::Computed(d))) => (k + 1, Some(d)),
-                        Some((k, Known::Held(h))) => (k + 1, h.digest().map(<[u8]>::to_vec)),
-                        None => (0, None),
-                    };
-                    while at < i {
-                        le_ints(blocks[at], &mut ints);
+            }
+            if !ran {
+                let b = blocks[i];
+                let key = scope.map(|sc| keys.key(sc, parent, b));
+                let hit = key.and_then(|k| {
+                    memo.get_or_insert_with(|| s.memo.lock().unwrap_or_else(|e| e.into_inner()))
+                        .get(k)
+                });
+                match hit {
+                    Some(h) => {
+                        out.push(h.projection());
+                        if h.digest().is_some() {
+                            known = Some((i, Known::Held(h)));
+                        }
+                    }
+                    None => {
+                        memo = None;
+                        // The parent's full digest: hashed forward from the last block whose
+                        // digest is known (blocks learned from events hold none), so no block
+                        // of a query is hashed twice.
+                        let (mut at, mut full) = match known.take() {
+                            Some((k, Known::Computed(d))) => (k + 1, Some(d)),
+                            Some((k, Known::Held(h))) => (k + 1, h.digest().map(<[u8]>::to_vec)),
+                            None => (0, None),
+                        };
+                        while at < i {
+                            le_ints(blocks[at], &mut ints);
+                            let d = hasher.hash_block_in(
+                                &mut scratch,
+                                full.as_deref(),
+                                &ints,
+                                extra,
+                                at == 0,
+                            );
+                            full = Some(d);
+                            at += 1;
+                        }
+                        le_ints(b, &mut ints);
                         let d = hasher.hash_block_in(
                             &mut scratch,
                             full.as_deref(),
                             &ints,
                             extra,
-                            at == 0,
+                            i == 0,
                         );
-                        full = Some(d);
-                        at += 1;
+                        let projection = project_low64_be(&d);
+                        if let Some(k) = key {
+                            computed.push((k, projection, d.clone()));
+                        }
+                        out.push(projection);
+                        known = Some((i, Known::Computed(d)));
                     }
-                    le_ints(b, &mut ints);
-                    let d =
-                        hasher.hash_block_in(&mut scratch, full.as_deref(), &ints, extra, i == 0);
-                    let projection = project_low64_be(&d);
-                    if let Some(k) = key {
-                        computed.push((k, projection, d.clone()));
-                    }
-                    out.push(projection);
-                    known = Some((i, Known::Computed(d)));
                 }
+                if (i + 1).is_multiple_of(RUN) {
+                    match &known {
+                        Some((k, Known::Computed(d))) if *k == i => run_ends.push((i, d.clone())),
+                        Some((k, Known::Held(h))) if *k == i => {
+                            run_ends.extend(h.digest().map(|d| (i, d.to_vec())))
+                        }
+                        _ => {}
+                    }
+                }
+                i += 1;
             }
-            if out.len() == next_check && out.len() < blocks.len() {
+            if out.len() >= next_check && out.len() < blocks.len() {
                 memo = None;
-                let reaches = s.index.lock().unwrap_or_else(|e| e.into_inner()).holds(&ctx, out[i]);
+                let last = out[out.len() - 1];
+                let reaches = s.index.lock().unwrap_or_else(|e| e.into_inner()).holds(&ctx, last);
                 if !reaches {
                     break;
                 }
-                run = (run * 2).min(64);
-                next_check += run;
+                step = (step * 2).min(RUN);
+                next_check = out.len() + step;
             }
         }
         drop(memo);
-        if !computed.is_empty() {
+        missed_runs.retain(|&(at, _)| at + RUN <= out.len());
+        if !computed.is_empty() || !missed_runs.is_empty() {
             let mut memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
             for (k, projection, d) in computed {
                 memo.insert(k, projection, &d);
+            }
+            for (at, key) in missed_runs {
+                let end = at + RUN - 1;
+                let digest = run_ends.iter().find(|(e, _)| *e == end).map(|(_, d)| &d[..]);
+                memo.insert_run(key, &out[at..at + RUN], digest);
             }
         }
         out
@@ -749,9 +799,19 @@ impl Shared {
         let keys = memo.keys();
         let scope = keys.scope(&hasher, &chain_scope(ctx, "", &ctx.block_size.to_le_bytes()));
         let parents = std::iter::once(*parent).chain(hashes.iter().map(|&h| Some(h)));
-        for ((&h, p), b) in hashes.iter().zip(parents).zip(token_ids.chunks_exact(bs)) {
+        for ((&h, p), b) in hashes.iter().zip(parents.clone()).zip(token_ids.chunks_exact(bs)) {
             if let Some(p) = p {
                 memo.learn(keys.key(scope, Parent::Block(p), &crate::memo::le_bytes(b)), h);
+            }
+        }
+        // Runs from the event's first block on (see `memo::RUN`), where their parent is known.
+        for (k, p) in parents.enumerate().step_by(RUN) {
+            if let Some(p) = p
+                && k + RUN <= hashes.len()
+            {
+                let tokens = crate::memo::le_bytes(&token_ids[k * bs..(k + RUN) * bs]);
+                let key = keys.run_key(scope, Parent::Block(p), &tokens);
+                memo.insert_run(key, &hashes[k..k + RUN], None);
             }
         }
     }
@@ -1713,20 +1773,26 @@ mod tests {
         Query { prompt: usize, salted: bool },
     }
 
-    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    /// Steps over prompts of up to `blocks` blocks; a third of the stores start at block 0 and
+    /// (where `blocks` passes a memo run) another third on the grid of runs.
+    fn step(blocks: usize) -> impl proptest::strategy::Strategy<Value = Step> {
         use proptest::prelude::*;
         prop_oneof![
             (
                 0..4usize,
                 0..6usize,
-                0..12usize,
-                0..12usize,
+                0..blocks,
+                0..blocks,
                 any::<bool>(),
                 any::<bool>(),
                 any::<bool>()
             )
-                .prop_map(|(owner, prompt, a, b, gpu, tokens, salted)| {
-                    let (from, to) = if a % 3 == 0 { (0, b) } else { (a.min(b), a.max(b)) };
+                .prop_map(move |(owner, prompt, a, b, gpu, tokens, salted)| {
+                    let (from, to) = match a % 3 {
+                        0 => (0, b),
+                        1 if blocks > RUN => (a / RUN * RUN, (a / RUN * RUN).max(b)),
+                        _ => (a.min(b), a.max(b)),
+                    };
                     Step::Store { owner, prompt, from, to, gpu, tokens, salted }
                 }),
             (0..6usize, any::<bool>()).prop_map(|(prompt, salted)| Step::Query { prompt, salted }),
@@ -1742,84 +1808,109 @@ mod tests {
         fn token_queries_with_the_memo_answer_as_hashing_every_block(
             base in proptest::collection::vec(0u32..200_000, 48),
             cuts in proptest::collection::vec((0usize..48, proptest::collection::vec(0u32..200_000, 0..16)), 6),
-            steps in proptest::collection::vec(step(), 1..40),
+            steps in proptest::collection::vec(step(12), 1..40),
         ) {
-            const BS: u32 = 4;
-            let prompts: Vec<Vec<u32>> = cuts
-                .iter()
-                .map(|(cut, tail)| base[..*cut].iter().chain(tail).copied().collect())
-                .collect();
-            let hasher = BlockHasher::new(&Config::default().default_profile).unwrap();
-            let chain = |p: &[u32], salt: Option<&str>| -> Vec<u64> {
-                let extra = Extra { lora: None, cache_salt: salt.map(String::from) };
-                hasher.iter(p, BS as usize, &extra).unwrap().map(|d| project_low64_be(&d)).collect()
-            };
-            let memo = Shared::new(&Config { hash_memo_entries: 24, ..Config::default() });
-            let plain = Shared::new(&Config { hash_memo_entries: 0, ..Config::default() });
-            let ctx = ContextKey {
-                tenant: "t".into(),
-                model: "m".into(),
-                lora: String::new(),
-                block_size: BS,
-            };
-            for s in [&memo, &plain] {
-                let mut ix = s.index.lock().unwrap();
-                for o in 0..4u32 {
-                    let id = ix.owner(&OwnerKey { instance: format!("i{o}"), dp_rank: o % 2 }, false);
-                    ix.join(id, &ctx);
-                }
-            }
-            for st in steps {
-                match st {
-                    Step::Store { owner, prompt, from, to, gpu, tokens, salted } => {
-                        let h = chain(&prompts[prompt], salted.then_some("s"));
-                        let (from, to) = (from.min(h.len()), to.min(h.len()));
-                        let bs = BS as usize;
-                        let ev = Event::Stored {
-                            hashes: h[from..to].to_vec(),
-                            parent: from.checked_sub(1).map(|p| h[p]),
-                            token_ids: if tokens {
-                                prompts[prompt][from * bs..to * bs].to_vec()
-                            } else {
-                                Vec::new()
-                            },
-                            block_size: Some(BS),
-                            medium: if gpu { Medium::Gpu } else { Medium::Cpu },
-                            lora_name: None,
-                        };
-                        memo.learn_steps(&ctx, &ev);
-                        for s in [&memo, &plain] {
-                            let mut ix = s.index.lock().unwrap();
-                            let id = ix.owner(
-                                &OwnerKey { instance: format!("i{owner}"), dp_rank: owner as u32 % 2 },
-                                false,
-                            );
-                            ix.apply(id, &ctx, &ev);
-                        }
-                    }
-                    Step::Query { prompt, salted } => {
-                        let salt = salted.then_some("s");
-                        let body = serde_json::to_vec(&serde_json::json!({
-                            "model": "m", "tenant_id": "t", "block_size": BS,
-                            "token_ids": prompts[prompt], "cache_salt": salt,
-                        }))
-                        .unwrap();
-                        let with_memo = answer_query(&memo, false, &body, false).unwrap();
-                        let without = answer_query(&plain, false, &body, false).unwrap();
-                        let mut ix = plain.index.lock().unwrap();
-                        let mut raw = Vec::new();
-                        ix.query_raw(&ctx, &chain(&prompts[prompt], salt), &mut raw);
-                        let want = encode_matches(Enc::Json, &ix, &raw, u64::from(BS), None);
-                        let v = |b: &[u8]| serde_json::from_slice::<serde_json::Value>(b).unwrap();
-                        proptest::prop_assert_eq!(v(&with_memo), v(&want));
-                        proptest::prop_assert_eq!(v(&without), v(&want));
-                    }
-                }
-            }
-            let m = memo.memo.lock().unwrap();
-            proptest::prop_assert!(m.len() <= 24);
-            proptest::prop_assert!(plain.memo.lock().unwrap().is_empty());
+            memo_agrees(4, 24, &base, &cuts, steps)?;
         }
+
+        /// The same with prompts of up to 150 blocks (runs of 64 looked up, stored by queries
+        /// and learned from events on and off the queries' grid) and a memo of five runs.
+        #[test]
+        fn token_queries_with_memo_runs_answer_as_hashing_every_block(
+            base in proptest::collection::vec(0u32..200_000, 300),
+            cuts in proptest::collection::vec((0usize..300, proptest::collection::vec(0u32..200_000, 0..40)), 6),
+            steps in proptest::collection::vec(step(150), 1..24),
+        ) {
+            memo_agrees(2, 5 * RUN, &base, &cuts, steps)?;
+        }
+    }
+
+    /// Prompts sharing prefixes (`base` cut, then a tail each), an index that grows between
+    /// queries from events that carry their blocks' tokens or not: a token query answers the
+    /// same with a memo of `entries` steps, without one, and as the whole chain hashed up front
+    /// and walked would.
+    fn memo_agrees(
+        block_size: u32,
+        entries: usize,
+        base: &[u32],
+        cuts: &[(usize, Vec<u32>)],
+        steps: Vec<Step>,
+    ) -> Result<(), proptest::test_runner::TestCaseError> {
+        let prompts: Vec<Vec<u32>> = cuts
+            .iter()
+            .map(|(cut, tail)| base[..*cut].iter().chain(tail).copied().collect())
+            .collect();
+        let hasher = BlockHasher::new(&Config::default().default_profile).unwrap();
+        let chain = |p: &[u32], salt: Option<&str>| -> Vec<u64> {
+            let extra = Extra { lora: None, cache_salt: salt.map(String::from) };
+            hasher
+                .iter(p, block_size as usize, &extra)
+                .unwrap()
+                .map(|d| project_low64_be(&d))
+                .collect()
+        };
+        let memo = Shared::new(&Config { hash_memo_entries: entries, ..Config::default() });
+        let plain = Shared::new(&Config { hash_memo_entries: 0, ..Config::default() });
+        let ctx =
+            ContextKey { tenant: "t".into(), model: "m".into(), lora: String::new(), block_size };
+        for s in [&memo, &plain] {
+            let mut ix = s.index.lock().unwrap();
+            for o in 0..4u32 {
+                let id = ix.owner(&OwnerKey { instance: format!("i{o}"), dp_rank: o % 2 }, false);
+                ix.join(id, &ctx);
+            }
+        }
+        for st in steps {
+            match st {
+                Step::Store { owner, prompt, from, to, gpu, tokens, salted } => {
+                    let h = chain(&prompts[prompt], salted.then_some("s"));
+                    let (from, to) = (from.min(h.len()), to.min(h.len()));
+                    let bs = block_size as usize;
+                    let ev = Event::Stored {
+                        hashes: h[from..to].to_vec(),
+                        parent: from.checked_sub(1).map(|p| h[p]),
+                        token_ids: if tokens {
+                            prompts[prompt][from * bs..to * bs].to_vec()
+                        } else {
+                            Vec::new()
+                        },
+                        block_size: Some(block_size),
+                        medium: if gpu { Medium::Gpu } else { Medium::Cpu },
+                        lora_name: None,
+                    };
+                    memo.learn_steps(&ctx, &ev);
+                    for s in [&memo, &plain] {
+                        let mut ix = s.index.lock().unwrap();
+                        let id = ix.owner(
+                            &OwnerKey { instance: format!("i{owner}"), dp_rank: owner as u32 % 2 },
+                            false,
+                        );
+                        ix.apply(id, &ctx, &ev);
+                    }
+                }
+                Step::Query { prompt, salted } => {
+                    let salt = salted.then_some("s");
+                    let body = serde_json::to_vec(&serde_json::json!({
+                        "model": "m", "tenant_id": "t", "block_size": block_size,
+                        "token_ids": prompts[prompt], "cache_salt": salt,
+                    }))
+                    .unwrap();
+                    let with_memo = answer_query(&memo, false, &body, false).unwrap();
+                    let without = answer_query(&plain, false, &body, false).unwrap();
+                    let mut ix = plain.index.lock().unwrap();
+                    let mut raw = Vec::new();
+                    ix.query_raw(&ctx, &chain(&prompts[prompt], salt), &mut raw);
+                    let want = encode_matches(Enc::Json, &ix, &raw, u64::from(block_size), None);
+                    let v = |b: &[u8]| serde_json::from_slice::<serde_json::Value>(b).unwrap();
+                    proptest::prop_assert_eq!(v(&with_memo), v(&want));
+                    proptest::prop_assert_eq!(v(&without), v(&want));
+                }
+            }
+        }
+        let m = memo.memo.lock().unwrap();
+        proptest::prop_assert!(m.len() <= entries && m.runs() <= entries / RUN);
+        proptest::prop_assert!(plain.memo.lock().unwrap().is_empty());
+        Ok(())
     }
 
     #[test]

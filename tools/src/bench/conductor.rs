@@ -206,6 +206,9 @@ fn one(
     let by_hash = serde_json::to_vec(
         &serde_json::json!({"model": "bench", "block_size": bs, "seq_hashes": hashes}),
     )?;
+    let by_hash_mp = rmp_serde::to_vec_named(
+        &serde_json::json!({"model": "bench", "block_size": bs, "seq_hashes": hashes}),
+    )?;
     let by_tokens = serde_json::to_vec(
         &serde_json::json!({"model": "bench", "block_size": bs, "token_ids": tokens}),
     )?;
@@ -267,8 +270,9 @@ fn one(
         out.push(Figure::new(bs, holders, name, lat, bytes));
     }
     let (json, mp) = ("application/json", "application/msgpack");
-    let cases: [(&'static str, &str, &[u8], &str, Prep); 5] = [
+    let cases: [(&'static str, &str, &[u8], &str, Prep); 6] = [
         ("/query_by_hash json", "/query_by_hash", &by_hash, json, Prep::Cold),
+        ("/query_by_hash msgpack", "/query_by_hash", &by_hash_mp, mp, Prep::Cold),
         ("/query tokens json, cold", "/query", &by_tokens, json, Prep::Cold),
         ("/query tokens msgpack bin, cold", "/query", &by_tokens_mp, mp, Prep::Cold),
         ("/query tokens msgpack bin, learned", "/query", &by_tokens_mp, mp, Prep::Learned),
