@@ -203,7 +203,7 @@ pub struct ChainMemo {
     /// Runs, in two generations of at most `entries_max / RUN / 2` each.
     runs_young: RunMap,
     runs_old: RunMap,
-    /// Lookups answered, and missed, since start.
+    /// Blocks answered (a run's count as its blocks), and step lookups missed, since start.
     pub hits: u64,
     pub misses: u64,
 }
@@ -285,16 +285,14 @@ impl ChainMemo {
         self.put(key, Step { projection, digest: [0; 32], len: 0 });
     }
 
-    /// The run `key`, if held (a hit counts as one).
+    /// The run `key`, if held. A hit counts as its [`RUN`] blocks in `hits`; a miss is not
+    /// counted (the run's blocks are then looked up one by one, and counted there).
     pub fn get_run(&mut self, key: u128) -> Option<RunHit<'_>> {
         if !self.runs_young.contains_key(&key) {
-            let Some(run) = self.runs_old.remove(&key) else {
-                self.misses += 1;
-                return None;
-            };
+            let run = self.runs_old.remove(&key)?;
             self.put_run(key, run);
         }
-        self.hits += 1;
+        self.hits += RUN as u64;
         self.runs_young.get(&key).map(|r| RunHit(r))
     }
 
@@ -375,6 +373,40 @@ mod tests {
         off.insert(keys[0], 0, &[0; 32]);
         off.learn(keys[1], 1);
         assert!(off.is_empty() && off.get(keys[0]).is_none());
+    }
+
+    #[test]
+    fn runs_are_bounded_and_learned_ones_keep_a_computed_digest() {
+        let mut m = ChainMemo::new(4 * RUN);
+        let h = hasher(Algorithm::Sha256Cbor, None);
+        let s = m.keys().scope(&h, &[b"t"]);
+        let first = Parent::First { salt: "" };
+        let tokens: Vec<u8> = (0..RUN as u32 * 16).flat_map(|t| t.to_le_bytes()).collect();
+        let keys = m.keys();
+        let key = |p: u64| keys.run_key(s, Parent::Block(p), &tokens);
+        // A run and a step over the same bytes are different fingerprints.
+        assert_ne!(keys.run_key(s, first, &tokens), keys.key(s, first, &tokens));
+        let projections: Vec<u64> = (0..RUN as u64).collect();
+        m.insert_run(key(0), &projections, Some(&[9; 32]));
+        // Learned (no digest) does not replace it; a wrong length is not kept.
+        m.insert_run(key(0), &projections[..], None);
+        m.insert_run(key(1), &projections[1..], None);
+        let hit = m.get_run(key(0)).expect("held");
+        assert_eq!((hit.projections(), hit.digest()), (&projections[..], Some(&[9u8; 32][..])));
+        assert!(m.get_run(key(1)).is_none());
+        assert_eq!((m.hits, m.misses), (RUN as u64, 0), "a hit counts its blocks");
+        // Four runs at most (two generations of two); a run used at every insert stays.
+        for p in 2..40 {
+            m.insert_run(key(p), &projections, None);
+            assert!(m.get_run(key(0)).is_some());
+            assert!(m.runs() <= 4, "{} runs held", m.runs());
+        }
+        assert!(m.get_run(key(2)).is_none(), "an old run not used again is dropped");
+        assert_eq!(m.get_run(key(39)).map(|r| r.digest().is_none()), Some(true));
+        assert_eq!(m.len(), 0, "runs are not steps");
+        let mut off = ChainMemo::new(RUN - 1);
+        off.insert_run(key(0), &projections, None);
+        assert_eq!(off.runs(), 0, "a memo smaller than a run keeps none");
     }
 
     #[test]

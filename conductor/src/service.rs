@@ -1490,9 +1490,9 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         l(&m.replicate_hints),
     );
     counter("index_evicted_total", "Index entries dropped by the memory bound.", st.evicted);
-    let (memo_hits, memo_misses, memo_len) = {
+    let (memo_hits, memo_misses, memo_len, memo_runs) = {
         let memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
-        (memo.hits, memo.misses, memo.len())
+        (memo.hits, memo.misses, memo.len(), memo.runs())
     };
     counter(
         "hash_memo_hits_total",
@@ -1514,6 +1514,11 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     gauge("index_owners", "Owners (instance, DP rank, pools).", st.owners as u64);
     gauge("sources", "Registered event sources.", sources as u64);
     gauge("hash_memo_entries", "Chain steps in the memo of token queries.", memo_len as u64);
+    gauge(
+        "hash_memo_runs",
+        "Runs of 64 chain steps in the memo (one lookup each answers 64 blocks).",
+        memo_runs as u64,
+    );
     m.query.render(&mut out, "query_seconds", "Prefix query latency.");
     m.route.render(&mut out, "route_seconds", "Route decision latency.");
     {
@@ -1911,6 +1916,66 @@ mod tests {
         proptest::prop_assert!(m.len() <= entries && m.runs() <= entries / RUN);
         proptest::prop_assert!(plain.memo.lock().unwrap().is_empty());
         Ok(())
+    }
+
+    #[test]
+    fn prompts_seen_before_are_looked_up_a_run_at_a_time() {
+        let ctx = ContextKey {
+            tenant: "t".into(),
+            model: "m".into(),
+            lora: String::new(),
+            block_size: 1,
+        };
+        let n = 2 * RUN + 2;
+        let tokens: Vec<u32> = (0..n as u32).collect();
+        let hasher = BlockHasher::new(&Config::default().default_profile).unwrap();
+        let hashes: Vec<u64> = hasher
+            .iter(&tokens, 1, &Extra::default())
+            .unwrap()
+            .map(|d| project_low64_be(&d))
+            .collect();
+        let event = Event::Stored {
+            token_ids: tokens.clone(),
+            hashes: hashes.clone(),
+            parent: None,
+            block_size: Some(1),
+            medium: Medium::Gpu,
+            lora_name: None,
+        };
+        let shared = || {
+            let s = Shared::new(&Config::default());
+            let mut ix = s.index.lock().unwrap();
+            let o = ix.owner(&OwnerKey { instance: "a".into(), dp_rank: 0 }, false);
+            ix.join(o, &ctx);
+            ix.apply(o, &ctx, &event);
+            drop(ix);
+            s
+        };
+        let body = serde_json::to_vec(&serde_json::json!({
+            "model": "m", "tenant_id": "t", "block_size": 1, "token_ids": tokens,
+        }))
+        .unwrap();
+        let count = |s: &Shared| {
+            let m = s.memo.lock().unwrap();
+            (m.hits, m.misses, m.runs())
+        };
+        let s = shared();
+        let first = answer_query(&s, false, &body, false).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&first).unwrap();
+        assert_eq!(v["instances"]["a"]["gpu"], n);
+        assert_eq!(count(&s), (0, n as u64, 2), "every block hashed, both whole runs kept");
+        assert_eq!(answer_query(&s, false, &body, false).unwrap(), first);
+        assert_eq!(count(&s), (n as u64, n as u64, 2), "two run lookups, then two steps");
+
+        // Learned from the engine's event: steps past the first block, and the run from block
+        // 64 (the one from block 0 would need the salt). The query hashes block 0 alone.
+        let s = shared();
+        s.learn_steps(&ctx, &event);
+        assert_eq!(count(&s), (0, 0, 1));
+        assert_eq!(answer_query(&s, false, &body, false).unwrap(), first);
+        // Blocks 1-63 as steps, 64-127 as a run, 128-129 as steps; the query keeps the run
+        // from block 0 it completed.
+        assert_eq!(count(&s), ((n - 1) as u64, 1, 2));
     }
 
     #[test]
