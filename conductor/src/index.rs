@@ -29,7 +29,7 @@
 //! changes nothing), so a replayed batch applied twice leaves the index as applied once.
 
 use std::cell::Cell;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 
 use hashbrown::HashMap;
 
@@ -142,8 +142,57 @@ impl Entry {
 struct Context {
     key: ContextKey,
     blocks: BlockMap,
-    /// Owners that stored in this context, with their local non-GPU block count here.
-    owners: BTreeMap<OwnerId, u64>,
+    /// Owners that joined this context.
+    owners: Members,
+}
+
+/// A context's owners, sorted by id, with what a query reports of each: its last phase reads
+/// this one array, not a map and then the owner table (at 8,000 owners that took half of a
+/// 256-block walk).
+#[derive(Default)]
+struct Members(Vec<Member>);
+
+#[derive(Clone, Copy)]
+struct Member {
+    owner: OwnerId,
+    instance: u32,
+    dp_rank: u32,
+    shared: bool,
+    /// The owner's local non-GPU blocks in the context.
+    cold: u64,
+}
+
+impl Members {
+    fn find(&self, owner: OwnerId) -> Result<usize, usize> {
+        self.0.binary_search_by_key(&owner, |m| m.owner)
+    }
+
+    /// `member`'s block count, made 0 if it was not a member.
+    fn join(&mut self, member: Member) -> &mut u64 {
+        let at = match self.find(member.owner) {
+            Ok(at) => at,
+            Err(at) => {
+                self.0.insert(at, member);
+                at
+            }
+        };
+        &mut self.0[at].cold
+    }
+
+    fn get_mut(&mut self, owner: &OwnerId) -> Option<&mut u64> {
+        let at = self.find(*owner).ok()?;
+        Some(&mut self.0[at].cold)
+    }
+
+    fn remove(&mut self, owner: &OwnerId) {
+        if let Ok(at) = self.find(*owner) {
+            self.0.remove(at);
+        }
+    }
+
+    fn keys(&self) -> impl Iterator<Item = &OwnerId> {
+        self.0.iter().map(|m| &m.owner)
+    }
 }
 
 struct Owner {
@@ -579,7 +628,7 @@ impl Index {
         self.contexts.push(Context {
             key: key.clone(),
             blocks: BlockMap::default(),
-            owners: BTreeMap::new(),
+            owners: Members::default(),
         });
         self.context_ids.insert(key.clone(), id);
         id
@@ -593,7 +642,13 @@ impl Index {
             if !o.contexts.contains(&c) {
                 o.contexts.push(c);
             }
-            self.contexts[c as usize].owners.entry(owner).or_insert(0);
+            self.contexts[c as usize].owners.join(Member {
+                owner,
+                instance: o.instance,
+                dp_rank: o.key.dp_rank,
+                shared: o.shared,
+                cold: 0,
+            });
         }
         c
     }
@@ -619,7 +674,8 @@ impl Index {
                 let medium = held_on(*medium);
                 let c = self.join(owner, ctx);
                 let cx = &mut self.contexts[c as usize];
-                let local_cold = cx.owners.entry(owner).or_insert(0);
+                let mut not_member = 0;
+                let local_cold = cx.owners.get_mut(&owner).unwrap_or(&mut not_member);
                 for &h in hashes {
                     let e = cx.blocks.entry(h).or_insert_with(|| {
                         self.entries += 1;
@@ -864,9 +920,8 @@ impl Index {
                 run[k][i] = if best[i] <= m { run[k][i + 1] } else { i };
             }
         }
-        for (&o, &cold) in &cx.owners {
-            let Some(Some(owner)) = self.owners.get(o as usize) else { continue };
-            if owner.shared {
+        for &Member { owner: o, instance, dp_rank, shared, cold } in &cx.owners.0 {
+            if shared {
                 continue;
             }
             let g = gpu.get(o as usize).copied().unwrap_or(0) as usize;
@@ -891,8 +946,8 @@ impl Index {
             if disk > 0 {
                 out.push(RawMatch {
                     owner: o,
-                    instance: owner.instance,
-                    dp_rank: owner.key.dp_rank,
+                    instance,
+                    dp_rank,
                     gpu: g as u32,
                     cpu: cpu as u32,
                     disk: disk as u32,
@@ -906,6 +961,7 @@ impl Index {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::collections::BTreeMap;
 
     fn ctx() -> ContextKey {
         ContextKey { tenant: "t".into(), model: "m".into(), lora: String::new(), block_size: 16 }
