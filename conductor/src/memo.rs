@@ -23,9 +23,11 @@
 //! that waits for the one before (its parent is the last step's answer). So the memo also keeps
 //! runs of [`RUN`] consecutive steps under one fingerprint over their parent and all their
 //! tokens: a query on a grid of `RUN` blocks from the prompt's start looks a run up first, and
-//! one hit answers 64 steps. Queries store the runs they completed; events store the runs whose
-//! parent they name, from their first block on (aligned with a query's grid where an engine's
-//! events start at multiples of `RUN` blocks, as a prefill's chunks do).
+//! one hit answers 64 steps. Queries store the runs they completed; events store the runs on
+//! that grid: the memo remembers where each learned block lies in its prompt (an event's first
+//! block follows its parent), so an event that starts mid-prompt, as a prefill chunk or a
+//! prompt past a cached prefix does, learns the runs a query will look up (where its parent's
+//! place is unknown, the runs from its own first block).
 //!
 //! Policy: bounded by `entries_max` in two generations (a simple, scan-resistant LRU
 //! approximation): steps go into the young generation; when it holds half the bound it becomes
@@ -78,6 +80,9 @@ struct Run {
 }
 
 type RunMap = HashMap<u128, Box<Run>, BuildHasherDefault<IdHasher>>;
+
+/// Block positions in their prompts by [`StepKeys::position_key`].
+type PositionMap = HashMap<u64, u32, BuildHasherDefault<IdHasher>>;
 
 /// A run the memo held.
 pub struct RunHit<'a>(&'a Run);
@@ -169,6 +174,14 @@ impl StepKeys {
         self.fingerprint(scope, parent, tokens, 2)
     }
 
+    /// The key of a block's position in its prompt: its scope and projection.
+    pub fn position_key(&self, scope: Scope, projection: u64) -> u64 {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&scope.0.to_le_bytes());
+        b[8..].copy_from_slice(&projection.to_le_bytes());
+        xxh3_64_with_secret(&b, &self.secret)
+    }
+
     fn fingerprint(&self, scope: Scope, parent: Parent<'_>, tokens: &[u8], kind: u8) -> u128 {
         let (tag, word) = match parent {
             Parent::Block(p) => (1, p),
@@ -203,6 +216,13 @@ pub struct ChainMemo {
     /// Runs, in two generations of at most `entries_max / RUN / 2` each.
     runs_young: RunMap,
     runs_old: RunMap,
+    /// Where blocks learned from events lie in their prompts (block index), so an event that
+    /// starts mid-prompt (a prefill chunk, a prompt past a cached prefix) learns runs on a
+    /// query's grid; two generations of at most `entries_max / 2`.
+    positions_young: PositionMap,
+    positions_old: PositionMap,
+    /// Runs looked up and found, since start.
+    pub run_hits: u64,
     /// Blocks answered (a run's count as its blocks), and step lookups missed, since start.
     pub hits: u64,
     pub misses: u64,
@@ -218,6 +238,9 @@ impl ChainMemo {
             old: Map::default(),
             runs_young: RunMap::default(),
             runs_old: RunMap::default(),
+            positions_young: PositionMap::default(),
+            positions_old: PositionMap::default(),
+            run_hits: 0,
             hits: 0,
             misses: 0,
         }
@@ -293,6 +316,7 @@ impl ChainMemo {
             self.put_run(key, run);
         }
         self.hits += RUN as u64;
+        self.run_hits += 1;
         self.runs_young.get(&key).map(|r| RunHit(r))
     }
 
@@ -316,6 +340,27 @@ impl ChainMemo {
             run.len = d.len() as u8;
         }
         self.put_run(key, run);
+    }
+
+    /// The position of the block `key` ([`StepKeys::position_key`]) in its prompt, if known.
+    pub fn position(&mut self, key: u64) -> Option<u32> {
+        if let Some(&p) = self.positions_young.get(&key) {
+            return Some(p);
+        }
+        let p = self.positions_old.remove(&key)?;
+        self.set_position(key, p);
+        Some(p)
+    }
+
+    /// Remember where the block `key` lies in its prompt.
+    pub fn set_position(&mut self, key: u64, position: u32) {
+        if !self.enabled() {
+            return;
+        }
+        if self.positions_young.len() >= self.entries_max.div_ceil(2) {
+            self.positions_old = std::mem::take(&mut self.positions_young);
+        }
+        self.positions_young.insert(key, position);
     }
 
     fn put_run(&mut self, key: u128, run: Box<Run>) {
@@ -407,6 +452,27 @@ mod tests {
         let mut off = ChainMemo::new(RUN - 1);
         off.insert_run(key(0), &projections, None);
         assert_eq!(off.runs(), 0, "a memo smaller than a run keeps none");
+    }
+
+    #[test]
+    fn positions_are_bounded_and_kept_per_scope() {
+        let mut m = ChainMemo::new(100);
+        let h = hasher(Algorithm::Sha256Cbor, None);
+        let (a, b) = (m.keys().scope(&h, &[b"a"]), m.keys().scope(&h, &[b"b"]));
+        let keys = m.keys();
+        m.set_position(keys.position_key(a, 7), 3);
+        assert_eq!(m.position(keys.position_key(a, 7)), Some(3));
+        assert_eq!(m.position(keys.position_key(b, 7)), None, "another scope");
+        for p in 0..1000u64 {
+            m.set_position(keys.position_key(b, p), p as u32);
+            assert_eq!(m.position(keys.position_key(a, 7)), Some(3), "used, so kept");
+            assert!(m.positions_young.len() + m.positions_old.len() <= 100);
+        }
+        assert_eq!(m.position(keys.position_key(b, 0)), None, "old and unused: dropped");
+        assert_eq!(m.position(keys.position_key(b, 999)), Some(999));
+        let mut off = ChainMemo::new(0);
+        off.set_position(keys.position_key(a, 7), 3);
+        assert_eq!(off.position(keys.position_key(a, 7)), None);
     }
 
     #[test]

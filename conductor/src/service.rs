@@ -799,13 +799,27 @@ impl Shared {
         let keys = memo.keys();
         let scope = keys.scope(&hasher, &chain_scope(ctx, "", &ctx.block_size.to_le_bytes()));
         let parents = std::iter::once(*parent).chain(hashes.iter().map(|&h| Some(h)));
-        for ((&h, p), b) in hashes.iter().zip(parents.clone()).zip(token_ids.chunks_exact(bs)) {
+        for ((&h, p), b) in hashes.iter().zip(parents).zip(token_ids.chunks_exact(bs)) {
             if let Some(p) = p {
                 memo.learn(keys.key(scope, Parent::Block(p), &crate::memo::le_bytes(b)), h);
             }
         }
-        // Runs from the event's first block on (see `memo::RUN`), where their parent is known.
-        for (k, p) in parents.enumerate().step_by(RUN) {
+        // Where the event's blocks lie in their prompt: the first block of a chain, or after
+        // a parent whose place is known.
+        let base = match parent {
+            None => Some(0),
+            Some(p) => memo.position(keys.position_key(scope, *p)).map(|at| at + 1),
+        };
+        if let Some(base) = base {
+            for (k, &h) in hashes.iter().enumerate() {
+                memo.set_position(keys.position_key(scope, h), base.saturating_add(k as u32));
+            }
+        }
+        // Runs on a query's grid (see `memo::RUN`; the event's own offsets where its place is
+        // unknown), where their parent is known.
+        let first = base.map_or(0, |b| (RUN - b as usize % RUN) % RUN);
+        for k in (first..hashes.len()).step_by(RUN) {
+            let p = if k == 0 { *parent } else { Some(hashes[k - 1]) };
             if let Some(p) = p
                 && k + RUN <= hashes.len()
             {
@@ -1490,14 +1504,19 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         l(&m.replicate_hints),
     );
     counter("index_evicted_total", "Index entries dropped by the memory bound.", st.evicted);
-    let (memo_hits, memo_misses, memo_len, memo_runs) = {
+    let (memo_hits, memo_misses, memo_len, memo_runs, memo_run_hits) = {
         let memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
-        (memo.hits, memo.misses, memo.len(), memo.runs())
+        (memo.hits, memo.misses, memo.len(), memo.runs(), memo.run_hits)
     };
     counter(
         "hash_memo_hits_total",
         "Blocks of token queries whose chain step the memo held (no hashing).",
         memo_hits,
+    );
+    counter(
+        "hash_memo_run_hits_total",
+        "Runs of 64 blocks of token queries the memo answered in one lookup.",
+        memo_run_hits,
     );
     counter(
         "hash_memo_misses_total",
@@ -1926,7 +1945,7 @@ mod tests {
             lora: String::new(),
             block_size: 1,
         };
-        let n = 2 * RUN + 2;
+        let n = 3 * RUN + 2;
         let tokens: Vec<u32> = (0..n as u32).collect();
         let hasher = BlockHasher::new(&Config::default().default_profile).unwrap();
         let hashes: Vec<u64> = hasher
@@ -1934,10 +1953,11 @@ mod tests {
             .unwrap()
             .map(|d| project_low64_be(&d))
             .collect();
-        let event = Event::Stored {
-            token_ids: tokens.clone(),
-            hashes: hashes.clone(),
-            parent: None,
+        // The engine's events for blocks `from..to`, with their tokens.
+        let event = |from: usize, to: usize| Event::Stored {
+            token_ids: tokens[from..to].to_vec(),
+            hashes: hashes[from..to].to_vec(),
+            parent: from.checked_sub(1).map(|p| hashes[p]),
             block_size: Some(1),
             medium: Medium::Gpu,
             lora_name: None,
@@ -1947,7 +1967,7 @@ mod tests {
             let mut ix = s.index.lock().unwrap();
             let o = ix.owner(&OwnerKey { instance: "a".into(), dp_rank: 0 }, false);
             ix.join(o, &ctx);
-            ix.apply(o, &ctx, &event);
+            ix.apply(o, &ctx, &event(0, n));
             drop(ix);
             s
         };
@@ -1955,27 +1975,38 @@ mod tests {
             "model": "m", "tenant_id": "t", "block_size": 1, "token_ids": tokens,
         }))
         .unwrap();
+        // (blocks answered, step lookups missed, runs held, runs found)
         let count = |s: &Shared| {
             let m = s.memo.lock().unwrap();
-            (m.hits, m.misses, m.runs())
+            (m.hits, m.misses, m.runs(), m.run_hits)
         };
+        let n64 = n as u64;
         let s = shared();
         let first = answer_query(&s, false, &body, false).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&first).unwrap();
         assert_eq!(v["instances"]["a"]["gpu"], n);
-        assert_eq!(count(&s), (0, n as u64, 2), "every block hashed, both whole runs kept");
+        assert_eq!(count(&s), (0, n64, 3, 0), "every block hashed, the three whole runs kept");
         assert_eq!(answer_query(&s, false, &body, false).unwrap(), first);
-        assert_eq!(count(&s), (n as u64, n as u64, 2), "two run lookups, then two steps");
+        assert_eq!(count(&s), (n64, n64, 3, 3), "three run lookups, then two steps");
 
-        // Learned from the engine's event: steps past the first block, and the run from block
-        // 64 (the one from block 0 would need the salt). The query hashes block 0 alone.
+        // Learned from one event: steps past the first block, and the runs from blocks 64 and
+        // 128 (the one from block 0 would need the salt). The query hashes block 0 alone and
+        // keeps the run from block 0 it completed.
         let s = shared();
-        s.learn_steps(&ctx, &event);
-        assert_eq!(count(&s), (0, 0, 1));
+        s.learn_steps(&ctx, &event(0, n));
+        assert_eq!(count(&s), (0, 0, 2, 0));
         assert_eq!(answer_query(&s, false, &body, false).unwrap(), first);
-        // Blocks 1-63 as steps, 64-127 as a run, 128-129 as steps; the query keeps the run
-        // from block 0 it completed.
-        assert_eq!(count(&s), ((n - 1) as u64, 1, 2));
+        assert_eq!(count(&s), (n64 - 1, 1, 3, 2));
+
+        // Learned from two events split mid-run (a prefill in chunks): the second starts at
+        // block 100, which the memo knows from the first, so it learns the run from block 128
+        // (on the query's grid), not one from block 100.
+        let s = shared();
+        s.learn_steps(&ctx, &event(0, 100));
+        s.learn_steps(&ctx, &event(100, n));
+        assert_eq!(count(&s), (0, 0, 1, 0));
+        assert_eq!(answer_query(&s, false, &body, false).unwrap(), first);
+        assert_eq!(count(&s), (n64 - 1, 1, 3, 1), "blocks 128-191 in one lookup");
     }
 
     #[test]
