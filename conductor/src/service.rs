@@ -1937,6 +1937,25 @@ mod tests {
         Ok(())
     }
 
+    /// A conductor where one owner ("a", rank 0) of `ctx` stored `event`'s blocks.
+    fn holding(ctx: &ContextKey, event: &Event) -> Arc<Shared> {
+        let s = Shared::new(&Config::default());
+        let mut ix = s.index.lock().unwrap();
+        let o = ix.owner(&OwnerKey { instance: "a".into(), dp_rank: 0 }, false);
+        ix.join(o, ctx);
+        ix.apply(o, ctx, event);
+        drop(ix);
+        s
+    }
+
+    /// A JSON `/query` body for `tokens` in model "m" of tenant "t".
+    fn token_query(block_size: u32, tokens: &[u32]) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({
+            "model": "m", "tenant_id": "t", "block_size": block_size, "token_ids": tokens,
+        }))
+        .unwrap()
+    }
+
     #[test]
     fn prompts_seen_before_are_looked_up_a_run_at_a_time() {
         let ctx = ContextKey {
@@ -1962,19 +1981,8 @@ mod tests {
             medium: Medium::Gpu,
             lora_name: None,
         };
-        let shared = || {
-            let s = Shared::new(&Config::default());
-            let mut ix = s.index.lock().unwrap();
-            let o = ix.owner(&OwnerKey { instance: "a".into(), dp_rank: 0 }, false);
-            ix.join(o, &ctx);
-            ix.apply(o, &ctx, &event(0, n));
-            drop(ix);
-            s
-        };
-        let body = serde_json::to_vec(&serde_json::json!({
-            "model": "m", "tenant_id": "t", "block_size": 1, "token_ids": tokens,
-        }))
-        .unwrap();
+        let shared = || holding(&ctx, &event(0, n));
+        let body = token_query(1, &tokens);
         // (blocks answered, step lookups missed, runs held, runs found)
         let count = |s: &Shared| {
             let m = s.memo.lock().unwrap();
@@ -2033,19 +2041,8 @@ mod tests {
             medium: Medium::Gpu,
             lora_name: None,
         };
-        let shared = || {
-            let s = Shared::new(&Config::default());
-            let mut ix = s.index.lock().unwrap();
-            let o = ix.owner(&OwnerKey { instance: "a".into(), dp_rank: 0 }, false);
-            ix.join(o, &ctx);
-            ix.apply(o, &ctx, &event);
-            drop(ix);
-            s
-        };
-        let body = serde_json::to_vec(&serde_json::json!({
-            "model": "m", "tenant_id": "t", "block_size": 4, "token_ids": tokens,
-        }))
-        .unwrap();
+        let shared = || holding(&ctx, &event);
+        let body = token_query(4, &tokens);
         let count = |s: &Shared| {
             let m = s.memo.lock().unwrap();
             (m.hits, m.misses, m.len())
