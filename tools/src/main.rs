@@ -172,8 +172,9 @@ enum BenchCmd {
     /// `kvfs_conductor::trace`), and prints the token hit rate of both and their difference per
     /// capacity; `unbounded` is the trace's ceiling. `--plot` draws the curves.
     Trace(bench::trace::TraceArgs),
-    /// Prefix-query latency of the conductor: its index walk and its HTTP API (`/query_by_hash`,
-    /// `/query` with tokens in JSON and in msgpack, cold, learned from events and warm) with many
+    /// Prefix-query latency of the conductor: its index walk and its HTTP API (`/query_by_hash`
+    /// and `/query` with tokens, each in JSON and in msgpack; token queries cold, learned from
+    /// events and warm) with many
     /// instances x DP ranks and a long prompt (default 1,000 x 8 and 128k tokens, block sizes 16
     /// and 512), p50 and p99, and the floor under them: the same bytes over a raw loopback TCP
     /// round trip.
