@@ -66,9 +66,6 @@ struct Step {
     len: u8,
 }
 
-/// Fingerprints are uniformly distributed already: the map uses their low 64 bits as is.
-type Map = HashMap<u128, Step, BuildHasherDefault<IdHasher>>;
-
 /// Blocks in a run: [`ChainMemo::get_run`] answers this many steps in one lookup.
 pub const RUN: usize = 64;
 
@@ -78,11 +75,6 @@ struct Run {
     digest: [u8; 32],
     len: u8,
 }
-
-type RunMap = HashMap<u128, Box<Run>, BuildHasherDefault<IdHasher>>;
-
-/// Block positions in their prompts by [`StepKeys::position_key`].
-type PositionMap = HashMap<u64, u32, BuildHasherDefault<IdHasher>>;
 
 /// A run the memo held.
 pub struct RunHit<'a>(&'a Run);
@@ -210,17 +202,12 @@ pub fn le_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
 /// The memo; see the module notes.
 pub struct ChainMemo {
     keys: StepKeys,
-    entries_max: usize,
-    young: Map,
-    old: Map,
-    /// Runs, in two generations of at most `entries_max / RUN / 2` each.
-    runs_young: RunMap,
-    runs_old: RunMap,
-    /// Where blocks learned from events lie in their prompts (block index), so an event that
-    /// starts mid-prompt (a prefill chunk, a prompt past a cached prefix) learns runs on a
-    /// query's grid; two generations of at most `entries_max / 2`.
-    positions_young: PositionMap,
-    positions_old: PositionMap,
+    /// Steps, runs (at most `entries_max / RUN`) and, for blocks learned from events, where
+    /// they lie in their prompts (block index), so an event that starts mid-prompt (a prefill
+    /// chunk, a prompt past a cached prefix) learns runs on a query's grid.
+    steps: Generations<u128, Step>,
+    runs: Generations<u128, Box<Run>>,
+    positions: Generations<u64, u32>,
     /// Runs looked up and found, since start.
     pub run_hits: u64,
     /// Blocks answered (a run's count as its blocks), and step lookups missed, since start.
@@ -233,13 +220,9 @@ impl ChainMemo {
     pub fn new(entries_max: usize) -> ChainMemo {
         ChainMemo {
             keys: StepKeys::new(),
-            entries_max,
-            young: Map::default(),
-            old: Map::default(),
-            runs_young: RunMap::default(),
-            runs_old: RunMap::default(),
-            positions_young: PositionMap::default(),
-            positions_old: PositionMap::default(),
+            steps: Generations::new(entries_max),
+            runs: Generations::new(entries_max / RUN),
+            positions: Generations::new(entries_max),
             run_hits: 0,
             hits: 0,
             misses: 0,
@@ -247,18 +230,18 @@ impl ChainMemo {
     }
 
     pub fn enabled(&self) -> bool {
-        self.entries_max > 0
+        self.steps.max > 0
     }
 
     /// Steps held (runs apart: [`ChainMemo::runs`]).
     pub fn len(&self) -> usize {
-        self.young.len() + self.old.len()
+        self.steps.len()
     }
 
     /// Runs held: at most `entries_max / RUN`, so runs take about a tenth of the memory steps
     /// may (64 projections in 512 bytes, against about 80 bytes a step).
     pub fn runs(&self) -> usize {
-        self.runs_young.len() + self.runs_old.len()
+        self.runs.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -272,18 +255,9 @@ impl ChainMemo {
 
     /// The step `key`, if held.
     pub fn get(&mut self, key: u128) -> Option<Hit> {
-        let step = match self.young.get(&key) {
-            Some(s) => *s,
-            None => match self.old.remove(&key) {
-                Some(s) => {
-                    self.put(key, s);
-                    s
-                }
-                None => {
-                    self.misses += 1;
-                    return None;
-                }
-            },
+        let Some(&step) = self.steps.get(&key) else {
+            self.misses += 1;
+            return None;
         };
         self.hits += 1;
         Some(Hit(step))
@@ -291,45 +265,38 @@ impl ChainMemo {
 
     /// Remember a step this conductor computed (digests longer than 32 bytes are not kept).
     pub fn insert(&mut self, key: u128, projection: u64, digest: &[u8]) {
-        if !self.enabled() || digest.len() > 32 {
+        if digest.len() > 32 {
             return;
         }
         let mut step = Step { projection, digest: [0; 32], len: digest.len() as u8 };
         step.digest[..digest.len()].copy_from_slice(digest);
-        self.put(key, step);
+        self.steps.insert(key, step);
     }
 
     /// Remember a step an engine published (its projection only); a step held with its full
     /// digest is kept as it is.
     pub fn learn(&mut self, key: u128, projection: u64) {
-        if !self.enabled() || self.young.contains_key(&key) || self.old.contains_key(&key) {
-            return;
+        if !self.steps.contains(&key) {
+            self.steps.insert(key, Step { projection, digest: [0; 32], len: 0 });
         }
-        self.put(key, Step { projection, digest: [0; 32], len: 0 });
     }
 
     /// The run `key`, if held. A hit counts as its [`RUN`] blocks in `hits`; a miss is not
     /// counted (the run's blocks are then looked up one by one, and counted there).
     pub fn get_run(&mut self, key: u128) -> Option<RunHit<'_>> {
-        if !self.runs_young.contains_key(&key) {
-            let run = self.runs_old.remove(&key)?;
-            self.put_run(key, run);
-        }
+        let run = self.runs.get(&key)?;
         self.hits += RUN as u64;
         self.run_hits += 1;
-        self.runs_young.get(&key).map(|r| RunHit(r))
+        Some(RunHit(run))
     }
 
     /// Remember a run: `projections` ([`RUN`] of them, else nothing is kept) and the last
     /// block's full digest when known (`None`: learned from an event, which does not replace
     /// a run held with its digest).
     pub fn insert_run(&mut self, key: u128, projections: &[u64], digest: Option<&[u8]>) {
-        let runs_max = self.entries_max / RUN;
-        if runs_max == 0 || projections.len() != RUN || digest.is_some_and(|d| d.len() > 32) {
-            return;
-        }
-        if digest.is_none()
-            && (self.runs_young.contains_key(&key) || self.runs_old.contains_key(&key))
+        if projections.len() != RUN
+            || digest.is_some_and(|d| d.len() > 32)
+            || (digest.is_none() && self.runs.contains(&key))
         {
             return;
         }
@@ -339,42 +306,59 @@ impl ChainMemo {
             run.digest[..d.len()].copy_from_slice(d);
             run.len = d.len() as u8;
         }
-        self.put_run(key, run);
+        self.runs.insert(key, run);
     }
 
     /// The position of the block `key` ([`StepKeys::position_key`]) in its prompt, if known.
     pub fn position(&mut self, key: u64) -> Option<u32> {
-        if let Some(&p) = self.positions_young.get(&key) {
-            return Some(p);
-        }
-        let p = self.positions_old.remove(&key)?;
-        self.set_position(key, p);
-        Some(p)
+        self.positions.get(&key).copied()
     }
 
     /// Remember where the block `key` lies in its prompt.
     pub fn set_position(&mut self, key: u64, position: u32) {
-        if !self.enabled() {
+        self.positions.insert(key, position);
+    }
+}
+
+/// At most `max` entries in two generations (a simple, scan-resistant LRU approximation):
+/// entries go into the young generation; when it holds half of `max` it becomes the old one
+/// and the previous old one is dropped; a hit in the old generation moves the entry to the
+/// young one. `max = 0` keeps nothing.
+struct Generations<K, V> {
+    max: usize,
+    young: HashMap<K, V, BuildHasherDefault<IdHasher>>,
+    old: HashMap<K, V, BuildHasherDefault<IdHasher>>,
+}
+
+impl<K: std::hash::Hash + Eq + Copy, V> Generations<K, V> {
+    fn new(max: usize) -> Self {
+        Generations { max, young: HashMap::default(), old: HashMap::default() }
+    }
+
+    fn len(&self) -> usize {
+        self.young.len() + self.old.len()
+    }
+
+    fn contains(&self, k: &K) -> bool {
+        self.young.contains_key(k) || self.old.contains_key(k)
+    }
+
+    fn get(&mut self, k: &K) -> Option<&V> {
+        if !self.young.contains_key(k) {
+            let v = self.old.remove(k)?;
+            self.insert(*k, v);
+        }
+        self.young.get(k)
+    }
+
+    fn insert(&mut self, k: K, v: V) {
+        if self.max == 0 {
             return;
         }
-        if self.positions_young.len() >= self.entries_max.div_ceil(2) {
-            self.positions_old = std::mem::take(&mut self.positions_young);
-        }
-        self.positions_young.insert(key, position);
-    }
-
-    fn put_run(&mut self, key: u128, run: Box<Run>) {
-        if self.runs_young.len() >= (self.entries_max / RUN).div_ceil(2) {
-            self.runs_old = std::mem::take(&mut self.runs_young);
-        }
-        self.runs_young.insert(key, run);
-    }
-
-    fn put(&mut self, key: u128, step: Step) {
-        if self.young.len() >= self.entries_max.div_ceil(2) {
+        if self.young.len() >= self.max.div_ceil(2) {
             self.old = std::mem::take(&mut self.young);
         }
-        self.young.insert(key, step);
+        self.young.insert(k, v);
     }
 }
 
@@ -466,7 +450,7 @@ mod tests {
         for p in 0..1000u64 {
             m.set_position(keys.position_key(b, p), p as u32);
             assert_eq!(m.position(keys.position_key(a, 7)), Some(3), "used, so kept");
-            assert!(m.positions_young.len() + m.positions_old.len() <= 100);
+            assert!(m.positions.len() <= 100);
         }
         assert_eq!(m.position(keys.position_key(b, 0)), None, "old and unused: dropped");
         assert_eq!(m.position(keys.position_key(b, 999)), Some(999));
