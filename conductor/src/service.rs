@@ -642,10 +642,9 @@ impl Query<'_> {
         // The last block whose full digest is known, and where it is.
         let mut known: Option<(usize, Known)> = None;
         let mut computed = Vec::new();
-        // Runs looked up and missed (their first block, their key), and the full digests of
-        // blocks that end a run, so the runs this query completes are remembered.
-        let mut missed_runs: Vec<(usize, u128)> = Vec::new();
-        let mut run_ends: Vec<(usize, Vec<u8>)> = Vec::new();
+        // Runs looked up and missed (their first block, their key, and the full digest of
+        // their last block once known), so the runs this query completes are remembered.
+        let mut missed_runs: Vec<(usize, u128, Option<Vec<u8>>)> = Vec::new();
         let mut scratch = Vec::new();
         let (mut step, mut next_check) = (4, 4);
         // Held across a run of hits; let go to hash a miss and to ask the index.
@@ -672,7 +671,7 @@ impl Query<'_> {
                         i += RUN;
                         ran = true;
                     }
-                    None => missed_runs.push((i, key)),
+                    None => missed_runs.push((i, key, None)),
                 }
             }
             if !ran {
@@ -699,7 +698,7 @@ impl Query<'_> {
                             Some((k, Known::Held(h))) => (k + 1, h.digest().map(<[u8]>::to_vec)),
                             None => (0, None),
                         };
-                        while at < i {
+                        let d = loop {
                             le_ints(blocks[at], &mut ints);
                             let d = hasher.hash_block_in(
                                 &mut scratch,
@@ -708,17 +707,12 @@ impl Query<'_> {
                                 extra,
                                 at == 0,
                             );
+                            if at == i {
+                                break d;
+                            }
                             full = Some(d);
                             at += 1;
-                        }
-                        le_ints(b, &mut ints);
-                        let d = hasher.hash_block_in(
-                            &mut scratch,
-                            full.as_deref(),
-                            &ints,
-                            extra,
-                            i == 0,
-                        );
+                        };
                         let projection = project_low64_be(&d);
                         if let Some(k) = key {
                             computed.push((k, projection, d.clone()));
@@ -727,14 +721,12 @@ impl Query<'_> {
                         known = Some((i, Known::Computed(d)));
                     }
                 }
-                if (i + 1).is_multiple_of(RUN) {
-                    match &known {
-                        Some((k, Known::Computed(d))) if *k == i => run_ends.push((i, d.clone())),
-                        Some((k, Known::Held(h))) if *k == i => {
-                            run_ends.extend(h.digest().map(|d| (i, d.to_vec())))
-                        }
-                        _ => {}
-                    }
+                // The last block of a missed run: keep its digest for the run, if known.
+                if let (Some((at, _, end)), Some((k, known))) = (missed_runs.last_mut(), &known)
+                    && *at + RUN == i + 1
+                    && *k == i
+                {
+                    *end = known.digest().map(<[u8]>::to_vec);
                 }
                 i += 1;
             }
@@ -750,16 +742,14 @@ impl Query<'_> {
             }
         }
         drop(memo);
-        missed_runs.retain(|&(at, _)| at + RUN <= out.len());
+        missed_runs.retain(|(at, ..)| at + RUN <= out.len());
         if !computed.is_empty() || !missed_runs.is_empty() {
             let mut memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
             for (k, projection, d) in computed {
                 memo.insert(k, projection, &d);
             }
-            for (at, key) in missed_runs {
-                let end = at + RUN - 1;
-                let digest = run_ends.iter().find(|(e, _)| *e == end).map(|(_, d)| &d[..]);
-                memo.insert_run(key, &out[at..at + RUN], digest);
+            for (at, key, digest) in missed_runs {
+                memo.insert_run(key, &out[at..at + RUN], digest.as_deref());
             }
         }
         out
@@ -771,6 +761,15 @@ impl Query<'_> {
 enum Known {
     Computed(Vec<u8>),
     Held(Hit),
+}
+
+impl Known {
+    fn digest(&self) -> Option<&[u8]> {
+        match self {
+            Known::Computed(d) => Some(d),
+            Known::Held(h) => h.digest(),
+        }
+    }
 }
 
 /// The memo scope of a context's chains: tenant, model, LoRA name and path, block size.
