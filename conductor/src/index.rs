@@ -390,6 +390,12 @@ fn bits(words: &[u64]) -> impl Iterator<Item = OwnerId> + '_ {
     })
 }
 
+/// A fresh [`Entry::gpu_version`] from the index's counter.
+fn next_version(versions: &mut u64) -> u64 {
+    *versions += 1;
+    *versions
+}
+
 /// The owners in `before` and not in `here`, into `reuse`'s room; `None` past [`DROPS_MAX`].
 fn drops_between(
     before: &OwnerSet,
@@ -519,13 +525,14 @@ impl GpuWalk {
         }
         let memo = match here.drops.take() {
             Some(m) if m.before_version == before.gpu_version && m.version == here.gpu_version => m,
-            old => {
-                let reuse = old.and_then(|m| m.owners);
-                Box::new(DropMemo {
-                    before_version: before.gpu_version,
-                    version: here.gpu_version,
-                    owners: drops_between(&before.local[0], &here.local[0], reuse),
-                })
+            stale => {
+                let mut m = stale.unwrap_or_else(|| {
+                    Box::new(DropMemo { before_version: 0, version: 0, owners: None })
+                });
+                m.before_version = before.gpu_version;
+                m.version = here.gpu_version;
+                m.owners = drops_between(&before.local[0], &here.local[0], m.owners.take());
+                m
             }
         };
         match &memo.owners {
@@ -688,8 +695,7 @@ impl Index {
                         }
                     } else if e.local[medium.index()].insert(owner) {
                         if medium == Medium::Gpu {
-                            self.versions += 1;
-                            e.gpu_version = self.versions;
+                            e.gpu_version = next_version(&mut self.versions);
                         } else {
                             *local_cold += 1;
                         }
@@ -738,8 +744,7 @@ impl Index {
                 continue;
             }
             if m == Medium::Gpu {
-                self.versions += 1;
-                e.gpu_version = self.versions;
+                e.gpu_version = next_version(&mut self.versions);
             } else if let Some(n) = cx.owners.get_mut(&owner) {
                 *n = n.saturating_sub(1);
             }
@@ -763,8 +768,7 @@ impl Index {
                 for m in 0..3 {
                     let list = if shared { &mut e.shared[m] } else { &mut e.local[m] };
                     if list.remove(owner) && !shared && m == 0 {
-                        *versions += 1;
-                        e.gpu_version = *versions;
+                        e.gpu_version = next_version(versions);
                     }
                 }
                 if shared {
