@@ -174,10 +174,9 @@ enum BenchCmd {
     Trace(bench::trace::TraceArgs),
     /// Prefix-query latency of the conductor: its index walk and its HTTP API (`/query_by_hash`
     /// and `/query` with tokens, each in JSON and in msgpack; token queries cold, learned from
-    /// events and warm) with many
-    /// instances x DP ranks and a long prompt (default 1,000 x 8 and 128k tokens, block sizes 16
-    /// and 512), p50 and p99, and the floor under them: the same bytes over a raw loopback TCP
-    /// round trip.
+    /// events and warm) with many instances x DP ranks and a long prompt (default 1,000 x 8 and
+    /// 128k tokens, block sizes 16 and 512), p50 and p99, and the floor under them: the same
+    /// bytes over a raw loopback TCP round trip.
     Conductor(bench::conductor::ConductorBenchArgs),
     /// The leader master SIGKILLed under load (HA through etcd): a throwaway etcd, two masters
     /// and nodes as processes, a directory of 1 M objects by default; reports when the new

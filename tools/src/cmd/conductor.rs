@@ -55,9 +55,11 @@ pub struct ConductorArgs {
     /// 70B-class model on 8 GPUs per instance. Fit them to your engines' measured times.
     #[arg(long)]
     pub cost_model: Option<PathBuf>,
-    /// Most hash-chain steps of token queries kept (about 110 bytes each, counting the runs
-    /// of 64 steps and the block positions kept beside them; 0 turns the memo off): a prompt whose prefix was queried or routed before, or whose blocks an engine
-    /// published with their tokens (vLLM and SGLang do), is hashed only past that prefix.
+    /// Most hash-chain steps of token queries kept (0 turns the memo off): a prompt whose
+    /// prefix was queried or routed before, or whose blocks an engine published with their
+    /// tokens (vLLM and SGLang do), is hashed only past that prefix. A full memo takes about
+    /// 220 bytes a step with its runs of 64 steps and the learned blocks' positions (RSS growth
+    /// filling the default 512 Ki steps from events: 111 MiB).
     #[arg(long, default_value_t = 1 << 19)]
     pub hash_memo_entries: usize,
 }
