@@ -135,6 +135,17 @@ pub struct PutFrom<'a> {
     pub len: u64,
 }
 
+/// Where the bytes of a put's items live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Memory {
+    /// Registered with the engine (the zero-copy calls): anything else is refused.
+    Registered,
+    /// The caller's own slices, alive for the call ([`Client::put_batch_lent`]): written
+    /// straight into this process's own segment, staged for any other replica unless they
+    /// happen to be registered.
+    Borrowed,
+}
+
 /// One object of a zero-copy get: into at most `cap` bytes at `addr` (registered memory).
 #[derive(Debug, Clone, Copy)]
 pub struct GetInto<'a> {
@@ -464,6 +475,15 @@ impl Client {
         items: &[PutFrom<'_>],
         opts: &PutOptions,
     ) -> Vec<Result<()>> {
+        self.put_from_memory(items, opts, Memory::Registered).await
+    }
+
+    async fn put_from_memory(
+        &self,
+        items: &[PutFrom<'_>],
+        opts: &PutOptions,
+        mem: Memory,
+    ) -> Vec<Result<()>> {
         // Keys are copied into the tenant's namespace only for a tenant's client: the common
         // put path allocates nothing more.
         let names: Vec<String>;
@@ -482,13 +502,18 @@ impl Client {
         };
         let chunks = pipeline_chunks(items.iter().map(|i| i.len));
         if chunks.len() > 1 {
-            let runs = chunks.iter().map(|r| self.put_from_chunk(&items[r.clone()], opts));
+            let runs = chunks.iter().map(|r| self.put_from_chunk(&items[r.clone()], opts, mem));
             return futures_util::future::join_all(runs).await.into_iter().flatten().collect();
         }
-        self.put_from_chunk(items, opts).await
+        self.put_from_chunk(items, opts, mem).await
     }
 
-    async fn put_from_chunk(&self, items: &[PutFrom<'_>], opts: &PutOptions) -> Vec<Result<()>> {
+    async fn put_from_chunk(
+        &self,
+        items: &[PutFrom<'_>],
+        opts: &PutOptions,
+        mem: Memory,
+    ) -> Vec<Result<()>> {
         let mut out: Vec<Option<Result<()>>> = vec![None; items.len()];
         let deadline = Instant::now() + Duration::from_millis(self.inner.cfg.retry_budget_ms);
         let mut todo: Vec<usize> = (0..items.len()).collect();
@@ -496,7 +521,8 @@ impl Client {
         let mut replacements_left = PUT_REPLACEMENTS_MAX;
         while !todo.is_empty() {
             let replace = replacements_left > 0;
-            let (retry, replaced) = self.put_round(items, &todo, opts, replace, &mut out).await;
+            let (retry, replaced) =
+                self.put_round(items, &todo, opts, replace, mem, &mut out).await;
             replacements_left -= u32::from(replaced);
             if retry.is_empty() {
                 break;
@@ -526,6 +552,7 @@ impl Client {
         todo: &[usize],
         opts: &PutOptions,
         replace: bool,
+        mem: Memory,
         out: &mut [Option<Result<()>>],
     ) -> (Vec<(usize, Error)>, bool) {
         let starts: Vec<PutStartItem> = todo
@@ -566,7 +593,7 @@ impl Client {
         if granted.is_empty() {
             return (retry, false);
         }
-        let written = self.write_replicas(items, &granted, opts).await;
+        let written = self.write_replicas(items, &granted, opts, mem).await;
         let mut ends = Vec::new();
         let mut revokes = Vec::new();
         let mut replaced = false;
@@ -681,33 +708,85 @@ impl Client {
         node.commit(&c).map(|id| (id, c))
     }
 
-    /// Writes every replica of every granted object in one transfer batch; per grant, `Ok`
-    /// when all of its replicas were written, with the nodes that recorded the commit from
-    /// the write itself (a lone put's noted writes, see [`Client::write_noted`]).
+    /// Writes every replica of every granted object; per grant, `Ok` when all of its replicas
+    /// were written, with the nodes that recorded the commit from the write itself (a lone
+    /// put's noted writes, see [`Client::write_noted`]). A small object's replica in this
+    /// process's own segment is one copy on this task ([`Engine::write_own`]); the others go
+    /// in one transfer batch, from registered memory: borrowed bytes that are not registered
+    /// are staged first.
     async fn write_replicas(
         &self,
         items: &[PutFrom<'_>],
         granted: &[(usize, PutGrant)],
         opts: &PutOptions,
+        mem: Memory,
     ) -> Vec<Result<Vec<u64>, Failed>> {
+        let engine = &self.inner.engine;
+        let own = engine.name();
+        let copy_max = engine.config().shm_parallel_bytes_min;
+        let own_copy =
+            |r: &ReplicaDesc, len: u64| r.endpoint == own && r.tier == Tier::Dram && len < copy_max;
+        let mut status: Vec<Result<Vec<u64>, Failed>> = vec![Ok(Vec::new()); granted.len()];
+        // The address each object's engine transfers read from, and the staging they hold.
+        let mut srcs = Vec::with_capacity(granted.len());
+        let mut staged = Vec::new();
+        for (gi, (i, g)) in granted.iter().enumerate() {
+            let it = &items[*i];
+            let registered = engine.is_registered(it.addr, it.len);
+            if registered
+                || mem == Memory::Registered
+                || g.replicas.iter().all(|r| own_copy(r, it.len))
+            {
+                srcs.push((it.addr, registered));
+                continue;
+            }
+            // SAFETY: borrowed memory is the caller's live slice of `len` bytes for the call.
+            let data = unsafe { std::slice::from_raw_parts(it.addr as *const u8, it.len as usize) };
+            match self.stage(data) {
+                Ok(s) => {
+                    srcs.push((s.buffer().addr(), true));
+                    staged.push(s);
+                }
+                Err(error) => {
+                    status[gi] = Err(Failed { error, dead_segment: false });
+                    srcs.push((it.addr, false));
+                }
+            }
+        }
         if let [(i, g)] = granted
-            && let Some(done) = self.write_noted(&items[*i], g, opts).await
+            && let [(addr, true)] = srcs[..]
+            && let Some(done) = self.write_noted(&PutFrom { addr, ..items[*i] }, g, opts).await
         {
             return vec![done];
         }
-        let mut status: Vec<Result<Vec<u64>, Failed>> = vec![Ok(Vec::new()); granted.len()];
         let mut reqs = Vec::with_capacity(granted.len());
         let mut owner = Vec::with_capacity(granted.len());
         for (gi, (i, g)) in granted.iter().enumerate() {
+            if status[gi].is_err() {
+                continue;
+            }
+            let (it, (src, src_registered)) = (&items[*i], srcs[gi]);
             for r in &g.replicas {
+                if own_copy(r, it.len) && (mem == Memory::Borrowed || src_registered) {
+                    // SAFETY: `it.addr` holds `len` live bytes: the caller's borrowed slice, or
+                    // a registered range (checked above, as the engine checks it).
+                    let data = unsafe {
+                        std::slice::from_raw_parts(it.addr as *const u8, it.len as usize)
+                    };
+                    if let Err(e) = engine.write_own(r.addr, data) {
+                        let error = Error::from_transfer("put", &e);
+                        status[gi] = Err(Failed { error, dead_segment: false });
+                    }
+                    continue;
+                }
                 match self.writable_segment(r).await {
                     Ok(seg) => {
                         reqs.push(TransferRequest {
                             op: TransferOp::Write,
                             segment: seg,
-                            local_addr: items[*i].addr,
+                            local_addr: src,
                             remote_addr: r.addr,
-                            len: items[*i].len,
+                            len: it.len,
                         });
                         owner.push((gi, r.endpoint.as_str()));
                     }
@@ -715,7 +794,8 @@ impl Client {
                 }
             }
         }
-        let results = self.transfer(reqs).await;
+        let results = if reqs.is_empty() { Vec::new() } else { self.transfer(reqs).await };
+        drop(staged);
         for ((gi, endpoint), r) in owner.into_iter().zip(results) {
             let Err(e) = r else { continue };
             let dead_segment = self.forget_if_dead(endpoint, &e).await;
@@ -888,47 +968,34 @@ impl Client {
         opts: &PutOptions,
         keeper: impl Fn(usize) -> Option<Keeper>,
     ) -> Vec<Result<()>> {
-        enum Src {
-            Staged(Staged),
-            Lent(#[allow(dead_code)] Lent),
-            Registered,
-        }
         let engine = &self.inner.engine;
-        let mut srcs = Vec::with_capacity(items.len());
-        for (i, (_, data)) in items.iter().enumerate() {
-            let (addr, len) = (data.as_ptr() as u64, data.len() as u64);
-            if len >= LEND_BYTES_MIN && engine.is_registered(addr, len) {
-                srcs.push(Ok(Src::Registered));
-                continue;
-            }
-            if len >= LEND_BYTES_MIN
-                && let Some(k) = keeper(i)
-                && let Some(l) = Lent::register(engine, addr, len, k)
-            {
-                srcs.push(Ok(Src::Lent(l)));
-                continue;
-            }
-            match self.inner.staging.take(data.len()) {
-                Ok(s) => match s.buffer().write_at(0, data) {
-                    Ok(()) => srcs.push(Ok(Src::Staged(s))),
-                    Err(e) => srcs.push(Err(Error::from_transfer("put", &e))),
-                },
-                Err(e) => srcs.push(Err(e)),
-            }
-        }
-        let froms: Vec<PutFrom> = items
+        // Large values are registered for the call where their keeper allows; the others are
+        // written from the slices themselves (staged only for replicas outside this process).
+        let lent: Vec<Option<Lent>> = items
             .iter()
-            .zip(&srcs)
-            .filter_map(|((key, data), s)| {
-                let addr = match s.as_ref().ok()? {
-                    Src::Staged(s) => s.buffer().addr(),
-                    Src::Lent(_) | Src::Registered => data.as_ptr() as u64,
-                };
-                Some(PutFrom { key, addr, len: data.len() as u64 })
+            .enumerate()
+            .map(|(i, (_, data))| {
+                let (addr, len) = (data.as_ptr() as u64, data.len() as u64);
+                if len < LEND_BYTES_MIN || engine.is_registered(addr, len) {
+                    return None;
+                }
+                Lent::register(engine, addr, len, keeper(i)?)
             })
             .collect();
-        let mut done = self.put_from_batch(&froms, opts).await.into_iter();
-        srcs.into_iter().map(|s| s.and_then(|_| done.next().unwrap_or(Ok(())))).collect()
+        let froms: Vec<PutFrom> = items
+            .iter()
+            .map(|(key, data)| PutFrom { key, addr: data.as_ptr() as u64, len: data.len() as u64 })
+            .collect();
+        let done = self.put_from_memory(&froms, opts, Memory::Borrowed).await;
+        drop(lent);
+        done
+    }
+
+    /// A staging buffer holding a copy of `data`.
+    fn stage(&self, data: &[u8]) -> Result<Staged> {
+        let s = self.inner.staging.take(data.len())?;
+        s.buffer().write_at(0, data).map_err(|e| Error::from_transfer("put", &e))?;
+        Ok(s)
     }
 
     // ----- gets ----------------------------------------------------------------------------

@@ -131,3 +131,38 @@ async fn replicated_puts_from_the_own_process_still_reach_every_node() {
         assert_eq!(reader.get(&format!("two/{i}")).await.unwrap(), content(i, 30_000));
     }
 }
+
+/// Small values put from the writer's own process land in its node by a plain copy, straight
+/// from the caller's bytes (no staging, no transfer batch); readers in other engines read them
+/// byte for byte. The zero-copy call still refuses memory that is not registered, even when the
+/// replica is the writer's own: the plain copy is not a way around registration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_batches_into_the_own_node_are_plain_copies_of_the_callers_bytes() {
+    let cluster = Cluster::start(ClusterOpts { nodes: 0, ..ClusterOpts::default() }).await;
+    let (node, c) = embedded(&cluster).await;
+    let values: Vec<Vec<u8>> =
+        (0..300u64).map(|i| content(i, 1 + (i as usize * 97) % 9000)).collect();
+    let keys: Vec<String> = (0..300).map(|i| format!("small/{i}")).collect();
+    let items: Vec<(&str, &[u8])> =
+        keys.iter().map(String::as_str).zip(values.iter().map(Vec::as_slice)).collect();
+    for r in c.put_batch(&items, &PutOptions::default()).await {
+        r.unwrap();
+    }
+    assert_eq!(node.held_objects(), 300);
+    let reader = tcp_reader(&cluster).await;
+    for (k, v) in keys.iter().zip(&values) {
+        assert_eq!(node_replica_endpoint(&reader, k).await, node.endpoint());
+        assert_eq!(&reader.get(k).await.unwrap(), v, "{k}");
+    }
+    let unregistered = content(7, 4096);
+    let items = [kvfs_client::PutFrom {
+        key: "unregistered",
+        addr: unregistered.as_ptr() as u64,
+        len: unregistered.len() as u64,
+    }];
+    let r = c.put_from_batch(&items, &PutOptions::default()).await.pop().unwrap();
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::NotRegistered);
+    assert_eq!(reader.get("unregistered").await.unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(node.held_objects(), 300);
+    node.shutdown().await;
+}

@@ -766,6 +766,37 @@ impl Engine {
         run_item(&self.inner.shared, req, deadline).await
     }
 
+    /// Copies `data` into this engine's own remotely accessible host memory at `remote_addr`:
+    /// what a write to the engine's own segment does, run on the calling thread with no
+    /// batch and no task. A process writing small objects into its own embedded node pays
+    /// more for a batch's bookkeeping than for the copy. `data` need not be registered (the
+    /// caller's borrow keeps it alive). Errors as such a transfer: `InvalidArgument` for no
+    /// bytes or device memory, `OutOfRange` when the range is not inside one remotely
+    /// accessible region of this engine.
+    pub fn write_own(&self, remote_addr: u64, data: &[u8]) -> Result<()> {
+        let len = data.len() as u64;
+        if len == 0 {
+            return Err(Error::new(ErrorKind::InvalidArgument, "transfer", "zero length"));
+        }
+        let region = self.inner.shared.registry.find(remote_addr, len).filter(|r| r.remote);
+        let Some(region) = region else {
+            return Err(Error::new(
+                ErrorKind::OutOfRange,
+                "transfer",
+                "range not in a remotely accessible region",
+            ));
+        };
+        host_side(&region, "transfer")?;
+        // The region's owner stays alive while the bytes land.
+        let _keep = region.hold();
+        // SAFETY: [remote_addr, remote_addr+len) lies inside a registered host region of this
+        // engine (checked above, kept alive by `_keep`); `data` is a live borrow. They may
+        // overlap only when a caller writes from its own segment into itself: `copy` is the
+        // overlapping copy.
+        unsafe { std::ptr::copy(data.as_ptr(), remote_addr as *mut u8, data.len()) };
+        Ok(())
+    }
+
     /// Installs the check of guarded reads of this engine's memory (once per engine): peers'
     /// [`Engine::read_guarded`] calls (and this engine's own, on its own segment) are served
     /// only while `guard(addr, len, guard)` says yes. The store's node passes a check that the

@@ -136,6 +136,37 @@ async fn local_segment_and_registration_rules() {
     assert_eq!(a.transfer_one(&req).await.unwrap_err().kind(), ErrorKind::NotRegistered);
 }
 
+/// `write_own` copies into the engine's own remotely accessible memory only: a range outside
+/// one such region, a local-only region, no bytes, or an unregistered region are typed errors
+/// that write nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_into_the_own_memory_are_checked_copies() {
+    let (a, _) = pair(Transports::default()).await;
+    let buf = a.alloc_buffer(8192, &BufferOptions::default()).unwrap();
+    let data: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+    a.write_own(buf.addr() + 100, &data).unwrap();
+    let mut got = vec![0u8; data.len()];
+    buf.read_at(100, &mut got).unwrap();
+    assert_eq!(got, data);
+    let kind = |r: kvfs_transfer::Result<()>| r.unwrap_err().kind();
+    // Past the end, straddling it, and below the region.
+    assert_eq!(kind(a.write_own(buf.addr() + 8192, b"x")), ErrorKind::OutOfRange);
+    assert_eq!(kind(a.write_own(buf.addr() + 8000, &data)), ErrorKind::OutOfRange);
+    assert_eq!(kind(a.write_own(buf.addr().wrapping_sub(4096), b"x")), ErrorKind::OutOfRange);
+    assert_eq!(kind(a.write_own(buf.addr(), b"")), ErrorKind::InvalidArgument);
+    // A region registered for local use only is not a place peers (or this call) write to.
+    let local = Buffer::new(4096, &BufferOptions::default()).unwrap();
+    // SAFETY: `local` outlives its registration (unregistered below).
+    unsafe { a.register_memory(local.addr(), 4096, false) }.unwrap();
+    assert_eq!(kind(a.write_own(local.addr(), b"x")), ErrorKind::OutOfRange);
+    a.unregister(local.addr()).unwrap();
+    let mut untouched = [7u8; 1];
+    local.read_at(0, &mut untouched).unwrap();
+    assert_eq!(untouched, [0], "a refused write leaves the memory alone");
+    a.unregister(buf.addr()).unwrap();
+    assert_eq!(kind(a.write_own(buf.addr(), b"x")), ErrorKind::OutOfRange);
+}
+
 /// Large transfers within the engine's own memory are spread over the copy threads; every byte
 /// lands, in both directions, and overlapping ranges still copy as one memmove.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
