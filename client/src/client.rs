@@ -727,35 +727,45 @@ impl Client {
         let own_copy =
             |r: &ReplicaDesc, len: u64| r.endpoint == own && r.tier == Tier::Dram && len < copy_max;
         let mut status: Vec<Result<Vec<u64>, Failed>> = vec![Ok(Vec::new()); granted.len()];
-        // The address each object's engine transfers read from, and the staging they hold.
+        // Per object: the address its engine transfers read from (the engine refuses it when
+        // not registered), and whether its own-segment replicas may be copied from `it.addr`
+        // (borrowed bytes always; zero-copy memory only when registered, as the engine would
+        // check). The staging buffers are held until the transfers are done.
         let mut srcs = Vec::with_capacity(granted.len());
         let mut staged = Vec::new();
         for (gi, (i, g)) in granted.iter().enumerate() {
             let it = &items[*i];
-            let registered = engine.is_registered(it.addr, it.len);
-            if registered
-                || mem == Memory::Registered
-                || g.replicas.iter().all(|r| own_copy(r, it.len))
-            {
-                srcs.push((it.addr, registered));
-                continue;
-            }
-            // SAFETY: borrowed memory is the caller's live slice of `len` bytes for the call.
-            let data = unsafe { std::slice::from_raw_parts(it.addr as *const u8, it.len as usize) };
-            match self.stage(data) {
-                Ok(s) => {
-                    srcs.push((s.buffer().addr(), true));
-                    staged.push(s);
+            let to_own = g.replicas.iter().any(|r| own_copy(r, it.len));
+            let to_engine = g.replicas.iter().any(|r| !own_copy(r, it.len));
+            let src = match mem {
+                Memory::Registered => (it.addr, to_own && engine.is_registered(it.addr, it.len)),
+                Memory::Borrowed if !to_engine || engine.is_registered(it.addr, it.len) => {
+                    (it.addr, true)
                 }
-                Err(error) => {
-                    status[gi] = Err(Failed { error, dead_segment: false });
-                    srcs.push((it.addr, false));
+                Memory::Borrowed => {
+                    // SAFETY: borrowed memory is the caller's live slice of `len` bytes.
+                    let data = unsafe {
+                        std::slice::from_raw_parts(it.addr as *const u8, it.len as usize)
+                    };
+                    match self.stage(data) {
+                        Ok(s) => {
+                            let addr = s.buffer().addr();
+                            staged.push(s);
+                            (addr, true)
+                        }
+                        Err(error) => {
+                            status[gi] = Err(Failed { error, dead_segment: false });
+                            (it.addr, false)
+                        }
+                    }
                 }
-            }
+            };
+            srcs.push(src);
         }
         if let [(i, g)] = granted
-            && let [(addr, true)] = srcs[..]
-            && let Some(done) = self.write_noted(&PutFrom { addr, ..items[*i] }, g, opts).await
+            && status[0].is_ok()
+            && let Some(done) =
+                self.write_noted(&PutFrom { addr: srcs[0].0, ..items[*i] }, g, opts).await
         {
             return vec![done];
         }
@@ -765,9 +775,9 @@ impl Client {
             if status[gi].is_err() {
                 continue;
             }
-            let (it, (src, src_registered)) = (&items[*i], srcs[gi]);
+            let (it, (src, own_ok)) = (&items[*i], srcs[gi]);
             for r in &g.replicas {
-                if own_copy(r, it.len) && (mem == Memory::Borrowed || src_registered) {
+                if own_ok && own_copy(r, it.len) {
                     // SAFETY: `it.addr` holds `len` live bytes: the caller's borrowed slice, or
                     // a registered range (checked above, as the engine checks it).
                     let data = unsafe {
@@ -923,12 +933,8 @@ impl Client {
         results
     }
 
-    /// Puts bytes: a value of at least [`LEND_BYTES_MIN`] is written straight from `data`
-    /// (see [`Borrowed`]); a smaller one is staged through a registered buffer.
+    /// Puts bytes (see [`Client::put_batch`]).
     pub async fn put(&self, key: &str, data: &[u8], opts: &PutOptions) -> Result<()> {
-        if (data.len() as u64) < LEND_BYTES_MIN {
-            return self.put_parts(key, &[data], opts).await;
-        }
         let mut r = self.put_batch(&[(key, data)], opts).await;
         r.pop().unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "put", "no result")))
     }
@@ -946,7 +952,8 @@ impl Client {
     }
 
     /// Puts many byte values; those of at least [`LEND_BYTES_MIN`] are written straight from
-    /// the caller's slices (see [`Borrowed`]), smaller ones are staged.
+    /// the caller's slices (see [`Borrowed`]); smaller ones are copied from them into this
+    /// process's own segment, and staged for replicas elsewhere.
     pub async fn put_batch(&self, items: &[(&str, &[u8])], opts: &PutOptions) -> Vec<Result<()>> {
         let lend = items.iter().any(|(_, d)| d.len() as u64 >= LEND_BYTES_MIN);
         if !lend || !may_borrow() {
@@ -1801,8 +1808,8 @@ const CHUNK_BYTES_MAX: u64 = 8 << 20;
 
 /// Most items in one chunk of a put (see [`pipeline_chunks`]). Each chunk costs two master
 /// round trips whatever its size: a put of 1024 x 4 KiB into the caller's own node took
-/// 4.3 ms of CPU (client and master together) in 64-item chunks, 3.2 ms in 256-item ones and
-/// 2.8 ms in one chunk, and its wall time was lowest at 256 (1.85 against 2.2-2.4 ms: two
+/// 3.9-4.3 ms of CPU (client and master together) in 64-item chunks, 2.95-3.2 ms in 256-item
+/// ones and 2.8 ms in one chunk, and its wall time was lowest at 256 (1.85 against 2.2-2.4 ms: two
 /// chunks still overlap on two cores). Over tcp 64 and 1024 measured alike. A chunk is also
 /// one hold of the master's directory, so it is not made larger than this.
 const PUT_CHUNK_ITEMS_MAX: usize = 256;

@@ -137,7 +137,7 @@ async fn replicated_puts_from_the_own_process_still_reach_every_node() {
 /// byte for byte. The zero-copy call still refuses memory that is not registered, even when the
 /// replica is the writer's own: the plain copy is not a way around registration.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn small_batches_into_the_own_node_are_plain_copies_of_the_callers_bytes() {
+async fn small_batches_into_the_own_node_read_back_and_unregistered_memory_is_still_refused() {
     let cluster = Cluster::start(ClusterOpts { nodes: 0, ..ClusterOpts::default() }).await;
     let (node, c) = embedded(&cluster).await;
     let values: Vec<Vec<u8>> =

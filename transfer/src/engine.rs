@@ -778,22 +778,11 @@ impl Engine {
         if len == 0 {
             return Err(Error::new(ErrorKind::InvalidArgument, "transfer", "zero length"));
         }
-        let region = self.inner.shared.registry.find(remote_addr, len).filter(|r| r.remote);
-        let Some(region) = region else {
-            return Err(Error::new(
-                ErrorKind::OutOfRange,
-                "transfer",
-                "range not in a remotely accessible region",
-            ));
-        };
+        // `region` (holding its owner) stays alive while the bytes land.
+        let region = remote_region(&self.inner.shared, remote_addr, len)?;
         host_side(&region, "transfer")?;
-        // The region's owner stays alive while the bytes land.
-        let _keep = region.hold();
-        // SAFETY: [remote_addr, remote_addr+len) lies inside a registered host region of this
-        // engine (checked above, kept alive by `_keep`); `data` is a live borrow. They may
-        // overlap only when a caller writes from its own segment into itself: `copy` is the
-        // overlapping copy.
-        unsafe { std::ptr::copy(data.as_ptr(), remote_addr as *mut u8, data.len()) };
+        // The local side is only read by a write.
+        copy(TransferOp::Write, data.as_ptr() as *mut u8, remote_addr as *mut u8, data.len());
         Ok(())
     }
 
@@ -1103,14 +1092,7 @@ async fn run_item(shared: &Shared, req: &TransferRequest, deadline: Instant) -> 
 /// A transfer within this engine's own memory (the caller's segment is ours): a memcpy, spread
 /// over the copy threads when it is large, like a copy over shm.
 async fn local_copy(shared: &Shared, req: &TransferRequest) -> Result<()> {
-    let remote = shared.registry.find(req.remote_addr, req.len).filter(|r| r.remote);
-    let Some(remote) = remote else {
-        return Err(Error::new(
-            ErrorKind::OutOfRange,
-            "transfer",
-            "range not in a remotely accessible region",
-        ));
-    };
+    let remote = remote_region(shared, req.remote_addr, req.len)?;
     if let Some(dev) = remote.device.clone() {
         let local = shared.registry.find(req.local_addr, req.len);
         if let Some(l) = local.as_ref().filter(|l| matches!(l.pin, HostPin::Untried)) {
@@ -1140,6 +1122,13 @@ async fn local_copy(shared: &Shared, req: &TransferRequest) -> Result<()> {
     }
     let remote = Far { addr: req.remote_addr as usize, keep: remote.hold() };
     parallel_copy(shared, req.op, req.local_addr as usize, remote, req.len as usize).await
+}
+
+/// The remotely accessible region of this engine that holds `[addr, addr+len)`.
+fn remote_region(shared: &Shared, addr: u64, len: u64) -> Result<Region> {
+    shared.registry.find(addr, len).filter(|r| r.remote).ok_or_else(|| {
+        Error::new(ErrorKind::OutOfRange, "transfer", "range not in a remotely accessible region")
+    })
 }
 
 /// Copies between host memory at `local` (registered, checked by the caller) and device
@@ -1243,8 +1232,9 @@ fn copy_threads(max: usize) -> usize {
 }
 
 fn copy(op: TransferOp, local: *mut u8, remote: *mut u8, len: usize) {
-    // SAFETY: both ranges were checked to lie inside registered (local) and remotely accessible
-    // or mapped (remote) memory of at least `len` bytes. They may overlap only when a caller
+    // SAFETY: every caller checked both ranges: the local one inside registered memory (or, for
+    // `Engine::write_own`, a live borrow of `len` bytes), the remote one inside remotely
+    // accessible or mapped memory of at least `len` bytes. They may overlap only when a caller
     // transfers between overlapping ranges of its own segment, so use the overlapping copy.
     unsafe {
         match op {
