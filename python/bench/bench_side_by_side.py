@@ -35,13 +35,17 @@ The table gives per call and size: kvfs's and the reference's GB/s (ops/s for
 ``is_exist``/``remove``), their ratio kvfs / reference (above 1: kvfs is faster), and the p50
 latency of one call on each (of one object, or of the whole batch for the batch forms).
 Raw loopback TCP (``bench_mooncake_api.raw_tcp_gbps``) is printed before and after as the
-machine's limit. At the end, kvfs's figures are set against the limits seen from its client
-process, measured there before and after the table: each single 4 KiB read's p50 against a
-raw 4 KiB request/response round trip with plain sockets to a native blocking server (the
-faster of a blocking and a polling receive), and the largest size's calls against raw TCP
-(across processes) or, with ``--in-process``, numpy's single-threaded memcpy of as many bytes,
-timed in the same rounds right after the calls (each figure's limit of its own moments, bytes
-over total time as the figure; the best memcpy before and after is printed too). On a shared machine
+machine's limit. At the end, kvfs's figures are set against limits timed in the same rounds,
+right after each round's calls (each figure's limit, of its own moments): each single 4 KiB
+read's p50 against the p50 of as many raw 4 KiB request/response round trips from the kvfs
+client process with plain sockets to a native blocking server (the faster of a blocking and a
+polling receive); the largest size's calls, across processes, against raw loopback TCP moving
+the round's bytes between two native processes (``kvfs bench raw-tcp`` to that server: plain
+blocking sockets, the fastest of one stream and four in either direction, as ``kvfs bench
+store`` measures its limit), and with ``--in-process`` against numpy's single-threaded memcpy
+of as many bytes in the client; bytes over total time, as the figure. Beside each, the ratio
+against the same limit measured apart from the figures (before and after the table) is printed
+too. On a shared machine
 absolute figures are noise; the ratios are the figures.
 
 Usage::
@@ -105,7 +109,8 @@ def worker(role, master, metadata, segment_bytes, buffer_bytes):
             if req["call"] == LIMITS:
                 reply(process_limits(req.get("raw_port"), req["size"]))
                 continue
-            reply(rounds.run(req["call"], req["size"], req["n"], req.get("memcpy", False)))
+            reply(rounds.run(req["call"], req["size"], req["n"], req.get("limit"),
+                             req.get("raw_port")))
         except Exception as e:  # the driver prints it and stops
             reply({"error": f"{req['call']} {req['size']}: {e}"})
     store.close()
@@ -153,6 +158,42 @@ def process_limits(raw_port, size):
     return out
 
 
+class RawRoundTrips:
+    """Raw 4 KiB request/response round trips from the client process to the raw server of
+    ``kvfs bench store-peer`` (a plain blocking thread per connection), timed right after a
+    round of single 4 KiB reads, as many as its calls: that figure's limit, of its own
+    moments. The connection is made and warmed once."""
+
+    def __init__(self, port):
+        self.port = port
+        self.conn = socket.create_connection(("127.0.0.1", port))
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # op 2 (source) with the resident flag (0x80): 4 KiB from one cached buffer.
+        self.req = bytes([2 | 0x80]) + (4096).to_bytes(8, "little")
+        self.buf = memoryview(bytearray(4096))
+        self.times(200)  # warm-up
+
+    def times(self, count):
+        """`count` round trips polling the socket and `count` blocking; the times of the
+        faster way (by p50), as ``process_limits`` takes the lower of the two."""
+        best = None
+        for flags in (socket.MSG_DONTWAIT, 0):
+            times = []
+            for _ in range(count):
+                t0 = time.perf_counter()
+                self.conn.sendall(self.req)
+                got = 0
+                while got < 4096:
+                    try:
+                        got += self.conn.recv_into(self.buf[got:], 0, flags)
+                    except BlockingIOError:
+                        pass
+                times.append(time.perf_counter() - t0)
+            if best is None or statistics.median(times) < statistics.median(best):
+                best = times
+        return best
+
+
 def reply(obj):
     sys.stdout.write(TAG + json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -168,6 +209,7 @@ class Rounds:
         self.src_addr, self.dst_addr = src.ctypes.data, dst.ctypes.data
         self.seq = 0
         self.stored = None  # (size, n, keys) put from src since the last remove_all
+        self.raw = None  # RawRoundTrips, made at the first round that needs them
 
     def fresh(self, size, n):
         self.store.remove_all(force=True)
@@ -188,7 +230,7 @@ class Rounds:
     def ptrs(addr, size, n):
         return [addr + i * size for i in range(n)]
 
-    def run(self, call, size, n, memcpy=False):
+    def run(self, call, size, n, limit=None, raw_port=None):
         s, nbytes = self.store, size * n
         sizes = [size] * n
         value = self.src[:size].tobytes()
@@ -238,8 +280,12 @@ class Rounds:
                 raise RuntimeError("read back wrong bytes")
             self.dst[:nbytes] = 1
         out = {"times": times, "bytes": 0 if call in KEY_OPS else nbytes, "ops": n}
-        if memcpy:
+        if limit == "memcpy":
             out["memcpy_times"] = self.memcpys(nbytes // len(times), len(times))
+        elif limit == "rtt":
+            if self.raw is None or self.raw.port != raw_port:
+                self.raw = RawRoundTrips(raw_port)
+            out["rtt_times"] = self.raw.times(n)
         return out
 
     def memcpys(self, nbytes, count):
@@ -320,8 +366,8 @@ class System:
         self.client.stdin.flush()
         return self.expect(self.client, "client")
 
-    def round(self, call, size, n, memcpy=False):
-        req = {"call": call, "size": size, "n": n, "memcpy": memcpy}
+    def round(self, call, size, n, limit=None, raw_port=None):
+        req = {"call": call, "size": size, "n": n, "limit": limit, "raw_port": raw_port}
         self.client.stdin.write(json.dumps(req) + "\n")
         self.client.stdin.flush()
         return self.expect(self.client, "client")
@@ -384,6 +430,32 @@ def raw_server(args, system):
     if len(words) != 3 or words[0] != "READY":
         system.fail(f"kvfs bench store-peer answered {words}")
     return int(words[2].rsplit(":", 1)[1])
+
+
+class RawTcpTimes:
+    """``kvfs bench raw-tcp``: raw loopback TCP between two native processes (it and the raw
+    server of ``kvfs bench store-peer``), plain blocking sockets cycling through 64 MiB of
+    memory on each side, the fastest of one stream and four in either direction (as
+    ``kvfs bench store`` measures its limit), moving a round's bytes right after the round:
+    that figure's limit, of its own moments."""
+
+    def __init__(self, args, system, raw_port):
+        self.proc = subprocess.Popen(
+            [kvfs_binary(args), "bench", "raw-tcp", "--addr", f"127.0.0.1:{raw_port}"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=system.log, text=True)
+        system.procs.append(self.proc)
+        self.system = system
+
+    def times(self, nbytes, count):
+        """`count` transfers of `nbytes`, each the fastest of either direction over one stream
+        and over four: loopback moves bytes between two processes the same way whichever
+        starts the transfer, so a figure in either direction is held against the best."""
+        self.proc.stdin.write(f"both {nbytes} {count}\n")
+        self.proc.stdin.flush()
+        words = self.proc.stdout.readline().split()
+        if not words or words[0] != "TIMES" or len(words) != count + 1:
+            self.system.fail(f"kvfs bench raw-tcp answered {' '.join(words) or 'nothing'}")
+        return [float(w) for w in words[1:]]
 
 
 def worker_env(base):
@@ -461,29 +533,50 @@ def summarize(replies):
         "p50_us": statistics.median(lat) * 1e6,
         "rounds": len(replies),
     }
-    if all("memcpy_times" in r for r in replies) and replies:
-        # The same statistic as the figure: bytes over the total time of as many copies.
-        out["memcpy_gbps"] = (sum(r["bytes"] for r in replies)
-                              / sum(sum(r["memcpy_times"]) for r in replies) / 1e9)
+    for kind in ("memcpy", "tcp"):
+        if replies and all(f"{kind}_times" in r for r in replies):
+            # The same statistic as the figure: bytes over the total time of as many copies
+            # (or raw TCP transfers).
+            out[f"{kind}_gbps"] = (sum(r["bytes"] for r in replies)
+                                   / sum(sum(r[f"{kind}_times"]) for r in replies) / 1e9)
+    if replies and all("rtt_times" in r for r in replies):
+        out["rtt_p50_us"] = statistics.median(t for r in replies for t in r["rtt_times"]) * 1e6
     return out
 
 
-def measure(systems, calls, sizes, args, emit):
+def round_limit(call, size, sizes, args):
+    """The limit kvfs's rounds of this figure time right after their calls, if any: memcpys
+    of as many bytes (in one process) or raw TCP moving as many bytes (across processes) for
+    the largest size, and as many raw 4 KiB round trips for the single 4 KiB reads."""
+    if size == max(sizes) and size >= 1 << 20 and call not in KEY_OPS:
+        return "memcpy" if args.in_process else "tcp"
+    if not args.in_process and size == 4096 and call in RTT_CALLS:
+        return "rtt"
+    return None
+
+
+RTT_CALLS = ("get", "get_into", "is_exist")  # single 4 KiB reads, held against a round trip
+
+
+def measure(systems, calls, sizes, args, emit, raw_port=None, raw_tcp=None):
     for size in sizes:
         for call in calls:
             if call in KEY_OPS and size != sizes[0]:
                 continue
             n = max(1, min(args.batch_bytes // size, args.ops_max))
             got = {s.name: [] for s in systems}
-            # In one process, kvfs's rounds of the largest size also time memcpys of as many
-            # bytes right after their calls: that figure's limit, of its own moments.
-            memcpy = (args.in_process and size == max(sizes) and size >= 1 << 20
-                      and call not in KEY_OPS)
+            # kvfs's rounds of some figures also time that figure's limit right after their
+            # calls: the limit of its own moments (`round_limit`).
+            limit = round_limit(call, size, sizes, args)
             for s in systems:
                 s.round(call, size, n)  # warm-up, untimed
             for _ in range(args.rounds):
                 for s in systems:  # A, B, A, B: drift touches both alike
-                    got[s.name].append(s.round(call, size, n, memcpy and s.name == "kvfs"))
+                    mine = limit if s.name == "kvfs" else None
+                    done = s.round(call, size, n, None if mine == "tcp" else mine, raw_port)
+                    if mine == "tcp":  # as many bytes, right after
+                        done["tcp_times"] = raw_tcp.times(size * n, 1)
+                    got[s.name].append(done)
             row = {"call": call, "size_bytes": size, "objects_per_round": n}
             for name, replies in got.items():
                 row[name] = {k: round(v, 3) for k, v in summarize(replies).items()}
@@ -616,8 +709,9 @@ def main():
                 print(json.dumps(row), flush=True) if args.json else print_row(row, with_ref)
 
             raw_port = None if args.in_process else raw_server(args, systems[0])
+            raw_tcp = None if args.in_process else RawTcpTimes(args, systems[0], raw_port)
             local = [systems[0].limits(max(sizes), raw_port)]
-            measure(systems, calls, sizes, args, emit)
+            measure(systems, calls, sizes, args, emit, raw_port, raw_tcp)
             local.append(systems[0].limits(max(sizes), raw_port))
         finally:
             for s in systems:
@@ -636,34 +730,34 @@ def main():
 
 
 def print_limits(rows, local, tcp_gbps, big, args):
-    """kvfs's figures against the limits seen from its client process: each single 4 KiB read's
-    p50 against the raw 4 KiB round trip (across processes; the lower of the measurements
-    before and after the figures), and the largest size's calls against raw loopback TCP (the
-    mean of before and after) across processes, or in one process against memcpys of as many
-    bytes timed in the same rounds right after the calls (the same statistic: bytes over
-    total time)."""
+    """kvfs's figures against the limits seen from its client process, each of its own
+    moments: every single 4 KiB read's p50 against the p50 of raw 4 KiB round trips timed
+    right after each of its rounds (across processes), and the largest size's calls against
+    raw loopback TCP moving as many bytes right after each round (across processes) or
+    memcpys of as many bytes (in one process), the same statistic as the figure: bytes over
+    total time. Beside each, the ratio against the limit measured apart from the figures
+    (round trips before and after the table, the lower; raw TCP before and after, the mean;
+    the best of five memcpys), as this bench gave it before the limits were timed per round."""
     rtts = [x["rtt_4k_p50_us"] for x in local if "rtt_4k_p50_us" in x]
     memcpy = max(x["memcpy_gbps"] for x in local)
     figures = []
-    if rtts:
-        rtt = min(rtts)
-        for r in rows:
-            if r["size_bytes"] == 4096 and r["call"] in ("get", "get_into", "is_exist"):
-                p50 = r["kvfs"]["p50_us"]
-                figures.append({"figure": f"{r['call']} 4 KiB p50 / raw 4 KiB round trip",
-                                "kvfs_p50_us": p50, "rtt_p50_us": round(rtt, 1),
-                                "ratio": round(p50 / rtt, 2)})
-    from bench_mooncake_api import human
-    limit, name = (memcpy, "memcpy") if args.in_process else (tcp_gbps, "raw loopback TCP")
     for r in rows:
-        if big >= 1 << 20 and r["size_bytes"] == big and r["call"] not in KEY_OPS:
-            g = r["kvfs"]["gbps"]
-            # In one process each figure has its own limit: memcpys timed right after its
-            # calls, in the same rounds (see `measure`).
-            limit = r["kvfs"].get("memcpy_gbps", limit)
+        k = r["kvfs"]
+        if r["size_bytes"] == 4096 and r["call"] in RTT_CALLS and "rtt_p50_us" in k:
+            figures.append({"figure": f"{r['call']} 4 KiB p50 / raw 4 KiB round trip",
+                            "kvfs_p50_us": k["p50_us"], "rtt_p50_us": round(k["rtt_p50_us"], 1),
+                            "ratio": round(k["p50_us"] / k["rtt_p50_us"], 2),
+                            "ratio_apart": round(k["p50_us"] / min(rtts), 2) if rtts else None})
+    from bench_mooncake_api import human
+    kind, name, apart = (("memcpy", "memcpy", memcpy) if args.in_process
+                         else ("tcp", "raw loopback TCP", tcp_gbps))
+    for r in rows:
+        k = r["kvfs"]
+        if big >= 1 << 20 and r["size_bytes"] == big and f"{kind}_gbps" in k:
+            g, limit = k["gbps"], k[f"{kind}_gbps"]
             figures.append({"figure": f"{r['call']} {human(big)} GB/s / {name}",
                             "kvfs_gbps": g, "limit_gbps": round(limit, 3),
-                            "ratio": round(g / limit, 2)})
+                            "ratio": round(g / limit, 2), "ratio_apart": round(g / apart, 2)})
     if args.json:
         for f in figures:
             print(json.dumps(f))
@@ -671,9 +765,13 @@ def print_limits(rows, local, tcp_gbps, big, args):
     blocking = [x["rtt_4k_blocking_p50_us"] for x in local if "rtt_4k_blocking_p50_us" in x]
     print(f"limits in the kvfs client process: memcpy {memcpy:.2f} GB/s (best of 5)"
           + (f", raw 4 KiB round trip p50 {min(rtts):.1f} us polling, {min(blocking):.1f} us "
-             "blocking (the lower is the limit)" if rtts else ""))
+             "blocking (before and after the table)" if rtts else ""))
+    print(f"  {'figure':<48} {'limit':>10} {'ratio':>6} {'apart':>6}")
     for f in figures:
-        print(f"  {f['figure']:<48} {f['ratio']:>6.2f}")
+        lim = (f"{f['rtt_p50_us']:.1f} us" if "rtt_p50_us" in f
+               else f"{f['limit_gbps']:.2f} GB/s")
+        apart = "-" if f["ratio_apart"] is None else f"{f['ratio_apart']:.2f}"
+        print(f"  {f['figure']:<48} {lim:>10} {f['ratio']:>6.2f} {apart:>6}")
 
 
 if __name__ == "__main__":

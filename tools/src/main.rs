@@ -195,6 +195,18 @@ enum BenchCmd {
         #[arg(long, default_value_t = 2 << 30)]
         dram: u64,
     },
+    /// (internal) Raw loopback TCP limits on demand, for a bench in another language
+    /// (`python/bench/bench_side_by_side.py`): reads `send|receive BYTES COUNT` lines and
+    /// answers `TIMES` and COUNT durations in seconds, each the faster of one plain stream and
+    /// `--streams` streams moving BYTES to or from the raw server at `--addr` (a `kvfs bench
+    /// store-peer`'s).
+    #[command(hide = true)]
+    RawTcp {
+        #[arg(long)]
+        addr: std::net::SocketAddr,
+        #[arg(long, default_value_t = 4)]
+        streams: usize,
+    },
     /// (internal) The peer process of `kvfs bench transfer`.
     #[command(hide = true)]
     TransferPeer {
@@ -398,6 +410,10 @@ fn run() -> anyhow::Result<()> {
         // Its own runtime per case, with the client on this thread.
         return bench::conductor::run(a);
     }
+    if let Cmd::Bench(BenchCmd::RawTcp { addr, streams }) = cli.cmd {
+        // Plain blocking sockets and threads: no runtime.
+        return bench::limits::serve_raw_tcp_times(addr, streams);
+    }
     cmd::set_tenant(cli.tenant.clone());
     if let Some(path) = &cli.cluster_secret_file {
         cmd::set_cluster_secret(
@@ -510,6 +526,7 @@ fn run() -> anyhow::Result<()> {
                 })
                 .await
             }
+            Cmd::Bench(BenchCmd::RawTcp { .. }) => unreachable!("handled before the runtime"),
             Cmd::Bench(BenchCmd::TransferPeer { buffer_bytes }) => {
                 bench::transfer::serve_peer(buffer_bytes).await
             }

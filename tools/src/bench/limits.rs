@@ -132,6 +132,64 @@ fn serve_one(mut s: TcpStream) -> std::io::Result<()> {
     }
 }
 
+/// Answers raw TCP timings on stdin/stdout (`kvfs bench raw-tcp`): for each line
+/// `send|receive|both BYTES COUNT`, a line `TIMES` with COUNT durations in seconds, each the
+/// fastest of one stream and `streams` streams moving BYTES that way (`both`: either way),
+/// measured as `kvfs bench store` measures its limit ([`raw_tcp_gbps`]: connections made and
+/// warmed for each measurement, so none starts from a window that idled); `ERROR why` for a
+/// line it cannot serve. Ends at the end of stdin.
+pub fn serve_raw_tcp_times(addr: SocketAddr, streams: usize) -> anyhow::Result<()> {
+    use std::io::BufRead;
+    let stdout = std::io::stdout();
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let answer = raw_tcp_times(addr, streams.max(1), &line)
+            .map(|t| {
+                let t: Vec<String> = t.iter().map(|s| format!("{s:.9}")).collect();
+                format!("TIMES {}", t.join(" "))
+            })
+            .unwrap_or_else(|e| format!("ERROR {e:#}"));
+        let mut out = stdout.lock();
+        writeln!(out, "{answer}")?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+/// Bytes one `raw-tcp` request may ask for (per transfer), and transfers per request.
+const RAW_TIMES_BYTES_MAX: usize = 4 << 30;
+const RAW_TIMES_COUNT_MAX: usize = 1024;
+
+fn raw_tcp_times(addr: SocketAddr, streams: usize, line: &str) -> anyhow::Result<Vec<f64>> {
+    let w: Vec<&str> = line.split_whitespace().collect();
+    let [dir, bytes, count] = w[..] else {
+        anyhow::bail!("expected `send|receive|both BYTES COUNT`, got {line:?}");
+    };
+    let dirs: &[Direction] = match dir {
+        "send" => &[Direction::Send],
+        "receive" => &[Direction::Receive],
+        "both" => &[Direction::Send, Direction::Receive],
+        other => anyhow::bail!("direction {other:?}: expected send, receive or both"),
+    };
+    let bytes: usize = bytes.parse()?;
+    let count: usize = count.parse()?;
+    anyhow::ensure!(
+        (1..=RAW_TIMES_BYTES_MAX).contains(&bytes) && (1..=RAW_TIMES_COUNT_MAX).contains(&count),
+        "BYTES must be 1..={RAW_TIMES_BYTES_MAX} and COUNT 1..={RAW_TIMES_COUNT_MAX}"
+    );
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        let mut best = 0.0f64;
+        for &dir in dirs {
+            for n in [1, streams] {
+                best = best.max(raw_tcp_gbps(addr, bytes, n, dir)?);
+            }
+        }
+        out.push(bytes as f64 / best / 1e9);
+    }
+    Ok(out)
+}
+
 /// Direction of a raw TCP measurement, seen from the bench process.
 #[derive(Debug, Clone, Copy)]
 pub enum Direction {
