@@ -51,7 +51,9 @@ pub struct StoreBench {
 /// The peer: master + node + raw TCP server; prints `READY <master> <raw tcp>`.
 pub async fn serve_peer(dram: u64) -> anyhow::Result<()> {
     let cfg = ServiceConfig { listen: "127.0.0.1:0".parse()?, ..ServiceConfig::default() };
-    let master = MasterService::start(cfg).await?;
+    // Apart from the node's runtime, as `kvfs up` runs it (see `OwnRuntime`).
+    let master_rt = crate::cmd::OwnRuntime::new("kvfs-master")?;
+    let master = master_rt.run(MasterService::start(cfg)).await??;
     let addr = master.rpc_addr().to_string();
     let node =
         Node::start(NodeConfig { master: addr.clone(), dram_bytes: dram, ..NodeConfig::default() })
@@ -65,6 +67,7 @@ pub async fn serve_peer(dram: u64) -> anyhow::Result<()> {
     while let Ok(Some(_)) = lines.next_line().await {}
     drop(node);
     drop(master);
+    drop(master_rt);
     Ok(())
 }
 

@@ -872,13 +872,17 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
     let store = args.store.config(Some(&default_store))?;
     let mut mcfg = args.master.service_config()?;
     mcfg.object_store = store.clone();
+    // The master runs on a runtime of its own, apart from the node's (see `OwnRuntime`).
+    let master_rt = super::OwnRuntime::new("kvfs-master")?;
     let (etcd, ha, svc, master) = if args.ha {
         let etcd = start_etcd(&args.data, args.etcd_listen).await?;
-        let (ha, master) = start_ha_master(mcfg, args.etcd_listen).await?;
+        let etcd_listen = args.etcd_listen;
+        let (ha, master) = master_rt.run(start_ha_master(mcfg, etcd_listen)).await??;
         (Some(etcd), Some(ha), None, master)
     } else {
-        let svc = MasterService::start(mcfg)
-            .await
+        let svc = master_rt
+            .run(MasterService::start(mcfg))
+            .await?
             .with_context(|| format!("starting the master on {}", args.master.listen))?;
         let master = svc.rpc_addr().to_string();
         (None, None, Some(svc), master)
@@ -957,6 +961,7 @@ pub async fn up(args: UpArgs) -> anyhow::Result<()> {
         let _ = h.stop.send(());
         let _ = tokio::time::timeout(Duration::from_secs(5), h.task).await;
     }
+    drop(master_rt);
     drop(etcd);
     Ok(())
 }
