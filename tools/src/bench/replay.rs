@@ -80,7 +80,9 @@ pub async fn run(name: &str, requests: &[Request], o: &ReplayOpts) -> anyhow::Re
         ..ServiceConfig::default()
     };
     cfg.directory.object_size_max = cfg.directory.object_size_max.max(o.block_bytes);
-    let master = MasterService::start(cfg).await.context("starting the master")?;
+    // Apart from the node's runtime, as `kvfs up` runs it (see `OwnRuntime`).
+    let master_rt = crate::cmd::OwnRuntime::new("kvfs-master")?;
+    let master = master_rt.run(MasterService::start(cfg)).await?.context("starting the master")?;
     let addr = master.rpc_addr().to_string();
     let node = Node::start(NodeConfig {
         master: addr.clone(),

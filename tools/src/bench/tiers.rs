@@ -178,7 +178,9 @@ async fn promotion(
         ..ServiceConfig::default()
     };
     mcfg.directory.lease_ttl_ms = 200;
-    let master = MasterService::start(mcfg).await?;
+    // Apart from the node's runtime, as `kvfs up` runs it (see `OwnRuntime`).
+    let master_rt = crate::cmd::OwnRuntime::new("kvfs-master")?;
+    let master = master_rt.run(MasterService::start(mcfg)).await??;
     let dram = ((o.promotes + 4) * size * 2).max(64 << 20) as u64;
     let mut tiers = TierConfig {
         nvme_bytes: (o.promotes as u64 + 4) * (size as u64 + (1 << 20)) * 2,
