@@ -45,8 +45,10 @@ blocking sockets, the fastest of one stream and four in either direction, as ``k
 store`` measures its limit), and with ``--in-process`` against numpy's single-threaded memcpy
 of as many bytes in the client; bytes over total time, as the figure. Beside each, the ratio
 against the same limit measured apart from the figures (before and after the table) is printed
-too. On a shared machine
-absolute figures are noise; the ratios are the figures.
+too. The CPU time each system's processes used while the other was timed is summed and
+printed (it should be near zero: a round starts only after the last one answered, so neither
+system's leftovers slow the other). On a shared machine absolute figures are noise; the ratios
+are the figures.
 
 Usage::
 
@@ -378,6 +380,18 @@ class System:
             tail = f.read()[-2000:].decode(errors="replace")
         raise SystemExit(f"{self.name}: {why}\n--- last lines of {self.log_path} ---\n{tail}")
 
+    def cpu_seconds(self):
+        """CPU time (user + system, all threads) its processes have used so far."""
+        tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+        for p in self.procs:
+            try:
+                with open(f"/proc/{p.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick
+            except (OSError, IndexError, ValueError):
+                pass  # gone: it uses no more
+        return total
+
     def stop(self):
         """Workers leave when their stdin closes (the store's close); then the master."""
         for p in reversed(self.procs[1:]):
@@ -528,6 +542,7 @@ def summarize(replies):
     total = sum(sum(r["times"]) for r in replies)
     lat = [t for r in replies for t in r["times"]]
     out = {
+        "others_cpu_ms": sum(r.get("others_cpu_s", 0.0) for r in replies) * 1e3,
         "gbps": sum(r["bytes"] for r in replies) / total / 1e9,
         "ops_per_s": sum(r["ops"] for r in replies) / total,
         "p50_us": statistics.median(lat) * 1e6,
@@ -573,7 +588,12 @@ def measure(systems, calls, sizes, args, emit, raw_port=None, raw_tcp=None):
             for _ in range(args.rounds):
                 for s in systems:  # A, B, A, B: drift touches both alike
                     mine = limit if s.name == "kvfs" else None
+                    others = [o for o in systems if o is not s]
+                    idle = sum(o.cpu_seconds() for o in others)
                     done = s.round(call, size, n, None if mine == "tcp" else mine, raw_port)
+                    # What the other system took of the CPU while this one was timed (it
+                    # should be idle: each round waits for the last one's answer).
+                    done["others_cpu_s"] = sum(o.cpu_seconds() for o in others) - idle
                     if mine == "tcp":  # as many bytes, right after
                         done["tcp_times"] = raw_tcp.times(size * n, 1)
                     got[s.name].append(done)
@@ -724,6 +744,10 @@ def main():
                           "kvfs_transport": args.kvfs_transport}))
     else:
         print(f"raw loopback TCP after: {after:.2f} GB/s")
+        if with_ref and rows:
+            took = {n: sum(r[n]["others_cpu_ms"] for r in rows) for n in ("kvfs", "reference")}
+            print(f"CPU the other system used while one was timed: {took['kvfs']:.0f} ms in "
+                  f"kvfs's rounds, {took['reference']:.0f} ms in the reference's")
         print("ratio = kvfs / reference; above 1 kvfs is faster" if with_ref
               else "reference not run (--no-ref): kvfs figures only")
     print_limits(rows, local, (before + after) / 2, max(sizes), args)
