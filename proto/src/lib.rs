@@ -15,6 +15,7 @@
 
 pub mod auth;
 pub mod frame;
+pub mod plain;
 pub mod store;
 pub mod transfer;
 

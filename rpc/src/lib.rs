@@ -53,6 +53,7 @@ use tokio::sync::{Notify, oneshot};
 
 pub use kvfs_proto::auth::ClusterSecret;
 use kvfs_proto::auth::{self, AuthError};
+use kvfs_proto::plain::PlainStream;
 
 const KIND_REQUEST: u8 = 1;
 const KIND_RESPONSE: u8 = 2;
@@ -525,15 +526,10 @@ const DIRECT_BUFFER_BYTES: usize = 16 << 10;
 /// (`&mut self`). A call that fails, times out or is dropped midway leaves the stream in the
 /// middle of a frame: the owner must then drop the connection and make a new one.
 ///
-/// Its socket is registered with no reactor while a call writes and polls for the answer: a
-/// registered socket's every readiness edge (the answer arriving, the request's
-/// acknowledgement freeing send space) woke the runtime thread parked in `epoll_wait`, two
-/// wake-ups per call that nobody waited for, which on a 2-core machine took the CPU from the
-/// very peer the call waited for. Only a call that must wait (the answer not there within
-/// the spin, a full send buffer) registers the socket, for that wait. `cargo run --release -p
-/// kvfs-rpc --example rpc_latency`, direct: 19.8-22.8 us p50 registered, 8.9 us this way.
+/// Its socket is registered with no reactor while a call writes and polls for the answer
+/// ([`PlainStream`]): only a call that must wait registers it, for that wait.
 pub struct DirectConn {
-    sock: Plain,
+    sock: PlainStream,
     next_id: u64,
     peer: String,
     opts: RpcOptions,
@@ -544,12 +540,11 @@ impl DirectConn {
         let stream = dial(addr, &opts).await?;
         tune(&stream);
         let peer = stream.peer_addr().map(|a: SocketAddr| a.to_string()).unwrap_or_default();
-        // Non-blocking, and no longer registered with the runtime.
-        let std = stream.into_std().map_err(|e| RpcError::Connect {
+        let sock = PlainStream::new(stream).map_err(|e| RpcError::Connect {
             peer: peer.clone(),
             detail: format!("taking the socket off the runtime: {e}"),
         })?;
-        Ok(DirectConn { sock: Plain::new(std), next_id: 1, peer, opts })
+        Ok(DirectConn { sock, next_id: 1, peer, opts })
     }
 
     pub fn peer(&self) -> &str {
@@ -572,7 +567,7 @@ impl DirectConn {
         }
         let closed = |_| RpcError::Closed(self.peer.clone());
         self.sock.write_all(&frame).await.map_err(closed)?;
-        self.sock.spin_for_bytes(spin);
+        self.sock.spin_for_bytes(spin, true);
         let mut hdr = [0u8; HEADER];
         self.sock.read_exact(&mut hdr).await.map_err(|_| RpcError::Closed(self.peer.clone()))?;
         if let Some(detail) = refused_frame(&hdr) {
@@ -593,153 +588,6 @@ impl DirectConn {
             KIND_ERROR => Err(RpcError::Remote(String::from_utf8_lossy(&body).into_owned())),
             other => Err(RpcError::Decode(format!("frame kind {other} on a direct connection"))),
         }
-    }
-}
-
-/// A non-blocking socket registered with the runtime only while a [`DirectConn`] call waits on
-/// it, with a small read buffer (one system call brings in a frame's header and a small body).
-struct Plain {
-    /// `None` only while a wait has it registered (a wait that is dropped takes it along: the
-    /// connection is then unusable, as after any call dropped midway).
-    sock: Option<std::net::TcpStream>,
-    buf: Box<[u8]>,
-    start: usize,
-    end: usize,
-}
-
-impl Plain {
-    fn new(sock: std::net::TcpStream) -> Plain {
-        Plain {
-            sock: Some(sock),
-            buf: vec![0u8; DIRECT_BUFFER_BYTES].into_boxed_slice(),
-            start: 0,
-            end: 0,
-        }
-    }
-
-    fn fd(&self) -> std::io::Result<std::os::fd::RawFd> {
-        self.sock.as_ref().map(|s| s.as_raw_fd()).ok_or_else(|| {
-            std::io::Error::new(std::io::ErrorKind::NotConnected, "an earlier wait was dropped")
-        })
-    }
-
-    /// Registers the socket, waits until it is ready for `interest`, and takes it off the
-    /// runtime again (two `epoll_ctl` calls, paid only when a call has to wait).
-    async fn wait(&mut self, interest: tokio::io::Interest) -> std::io::Result<()> {
-        let std = self.sock.take().ok_or_else(|| {
-            std::io::Error::new(std::io::ErrorKind::NotConnected, "an earlier wait was dropped")
-        })?;
-        let registered = TcpStream::from_std(std)?;
-        let ready = registered.ready(interest).await;
-        self.sock = Some(registered.into_std()?);
-        ready.map(|_| ())
-    }
-
-    async fn write_all(&mut self, mut data: &[u8]) -> std::io::Result<()> {
-        while !data.is_empty() {
-            let fd = self.fd()?;
-            // SAFETY: a non-blocking send of our own bytes on our own socket.
-            let n = unsafe {
-                libc::send(
-                    fd,
-                    data.as_ptr().cast(),
-                    data.len(),
-                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-                )
-            };
-            if n > 0 {
-                data = &data[n as usize..];
-                continue;
-            }
-            let e = std::io::Error::last_os_error();
-            match e.kind() {
-                std::io::ErrorKind::WouldBlock => self.wait(tokio::io::Interest::WRITABLE).await?,
-                std::io::ErrorKind::Interrupted => {}
-                _ if n == 0 => return Err(std::io::ErrorKind::WriteZero.into()),
-                _ => return Err(e),
-            }
-        }
-        Ok(())
-    }
-
-    /// One non-blocking receive into `dst`: `Ok(0)` at the end of the stream, `WouldBlock`
-    /// when nothing is there.
-    fn recv(&self, dst: &mut [u8]) -> std::io::Result<usize> {
-        let fd = self.fd()?;
-        loop {
-            // SAFETY: a non-blocking receive into `dst`, bounded by its length.
-            let n =
-                unsafe { libc::recv(fd, dst.as_mut_ptr().cast(), dst.len(), libc::MSG_DONTWAIT) };
-            if n >= 0 {
-                return Ok(n as usize);
-            }
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(e);
-            }
-        }
-    }
-
-    /// Polls the socket without parking, for up to `spin`, until some bytes are buffered, the
-    /// stream ends or fails (the next read reports it), or `spin` has passed.
-    fn spin_for_bytes(&mut self, spin: Duration) {
-        if self.end > self.start || spin.is_zero() {
-            return;
-        }
-        let started = std::time::Instant::now();
-        loop {
-            let mut buf = std::mem::take(&mut self.buf);
-            let got = self.recv(&mut buf);
-            self.buf = buf;
-            match got {
-                Ok(n) if n > 0 => {
-                    (self.start, self.end) = (0, n);
-                    return;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                _ => return,
-            }
-            if started.elapsed() >= spin {
-                return;
-            }
-            // Let a thread woken on this CPU (with two cores, the very peer this call waits
-            // for) run instead of spinning against it.
-            std::thread::yield_now();
-        }
-    }
-
-    async fn read_exact(&mut self, dst: &mut [u8]) -> std::io::Result<()> {
-        let mut got = 0;
-        while got < dst.len() {
-            if self.start == self.end {
-                let direct = dst.len() - got >= self.buf.len();
-                let r = if direct {
-                    self.recv(&mut dst[got..])
-                } else {
-                    let mut buf = std::mem::take(&mut self.buf);
-                    let r = self.recv(&mut buf);
-                    self.buf = buf;
-                    r
-                };
-                match r {
-                    Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                    Ok(n) if direct => {
-                        got += n;
-                        continue;
-                    }
-                    Ok(n) => (self.start, self.end) = (0, n),
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        self.wait(tokio::io::Interest::READABLE).await?;
-                        continue;
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-            let n = (dst.len() - got).min(self.end - self.start);
-            dst[got..got + n].copy_from_slice(&self.buf[self.start..self.start + n]);
-            (self.start, got) = (self.start + n, got + n);
-        }
-        Ok(())
     }
 }
 
