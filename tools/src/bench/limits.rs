@@ -165,10 +165,10 @@ fn raw_tcp_times(addr: SocketAddr, streams: usize, line: &str) -> anyhow::Result
     let [dir, bytes, count] = w[..] else {
         anyhow::bail!("expected `send|receive|both BYTES COUNT`, got {line:?}");
     };
-    let dirs: &[Direction] = match dir {
-        "send" => &[Direction::Send],
-        "receive" => &[Direction::Receive],
-        "both" => &[Direction::Send, Direction::Receive],
+    let dir = match dir {
+        "send" => Some(Direction::Send),
+        "receive" => Some(Direction::Receive),
+        "both" => None,
         other => anyhow::bail!("direction {other:?}: expected send, receive or both"),
     };
     let bytes: usize = bytes.parse()?;
@@ -177,17 +177,10 @@ fn raw_tcp_times(addr: SocketAddr, streams: usize, line: &str) -> anyhow::Result
         (1..=RAW_TIMES_BYTES_MAX).contains(&bytes) && (1..=RAW_TIMES_COUNT_MAX).contains(&count),
         "BYTES must be 1..={RAW_TIMES_BYTES_MAX} and COUNT 1..={RAW_TIMES_COUNT_MAX}"
     );
-    let mut out = Vec::with_capacity(count);
-    for _ in 0..count {
-        let mut best = 0.0f64;
-        for &dir in dirs {
-            for n in [1, streams] {
-                best = best.max(raw_tcp_gbps(addr, bytes, n, dir)?);
-            }
-        }
-        out.push(bytes as f64 / best / 1e9);
-    }
-    Ok(out)
+    // The same measurement as `kvfs bench store`'s limit: the best of one stream and
+    // `streams`, in `dir` or both ways.
+    let limit = Limit::Tcp { addr, bytes, streams, dir };
+    (0..count).map(|_| Ok(bytes as f64 / limit.measure_blocking()? / 1e9)).collect()
 }
 
 /// Direction of a raw TCP measurement, seen from the bench process.
