@@ -357,8 +357,13 @@ impl<K: std::hash::Hash + Eq + Copy, V> Generations<K, V> {
         if self.max == 0 {
             return;
         }
-        if self.young.len() >= self.max.div_ceil(2) {
-            self.old = std::mem::take(&mut self.young);
+        // Each generation holds at most half of `max` (rounded down), so both together never
+        // pass it; with `max` 1 there is no old generation at all. (Half rounded up let an odd
+        // `max` be passed by one: 3 + 3 entries under a bound of 5.)
+        let half = self.max / 2;
+        if self.young.len() >= half.max(1) {
+            self.old = if half == 0 { HashMap::default() } else { std::mem::take(&mut self.young) };
+            self.young.clear();
         }
         self.young.insert(k, v);
     }
@@ -404,6 +409,22 @@ mod tests {
         off.insert(keys[0], 0, &[0; 32]);
         off.learn(keys[1], 1);
         assert!(off.is_empty() && off.get(keys[0]).is_none());
+    }
+
+    #[test]
+    fn generations_never_hold_more_than_their_bound() {
+        for max in 0..9usize {
+            let mut g = Generations::new(max);
+            for k in 0..100u64 {
+                g.insert(k, ());
+                assert!(g.len() <= max, "{} entries under a bound of {max}", g.len());
+                if k % 3 == 0 {
+                    let _ = g.get(&(k / 2));
+                    assert!(g.len() <= max, "{} entries under a bound of {max}", g.len());
+                }
+            }
+            assert!(max < 2 || g.contains(&99), "the newest entry is kept");
+        }
     }
 
     #[test]
