@@ -26,8 +26,15 @@
 //! segment and in no replica, and it disappears with its segment when the node goes away;
 //! `verify` counts loading ranges as allocated.
 //!
+//! - A *move* ([`Directory::begin_move`]) is a load whose source is the node's copy in its
+//!   other memory tier: a node's tier manager moving an object from HBM down to DRAM (GPU memory
+//!   above its watermark) or back up. The destination range is allocated on the same node and
+//!   tracked in `loading` like any load; [`Directory::end_load`] then also requires the source
+//!   copy to be a replica still (a copy read from a range the master dropped, and may have
+//!   reused, is never attached), and the node releases the source with a report.
+//!
 //! Not handled: loading into another node than the NVMe copy's (bytes would have to cross
-//! nodes twice); loads into HBM.
+//! nodes twice); moves between nodes.
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
@@ -44,6 +51,9 @@ pub(super) struct Loading {
     pub(super) offset: u64,
     pub(super) size: u64,
     pub(super) version: u64,
+    /// A move's source: the node's copy in its other memory tier, which must still be a
+    /// replica when the load ends.
+    pub(super) source: Option<Location>,
 }
 
 /// A planned load: the node fills `[offset, offset + size)` of its DRAM segment `segment` with
@@ -60,7 +70,8 @@ pub struct LoadPlan {
     pub checksum: Option<[u8; 32]>,
     pub persistence: Persistence,
     pub pin: Pin,
-    /// `Location::Node` of the NVMe copy, or `Location::ObjectStore`.
+    /// `Location::Node` of the NVMe copy, or `Location::ObjectStore`; for a move, the node's
+    /// copy in its other memory tier.
     pub source: Location,
 }
 
@@ -168,25 +179,89 @@ impl Directory {
         };
         // Eviction may have dropped objects, never this one: it has no memory replica.
         let id = self.lookup(key).expect("the loaded object is still there");
+        let version = self.objects[id].version;
+        let key = self.key_arc(id);
+        self.loading.insert(key.clone(), Loading { seg, offset, size, version, source: None });
+        Ok(Some(self.load_plan(key, seg, offset, source)))
+    }
+
+    fn load_plan(&self, key: Arc<str>, seg: NonZeroU32, offset: u64, source: Location) -> LoadPlan {
+        let id = self.lookup(&key).expect("a planned object exists");
         let o = &self.objects[id];
         let (version, checksum, persistence, pin) =
             (o.version, o.checksum(), o.flags().persistence, o.flags().pin);
-        let key = self.key_arc(id);
-        self.loading.insert(key.clone(), Loading { seg, offset, size, version });
         let s = self.segment(seg);
-        Ok(Some(LoadPlan {
+        LoadPlan {
             key,
             node: s.node,
             segment: s.index,
             offset,
             addr: s.base_addr + offset,
-            size,
+            size: o.size,
             version,
             checksum,
             persistence,
             pin,
             source,
-        }))
+        }
+    }
+
+    /// Plan a move of `key` at `version` on `node` from its copy in memory tier `from` into a
+    /// new range of its segment of memory tier `to` (HBM -> DRAM or DRAM -> HBM), making room
+    /// there by evicting that segment's LRU replicas if needed. `None` when the node already
+    /// holds a `to` copy. Errors: `Conflict` for another version, `NotFound` when the node
+    /// holds no `from` copy, `InvalidArgument` for tiers that are not two different memory
+    /// tiers, `PutInProgress` while a load of the key runs, `NoSpace` when the node has no
+    /// `to` segment or no range in it.
+    pub fn begin_move(
+        &mut self,
+        key: &str,
+        version: u64,
+        node: NodeId,
+        (from, to): (Tier, Tier),
+        now_ms: u64,
+        fx: &mut Vec<NodeEffect>,
+    ) -> Result<Option<LoadPlan>> {
+        const OP: &str = "move";
+        let memory = |t: Tier| matches!(t, Tier::Dram | Tier::Hbm);
+        if !memory(from) || !memory(to) || from == to {
+            let detail = format!("a move goes between DRAM and HBM, not {from:?} -> {to:?}");
+            return Err(Error::new(ErrorKind::InvalidArgument, OP)
+                .with_key(key)
+                .with_detail(detail));
+        }
+        let id = self.find(key, OP)?;
+        if self.objects[id].version != version {
+            let detail =
+                format!("the object is at version {}, not {version}", self.objects[id].version);
+            return Err(Error::new(ErrorKind::Conflict, OP).with_key(key).with_detail(detail));
+        }
+        if self.loading.contains_key(key) {
+            return Err(Error::new(ErrorKind::PutInProgress, OP)
+                .with_key(key)
+                .with_detail("another load of the key is in flight"));
+        }
+        if self.replica_on(id, node, to).is_some() {
+            return Ok(None);
+        }
+        let view = self.view(id);
+        let Some(src) =
+            view.replicas.iter().find(|r| r.node() == Some(node) && r.tier() == from).copied()
+        else {
+            let detail = format!("node {} holds no {from:?} copy", node.0);
+            return Err(Error::new(ErrorKind::NotFound, OP).with_key(key).with_detail(detail));
+        };
+        let Some((seg, offset)) = self.alloc_on(node, to, view.size, now_ms, fx) else {
+            let detail = format!("no {to:?} range on node {}", node.0);
+            return Err(Error::new(ErrorKind::NoSpace, OP).with_key(key).with_detail(detail));
+        };
+        // Eviction in the `to` segment never drops this object: it has no replica there.
+        let id = self.lookup(key).expect("the moved object is still there");
+        let key = self.key_arc(id);
+        let source = Some(src.location);
+        let loading = Loading { seg, offset, size: view.size, version, source };
+        self.loading.insert(key.clone(), loading);
+        Ok(Some(self.load_plan(key, seg, offset, src.location)))
     }
 
     /// A range of `size` bytes in one of `node`'s DRAM segments, evicting that segment's LRU
@@ -198,9 +273,21 @@ impl Directory {
         now_ms: u64,
         fx: &mut Vec<NodeEffect>,
     ) -> Option<(NonZeroU32, u64)> {
+        self.alloc_on(node, Tier::Dram, size, now_ms, fx)
+    }
+
+    /// [`alloc_dram_on`](Self::alloc_dram_on) in `node`'s segments of `tier`.
+    fn alloc_on(
+        &mut self,
+        node: NodeId,
+        tier: Tier,
+        size: u64,
+        now_ms: u64,
+        fx: &mut Vec<NodeEffect>,
+    ) -> Option<(NonZeroU32, u64)> {
         let segs: Vec<NonZeroU32> = self.nodes.get(&node)?.segs.clone();
         let dram: Vec<NonZeroU32> =
-            segs.into_iter().filter(|&s| self.segment(s).tier == Tier::Dram).collect();
+            segs.into_iter().filter(|&s| self.segment(s).tier == tier).collect();
         for &seg in &dram {
             if let Some(off) = self.segment_mut(seg).alloc.alloc(size) {
                 return Some((seg, off));
@@ -225,9 +312,9 @@ impl Directory {
         None
     }
 
-    /// Finish a load. With `filled` (the blake3 the node computed), the range becomes a DRAM
-    /// replica of the object, leased like a get, if the object is still the version loaded;
-    /// otherwise the range is freed (with a `Drop` effect when the node filled it). Returns
+    /// Finish a load. With `filled` (the blake3 the node computed), the range becomes a
+    /// replica of the object, leased like a get, if the object is still the version loaded
+    /// (and, for a move, its source copy is still a replica); otherwise the range is freed (with a `Drop` effect when the node filled it). Returns
     /// whether the replica was attached.
     pub fn end_load(
         &mut self,
@@ -245,9 +332,11 @@ impl Directory {
             self.free_range(l.seg, l.offset, l.size);
             return false;
         };
-        let node = self.segment(l.seg).node;
+        let (node, tier) = (self.segment(l.seg).node, self.segment(l.seg).tier);
         let id = self.lookup(&plan.key).filter(|&id| {
-            self.objects[id].version == l.version && self.replica_on(id, node, Tier::Dram).is_none()
+            self.objects[id].version == l.version
+                && self.replica_on(id, node, tier).is_none()
+                && l.source.is_none_or(|src| self.has_replica(id, &src))
         });
         let Some(id) = id else {
             let at = DroppedCopy { seg: l.seg, offset: l.offset, len: l.size, version: l.version };
@@ -256,8 +345,12 @@ impl Directory {
             return false;
         };
         self.attach_replica(id, l.seg, l.offset);
-        self.lease(id, now_ms);
-        self.touch(id);
+        if l.source.is_none() {
+            // A reader waits for this copy. A move has none: a lease would only hold off the
+            // release of its source copy, and a demoted object is not recently used.
+            self.lease(id, now_ms);
+            self.touch(id);
+        }
         self.record_checksum(id, sum);
         true
     }
@@ -708,6 +801,149 @@ mod tests {
         assert_eq!(plan.node, a.node);
         assert!(fx.iter().any(|e| matches!(e, NodeEffect::Drop { .. })), "eviction made room");
         assert!(d.end_load(&plan, Some([0; 32]), 4, &mut fx));
+        d.verify().unwrap();
+    }
+
+    /// Nodes 1 and 2 with DRAM (segment 0) and HBM (segment 2, `hbm` bytes), and node 3 with
+    /// DRAM only.
+    fn hbm_cluster(hbm: u64) -> Directory {
+        let mut d = Directory::new(Config { seed: 5, ..Config::default() }).unwrap();
+        for n in 1..=3u64 {
+            let mut segments = vec![SegmentSpec {
+                index: 0,
+                tier: Tier::Dram,
+                base_addr: 1 << 30,
+                capacity: 8 * MIB,
+            }];
+            if n < 3 {
+                segments.push(SegmentSpec {
+                    index: 2,
+                    tier: Tier::Hbm,
+                    base_addr: 1 << 40,
+                    capacity: hbm,
+                });
+            }
+            let r = NodeRegistration {
+                node: NodeId(n),
+                host: format!("host{n}"),
+                endpoint: format!("10.0.0.{n}:7000"),
+                segments,
+                held: Vec::new(),
+            };
+            d.register_node(&r, 0, &mut Vec::new()).unwrap();
+        }
+        d
+    }
+
+    /// An object put into HBM on `replicas` nodes; its version.
+    fn put_hbm(d: &mut Directory, key: &str, replicas: u8) -> u64 {
+        let mut fx = Vec::new();
+        let mut req = PutStart::new(key, MIB);
+        req.tier = Tier::Hbm;
+        req.replicas = replicas;
+        d.put_start(&req, 0, &mut fx).unwrap();
+        d.put_end(&PutEnd::new(key, None), 0, &mut fx).unwrap();
+        d.stat(key).unwrap().version
+    }
+
+    fn hbm_on(d: &Directory, key: &str, node: NodeId) -> Location {
+        let v = d.stat(key).unwrap();
+        v.replicas
+            .iter()
+            .find(|r| r.node() == Some(node) && r.tier() == Tier::Hbm)
+            .unwrap()
+            .location
+    }
+
+    /// HBM -> DRAM on the same node: the DRAM copy is attached without a lease, the node's
+    /// report then releases the HBM copy; and back up again.
+    #[test]
+    fn a_move_down_and_back_up_keeps_one_copy_per_tier() {
+        let mut d = hbm_cluster(4 * MIB);
+        let v = put_hbm(&mut d, "k", 1);
+        let node = d.stat("k").unwrap().replicas[0].node().unwrap();
+        let hbm = hbm_on(&d, "k", node);
+        let mut fx = Vec::new();
+        let plan = d.begin_move("k", v, node, (Tier::Hbm, Tier::Dram), 1, &mut fx).unwrap();
+        let plan = plan.expect("the node has no DRAM copy yet");
+        assert_eq!((plan.node, plan.segment, plan.source), (node, 0, hbm));
+        let again = d.begin_move("k", v, node, (Tier::Hbm, Tier::Dram), 1, &mut fx);
+        assert_eq!(kind(again), ErrorKind::PutInProgress);
+        d.verify().unwrap();
+        assert!(d.end_load(&plan, Some([7; 32]), 2, &mut fx));
+        assert_eq!(tiers_of(&d, "k"), [Tier::Hbm, Tier::Dram]);
+        assert!(d.stat("k").unwrap().lease_end_ms <= 2, "a move leases nothing");
+        let o = d.report_replica("k", v, None, None, Some(&hbm), 3).unwrap();
+        assert!(o.removed, "the source copy is released: {o:?}");
+        assert_eq!(tiers_of(&d, "k"), [Tier::Dram]);
+        d.verify().unwrap();
+        let up = d.begin_move("k", v, node, (Tier::Dram, Tier::Hbm), 4, &mut fx).unwrap();
+        let up = up.expect("the node has no HBM copy any more");
+        assert_eq!((up.node, up.segment), (node, 2));
+        assert!(d.end_load(&up, Some([7; 32]), 5, &mut fx));
+        assert_eq!(tiers_of(&d, "k"), [Tier::Hbm, Tier::Dram]);
+        let none = d.begin_move("k", v, node, (Tier::Dram, Tier::Hbm), 6, &mut fx).unwrap();
+        assert!(none.is_none(), "an HBM copy is there already");
+        d.verify().unwrap();
+    }
+
+    /// A copy read from a source the master dropped in the meantime (its range may hold
+    /// another object's bytes by now) is never attached; its range is freed and dropped.
+    #[test]
+    fn a_move_whose_source_was_dropped_is_not_attached() {
+        let mut d = hbm_cluster(4 * MIB);
+        let v = put_hbm(&mut d, "k", 2);
+        assert_eq!(tiers_of(&d, "k"), [Tier::Hbm, Tier::Hbm]);
+        let node = d.stat("k").unwrap().replicas[0].node().unwrap();
+        let mut fx = Vec::new();
+        let plan = d.begin_move("k", v, node, (Tier::Hbm, Tier::Dram), 1, &mut fx).unwrap();
+        let plan = plan.unwrap();
+        assert!(!d.remove_replica("k", &hbm_on(&d, "k", node)).unwrap());
+        let mut fx = Vec::new();
+        assert!(!d.end_load(&plan, Some([7; 32]), 2, &mut fx));
+        assert!(
+            fx.iter()
+                .any(|e| matches!(e, NodeEffect::Drop { node: n, segment: 0, .. } if *n == node)),
+            "the filled range is dropped on the node: {fx:?}"
+        );
+        assert_eq!(tiers_of(&d, "k"), [Tier::Hbm]);
+        d.verify().unwrap();
+    }
+
+    #[test]
+    fn bad_moves_are_refused_with_their_reason() {
+        let mut d = hbm_cluster(4 * MIB);
+        let v = put_hbm(&mut d, "k", 1);
+        let node = d.stat("k").unwrap().replicas[0].node().unwrap();
+        let other = NodeId(if node.0 == 1 { 2 } else { 1 });
+        let mut fx = Vec::new();
+        let mut mv = |d: &mut Directory, key: &str, v: u64, n: NodeId, t: (Tier, Tier)| {
+            d.begin_move(key, v, n, t, 1, &mut fx)
+        };
+        let (down, up) = ((Tier::Hbm, Tier::Dram), (Tier::Dram, Tier::Hbm));
+        assert_eq!(kind(mv(&mut d, "k", v + 1, node, down)), ErrorKind::Conflict);
+        assert_eq!(kind(mv(&mut d, "nope", v, node, down)), ErrorKind::NotFound);
+        assert_eq!(kind(mv(&mut d, "k", v, other, down)), ErrorKind::NotFound, "no copy there");
+        assert_eq!(kind(mv(&mut d, "k", v, other, up)), ErrorKind::NotFound, "no DRAM copy");
+        assert!(mv(&mut d, "k", v, node, up).unwrap().is_none(), "an HBM copy is there already");
+        for t in [(Tier::Hbm, Tier::Hbm), (Tier::Hbm, Tier::Nvme), (Tier::Nvme, Tier::Dram)] {
+            assert_eq!(kind(mv(&mut d, "k", v, node, t)), ErrorKind::InvalidArgument, "{t:?}");
+        }
+        // Node 3 contributes no HBM: a DRAM object there cannot move up.
+        let mut fx2 = Vec::new();
+        let mut placed = None;
+        for i in 0..8 {
+            let key = format!("d{i}");
+            let g = d.put_start(&PutStart::new(key.as_str(), MIB), 0, &mut fx2).unwrap();
+            d.put_end(&PutEnd::new(key.as_str(), None), 0, &mut fx2).unwrap();
+            if g.replicas[0].node() == Some(NodeId(3)) {
+                placed = Some(key);
+                break;
+            }
+        }
+        let key = placed.expect("some DRAM put lands on node 3");
+        let v3 = d.stat(&key).unwrap().version;
+        assert_eq!(kind(mv(&mut d, &key, v3, NodeId(3), up)), ErrorKind::NoSpace);
         d.verify().unwrap();
     }
 }
