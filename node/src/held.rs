@@ -38,6 +38,8 @@ pub struct Held {
     pub nvme: Option<u64>,
     /// Offset of the HBM copy in the HBM segment (GPU memory).
     pub hbm: Option<u64>,
+    /// A writer put it into HBM: the tier manager may move it back up after demoting it.
+    pub hbm_home: bool,
     /// The object store holds this version (eager, or written back).
     pub persisted: bool,
     /// In the write-back queue.
@@ -60,6 +62,7 @@ impl Held {
             dram: None,
             nvme: None,
             hbm: None,
+            hbm_home: false,
             persisted: false,
             queued: false,
             busy: false,
@@ -78,6 +81,8 @@ pub struct Index {
     pub nvme_alloc: OffsetAllocator,
     /// Bytes of DRAM copies.
     pub dram_bytes: u64,
+    /// Bytes of HBM copies.
+    pub hbm_bytes: u64,
 }
 
 impl Index {
@@ -86,6 +91,7 @@ impl Index {
             objects: HashMap::default(),
             nvme_alloc: OffsetAllocator::new(nvme_region_bytes, 4096),
             dram_bytes: 0,
+            hbm_bytes: 0,
         }
     }
 
@@ -120,6 +126,11 @@ impl Index {
     /// Record (or forget) the HBM copy's offset.
     pub fn set_hbm(&mut self, key: &str, offset: Option<u64>) {
         if let Some(h) = self.objects.get_mut(key) {
+            match (h.hbm, offset) {
+                (None, Some(_)) => self.hbm_bytes += h.size,
+                (Some(_), None) => self.hbm_bytes -= h.size,
+                _ => {}
+            }
             h.hbm = offset;
         }
     }
@@ -127,6 +138,7 @@ impl Index {
     /// Remove an entry whatever it holds; returns it (the caller frees its NVMe file).
     pub fn remove(&mut self, key: &str) -> Option<Held> {
         self.set_dram(key, None);
+        self.set_hbm(key, None);
         self.clear_nvme(key);
         self.objects.remove(key)
     }

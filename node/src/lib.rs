@@ -48,9 +48,10 @@
 //! closed: [`Node::shutdown`] waits for the node's tasks and drops it on a blocking thread.
 //! Everything above the directory is the local NVMe tier unchanged.
 //!
-//! Not handled here: the tier manager's moves of HBM copies (HBM -> DRAM demotion, promotion
-//! back; an HBM copy stays until it is removed or the master evicts it), several GPUs per node,
-//! several NVMe directories per node.
+//! The tier manager (`tiering.rs`) moves HBM copies down to DRAM above the HBM watermark and
+//! objects put into HBM back up when hot.
+//!
+//! Not handled here: several GPUs per node, several NVMe directories per node.
 
 mod data_dir;
 mod held;

@@ -15,6 +15,14 @@
 //! - **Load** (from the master): copy from NVMe or the object store into the DRAM range,
 //!   verified by the medium (`Corrupt` is counted and answered; the master then drops the bad
 //!   copy and falls back).
+//! - **HBM moves** (a node with an HBM segment; policy `Demote { from: Hbm }` above the HBM
+//!   watermark, `Promote { to: Hbm }` for a hot object a writer put into HBM): ask the master
+//!   to `Move` the copy; it allocates the range in the other memory tier here and sends a
+//!   `Load` naming the source tier, which this node answers by copying device -> host or host
+//!   -> device (`HbmBlock`); the master attaches the new copy only if the source is still a
+//!   replica. The node then reports the source copy's release, kept while a read lease
+//!   protects it (an HBM copy is asked again later; a DRAM copy left beside an HBM one is
+//!   released by the next DRAM demotion round that picks it, without moving bytes).
 //! - **Eager persistence** (`Persist` from the master, before the put completes): copy the
 //!   pending DRAM range and put it into the object store with the object's header.
 //! - **Lazy persistence**: a committed `Lazy` object is enqueued (with its blake3, hashed now
@@ -30,8 +38,8 @@
 //! bounded in entries and bytes, write-back retries re-enqueue at most 64 objects a round (the
 //! backlog itself is bounded by the objects the node holds).
 //!
-//! Not handled: moving objects between nodes; HBM; demoting objects the policy never heard
-//! of (every commit and load tells it).
+//! Not handled: moving objects between nodes; demoting HBM objects straight to NVMe (they go
+//! through DRAM); demoting objects the policy never heard of (every commit and load tells it).
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,11 +48,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use kvfs_proto::store::{
-    CommitItem, DropItem, ErrorCode, ItemResult, LoadItem, MasterRequest, MasterResponse,
+    CommitItem, DropItem, ErrorCode, ItemResult, LoadItem, MasterRequest, MasterResponse, MoveItem,
     NodeStats, PersistItem, Persistence, RenameRecord, ReplicaLoc, ReplicaReport, ReportOutcome,
     Tier, WireError,
 };
-use kvfs_tiers::policy::{Action, Held as PHeld, Tier as PTier, TierPolicy, TierUsage};
+use kvfs_tiers::policy::{Action, Held as PHeld, Tier as PTier, TierPolicy, TierUsage, Usage};
 use kvfs_tiers::writeback::{WritebackConfig, WritebackEvent, WritebackQueue};
 use kvfs_tiers::{Medium, NvmeMedium, ObjectMeta, ObjectStoreMedium, PutMode, PutOptions};
 use kvfs_transfer::Buffer;
@@ -59,6 +67,9 @@ use kvfs_client::{Error, ErrorKind, Result};
 /// A demotion its tenant's NVMe quota refused is not tried again for this long.
 const QUOTA_RETRY_MS: u64 = 30_000;
 
+/// A move between the memory tiers the master refused is not asked again for this long.
+const MOVE_RETRY_MS: u64 = 1_000;
+
 /// Counters of the tier flows.
 #[derive(Default)]
 struct Counters {
@@ -67,6 +78,8 @@ struct Counters {
     promotions: AtomicU64,
     promoted_bytes: AtomicU64,
     nvme_drops: AtomicU64,
+    hbm_demotions: AtomicU64,
+    hbm_promotions: AtomicU64,
     writeback_persisted: AtomicU64,
     writeback_failed: AtomicU64,
     eager_persisted: AtomicU64,
@@ -296,9 +309,10 @@ async fn remove_nvme_version(nvme: &NvmeMedium, key: &str, version: u64) {
 
 /// What the policy should know of a copy the index holds; `None` when it names no copy.
 fn policy_facts(h: &Held) -> Option<PHeld> {
-    let tier = match (h.dram, h.nvme) {
-        (Some(_), _) => PTier::Dram,
-        (None, Some(_)) => PTier::Nvme,
+    let tier = match (h.hbm, h.dram, h.nvme) {
+        (Some(_), _, _) => PTier::Hbm,
+        (None, Some(_), _) => PTier::Dram,
+        (None, None, Some(_)) => PTier::Nvme,
         _ => return None,
     };
     Some(PHeld {
@@ -307,6 +321,8 @@ fn policy_facts(h: &Held) -> Option<PHeld> {
         persisted: h.persisted,
         replicas_elsewhere: 0,
         pinned: h.pin == kvfs_proto::store::Pin::Hard,
+        hbm_home: h.hbm_home,
+        dram_copy: h.hbm.is_some() && h.dram.is_some(),
     })
 }
 
@@ -404,7 +420,11 @@ impl Inner {
                 let needs_writeback =
                     it.persistence == Persistence::Lazy && !h.persisted && !h.queued;
                 if it.segment == HBM_SEGMENT {
+                    if h.hbm.is_none() {
+                        idx.hbm_bytes += h.size;
+                    }
                     h.hbm = Some(it.offset);
+                    h.hbm_home = true;
                 } else {
                     if h.dram.is_none() {
                         idx.dram_bytes += h.size;
@@ -639,6 +659,9 @@ impl Inner {
     }
 
     async fn load_one(&self, it: &LoadItem) -> ItemResult<[u8; 32]> {
+        if matches!(it.source, Tier::Hbm | Tier::Dram) {
+            return self.move_in(it);
+        }
         if it.segment != DRAM_SEGMENT {
             return Err(WireError::new(ErrorCode::InvalidArgument, "load into a non-DRAM segment"));
         }
@@ -701,6 +724,72 @@ impl Inner {
         Ok(meta.checksum)
     }
 
+    /// A move's copy (a `Load` whose source is this node's copy in one memory tier): copy it
+    /// into the range the master allocated in the other (HBM -> DRAM, DRAM -> HBM) and hold
+    /// it there; answers the object's blake3 (known, or hashed from the host-side bytes).
+    fn move_in(&self, it: &LoadItem) -> ItemResult<[u8; 32]> {
+        let err = |code, what: String| Err(WireError::new(code, what));
+        let (from_seg, to_seg) = if it.source == Tier::Hbm {
+            (HBM_SEGMENT, DRAM_SEGMENT)
+        } else {
+            (DRAM_SEGMENT, HBM_SEGMENT)
+        };
+        if it.segment != to_seg {
+            let what =
+                format!("a move from {:?} fills segment {to_seg}, not {}", it.source, it.segment);
+            return err(ErrorCode::InvalidArgument, what);
+        }
+        let Some(block) = &self.hbm else {
+            return err(ErrorCode::Unavailable, "this node has no HBM segment".into());
+        };
+        let held =
+            lock(&self.index).objects.get(&it.key).filter(|h| h.version == it.version).and_then(
+                |h| {
+                    let from = if from_seg == HBM_SEGMENT { h.hbm } else { h.dram };
+                    from.map(|off| (off, h.checksum))
+                },
+            );
+        let Some((from, checksum)) = held else {
+            let what = format!("this node holds no {:?} copy of that version", it.source);
+            return err(ErrorCode::NotFound, what);
+        };
+        let size = it.size as usize;
+        let host_off = if to_seg == DRAM_SEGMENT { it.offset } else { from };
+        let host = self.dram_range(host_off, it.size)?;
+        // The block checks its own side of the copy.
+        if to_seg == DRAM_SEGMENT {
+            // SAFETY: the range lies in the segment (checked); the master allocated it for
+            // this move alone and attaches it only after we answer.
+            let dst = unsafe { std::slice::from_raw_parts_mut(host, size) };
+            block.read(from, dst).map_err(|e| wire(&e))?;
+        } else {
+            // SAFETY: our committed DRAM copy; if the master drops and reuses it meanwhile, it
+            // refuses to attach what we copied (the source is no longer a replica).
+            let src = unsafe { std::slice::from_raw_parts(host, size) };
+            block.write(it.offset, src).map_err(|e| wire(&e))?;
+        }
+        let sum = checksum.unwrap_or_else(|| {
+            // SAFETY: as above: the host side of the copy, read only.
+            kvfs_tiers::checksum(unsafe { std::slice::from_raw_parts(host, size) })
+        });
+        let h = {
+            let mut idx = lock(&self.index);
+            if idx.objects.get(&it.key).is_some_and(|h| h.version == it.version) {
+                if to_seg == DRAM_SEGMENT {
+                    idx.set_dram(&it.key, Some(it.offset));
+                } else {
+                    idx.set_hbm(&it.key, Some(it.offset));
+                }
+            }
+            idx.objects.get(&it.key).cloned()
+        };
+        self.policy_sync(&it.key, h.as_ref());
+        let c = &self.tiers.counters;
+        let n = if to_seg == DRAM_SEGMENT { &c.hbm_demotions } else { &c.hbm_promotions };
+        n.fetch_add(1, Ordering::Relaxed);
+        Ok(sum)
+    }
+
     /// The reads the master saw of our objects: the policy's access signal.
     pub(super) fn on_accessed(&self, accessed: Vec<(String, u32)>) {
         let now = self.now_ms();
@@ -754,6 +843,10 @@ impl Inner {
             eager_persisted: load(&c.eager_persisted),
             writer_commits: load(&c.writer_commits),
             hbm_available: self.tiers.hbm_available,
+            hbm_capacity_bytes: self.hbm.as_ref().map_or(0, |b| b.len()),
+            hbm_used_bytes: lock(&self.index).hbm_bytes,
+            hbm_demotions: load(&c.hbm_demotions),
+            hbm_promotions: load(&c.hbm_promotions),
         }
     }
 
@@ -890,11 +983,94 @@ impl Inner {
     }
 
     async fn demote(&self, link: &MasterLink, key: &str) -> bool {
-        let Some(nvme) = self.tiers.nvme.clone() else { return false };
         let Some(snap) = self.claim(key) else { return false };
-        let ok = self.demote_claimed(link, &nvme, key, &snap).await;
+        let ok = match (&self.tiers.nvme, snap.hbm) {
+            // Moved up to HBM, its DRAM copy kept by a read lease then: only that copy goes.
+            (_, Some(_)) => self.release_copy(link, key, &snap, Tier::Dram).await,
+            (Some(nvme), None) => self.demote_claimed(link, nvme, key, &snap).await,
+            (None, None) => false,
+        };
         self.release(key, snap.version);
         ok
+    }
+
+    /// HBM -> DRAM: the master allocates the DRAM range and has us copy into it, then the
+    /// HBM copy is released (kept while a read lease protects it; asked again later).
+    async fn demote_hbm(&self, link: &MasterLink, key: &str) -> bool {
+        let Some(snap) = self.claim(key) else { return false };
+        let ok = snap.hbm.is_some()
+            && (snap.dram.is_some()
+                || self.move_copy(link, key, &snap, (Tier::Hbm, Tier::Dram)).await)
+            && self.release_copy(link, key, &snap, Tier::Hbm).await;
+        self.release(key, snap.version);
+        ok
+    }
+
+    /// DRAM -> HBM (an object put into HBM, demoted, and hot again): the mirror image of
+    /// [`demote_hbm`](Self::demote_hbm). A DRAM copy a read lease keeps is released later by
+    /// the policy's DRAM demotions.
+    async fn promote_hbm(&self, link: &MasterLink, key: &str) -> bool {
+        let Some(snap) = self.claim(key) else { return false };
+        let ok = snap.dram.is_some()
+            && snap.hbm.is_none()
+            && self.move_copy(link, key, &snap, (Tier::Dram, Tier::Hbm)).await;
+        if ok {
+            self.release_copy(link, key, &snap, Tier::Dram).await;
+        }
+        self.release(key, snap.version);
+        ok
+    }
+
+    /// Ask the master to copy our `from` copy of `key` into our `to` tier (it allocates the
+    /// range and sends the `Load` that [`move_in`](Self::move_in) answers).
+    async fn move_copy(
+        &self,
+        link: &MasterLink,
+        key: &str,
+        snap: &Held,
+        (from, to): (Tier, Tier),
+    ) -> bool {
+        let item = MoveItem { key: key.into(), version: snap.version, from, to };
+        let req = MasterRequest::Move { node: self.id, items: vec![item] };
+        let e = match link.call("move", &req).await {
+            Ok(MasterResponse::Move(v)) => match v.into_iter().next() {
+                Some(Ok(())) => return true,
+                Some(Err(e)) => e.message,
+                None => "an empty answer".into(),
+            },
+            Ok(other) => format!("unexpected answer {other:?}"),
+            Err(e) => e.to_string(),
+        };
+        tracing::debug!(key, ?from, ?to, error = %e, "tier move refused");
+        // Whatever refused it (no room in the other tier, the object changing), asking again
+        // at once would only be refused again.
+        lock(&self.tiers.policy).defer(key, self.now_ms() + MOVE_RETRY_MS);
+        false
+    }
+
+    /// Report the release of our `tier` memory copy of `key` (another copy exists): forgotten
+    /// here once the master agreed; a refusal (a read lease, a last copy) defers the key.
+    async fn release_copy(&self, link: &MasterLink, key: &str, snap: &Held, tier: Tier) -> bool {
+        let (segment, offset) = match tier {
+            Tier::Hbm => (HBM_SEGMENT, snap.hbm),
+            _ => (DRAM_SEGMENT, snap.dram),
+        };
+        let Some(offset) = offset else { return false };
+        let remove = Some(ReplicaLoc::Node { tier, segment, offset });
+        let item = ReplicaReport {
+            key: key.into(),
+            version: snap.version,
+            checksum: None,
+            add: None,
+            remove,
+        };
+        let outcome = self.report(link, item).await;
+        self.defer_refused(key, &outcome);
+        let removed = matches!(outcome, Ok(o) if o.removed);
+        if removed {
+            self.forget_copy(key, snap.version, segment, offset);
+        }
+        removed
     }
 
     async fn demote_claimed(
@@ -905,25 +1081,12 @@ impl Inner {
         snap: &Held,
     ) -> bool {
         let Some(dram_off) = snap.dram else { return false };
-        let remove =
-            Some(ReplicaLoc::Node { tier: Tier::Dram, segment: DRAM_SEGMENT, offset: dram_off });
         if snap.nvme.is_some() {
             // Already on NVMe (a promoted copy): only the DRAM copy goes.
-            let item = ReplicaReport {
-                key: key.into(),
-                version: snap.version,
-                checksum: None,
-                add: None,
-                remove,
-            };
-            let outcome = self.report(link, item).await;
-            self.defer_refused(key, &outcome);
-            let removed = matches!(outcome, Ok(o) if o.removed);
-            if removed {
-                self.forget_dram(key, snap.version, dram_off);
-            }
-            return removed;
+            return self.release_copy(link, key, snap, Tier::Dram).await;
         }
+        let remove =
+            Some(ReplicaLoc::Node { tier: Tier::Dram, segment: DRAM_SEGMENT, offset: dram_off });
         let Ok(nvme_off) = lock(&self.index).nvme_alloc.alloc(snap.size) else { return false };
         let free_off = |inner: &Self| lock(&inner.index).nvme_alloc.free(nvme_off, snap.size);
         let Ok(p) = self.dram_range(dram_off, snap.size) else {
@@ -990,7 +1153,7 @@ impl Inner {
         self.defer_refused(key, &outcome);
         let removed = matches!(outcome, Ok(o) if o.removed);
         if removed {
-            self.forget_dram(key, snap.version, dram_off);
+            self.forget_copy(key, snap.version, DRAM_SEGMENT, dram_off);
         }
         removed
     }
@@ -1005,9 +1168,14 @@ impl Inner {
         }
     }
 
-    fn forget_dram(&self, key: &str, version: u64, offset: u64) {
+    /// Forget our memory copy of `key` in `segment` (DRAM or HBM) at `offset`, if the index
+    /// still names that copy of that version.
+    fn forget_copy(&self, key: &str, version: u64, segment: u32, offset: u64) {
         let mut idx = lock(&self.index);
-        if idx.objects.get(key).is_some_and(|h| h.version == version && h.dram == Some(offset)) {
+        let Some(h) = idx.objects.get(key).filter(|h| h.version == version) else { return };
+        if segment == HBM_SEGMENT && h.hbm == Some(offset) {
+            idx.set_hbm(key, None);
+        } else if segment == DRAM_SEGMENT && h.dram == Some(offset) {
             idx.set_dram(key, None);
         }
     }
@@ -1061,20 +1229,31 @@ impl Inner {
     /// One round of the tier manager.
     async fn round(&self, link: &MasterLink) {
         self.retry_writebacks().await;
-        let Some(nvme) = &self.tiers.nvme else { return };
-        let dram = TierUsage {
-            used_bytes: lock(&self.index).dram_bytes,
-            capacity_bytes: self.dram.len() as u64,
+        if self.tiers.nvme.is_none() && self.hbm.is_none() {
+            return;
+        }
+        let (dram_used, hbm_used) = {
+            let idx = lock(&self.index);
+            (idx.dram_bytes, idx.hbm_bytes)
         };
-        let nvme_usage = TierUsage {
-            used_bytes: nvme.used_bytes(),
-            capacity_bytes: nvme.capacity_bytes().unwrap_or(0),
+        let usage = Usage {
+            hbm: TierUsage {
+                used_bytes: hbm_used,
+                capacity_bytes: self.hbm.as_ref().map_or(0, |b| b.len()),
+            },
+            dram: TierUsage { used_bytes: dram_used, capacity_bytes: self.dram.len() as u64 },
+            nvme: self.tiers.nvme.as_ref().map_or_else(TierUsage::default, |n| TierUsage {
+                used_bytes: n.used_bytes(),
+                capacity_bytes: n.capacity_bytes().unwrap_or(0),
+            }),
         };
-        let actions = lock(&self.tiers.policy).decide(self.now_ms(), dram, nvme_usage);
+        let actions = lock(&self.tiers.policy).decide(self.now_ms(), usage);
         for a in actions {
             let ok = match &a {
+                Action::Demote { key, from: PTier::Hbm, .. } => self.demote_hbm(link, key).await,
                 Action::Demote { key, .. } => self.demote(link, key).await,
                 Action::Drop { key, .. } => self.drop_nvme(link, key).await,
+                Action::Promote { key, to: PTier::Hbm, .. } => self.promote_hbm(link, key).await,
                 Action::Promote { key, .. } => self.promote(link, key).await,
             };
             lock(&self.tiers.policy).on_action_done(&a, ok);

@@ -33,6 +33,11 @@
 //! `JobList`): offloading a prefix to the object store and restoring one into the pool; a
 //! `Persist` may name the NVMe segment (the node reads its NVMe copy).
 //!
+//! Protocol 11: a node's tier manager moves objects between its own memory tiers
+//! ([`MasterRequest::Move`]: HBM -> DRAM when GPU memory fills, DRAM -> HBM when an object put
+//! into HBM is hot again); the master allocates the range and sends a `Load` whose source is
+//! the node's other memory copy.
+//!
 //! Protocol 7: high availability. [`MasterResponse::Hello`] carries the master's leadership
 //! term; a standby master or a leader whose lease lapsed refuses every request with
 //! [`ErrorCode::NotLeader`].
@@ -40,7 +45,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Version of the store protocol; a master refuses a client or node that speaks another one.
-pub const STORE_PROTOCOL_VERSION: u32 = 10;
+pub const STORE_PROTOCOL_VERSION: u32 = 11;
 
 /// Storage medium of a segment or replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -455,6 +460,15 @@ pub enum MasterRequest {
         node: u64,
         keys: Vec<String>,
     },
+    /// A node asks for a copy of objects it holds in one memory tier (`MoveItem::from`) in
+    /// its other (`to`: HBM -> DRAM, DRAM -> HBM). The master allocates the range on that node
+    /// (making room by eviction as loads do), sends a `Load` naming `from` as the source, and
+    /// attaches the new copy; the node then reports the release of the source copy.
+    /// Answered with `Move`.
+    Move {
+        node: u64,
+        items: Vec<MoveItem>,
+    },
     /// Drop the replicas of each key on the node whose transfer endpoint is `endpoint` (every
     /// replica with `None`), when its read lease has ended; `true` per key that was cleared.
     ClearReplicas {
@@ -513,6 +527,7 @@ pub enum MasterResponse {
     Unregistered(ItemResult<()>),
     ReportReplicas(Vec<ItemResult<ReportOutcome>>),
     Promote(Vec<ItemResult<()>>),
+    Move(Vec<ItemResult<()>>),
     /// The request as a whole was refused (version, role, malformed).
     Refused(WireError),
     ClearReplicas(Vec<ItemResult<bool>>),
@@ -699,6 +714,16 @@ pub enum ReplicaLoc {
     ObjectStore,
 }
 
+/// One object of a [`MasterRequest::Move`]: copy the node's `from` copy of `key` at `version`
+/// into a new range of its `to` tier (both memory tiers: `Dram` or `Hbm`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MoveItem {
+    pub key: String,
+    pub version: u64,
+    pub from: Tier,
+    pub to: Tier,
+}
+
 /// A change to a node's copies of one object: add first, then remove.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplicaReport {
@@ -751,6 +776,13 @@ pub struct NodeStats {
     pub writer_commits: u64,
     /// Whether the node found a CUDA driver (the HBM tier can exist only then).
     pub hbm_available: bool,
+    /// GPU memory the node contributes (its HBM segment; 0 without one).
+    pub hbm_capacity_bytes: u64,
+    /// HBM bytes of objects the node holds.
+    pub hbm_used_bytes: u64,
+    /// Objects the tier manager moved HBM -> DRAM and DRAM -> HBM.
+    pub hbm_demotions: u64,
+    pub hbm_promotions: u64,
 }
 
 /// The master's answer to a heartbeat: reads it granted of objects this node holds since the
@@ -774,8 +806,11 @@ pub struct PersistItem {
     pub pin: Pin,
 }
 
-/// Copy an object into a DRAM range the master allocated on this node, from this node's NVMe
-/// copy or from the object store; the node verifies the bytes and then holds the DRAM copy.
+/// Copy an object into a memory range the master allocated on this node (its DRAM segment,
+/// or its HBM segment for a move up), from this node's NVMe copy, from the object store, or
+/// from this node's copy in its other memory tier (a [`MasterRequest::Move`]); the node
+/// verifies the bytes it read from a medium that hashes them, answers the object's blake3,
+/// and then holds the new copy.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadItem {
     pub key: String,
@@ -786,7 +821,8 @@ pub struct LoadItem {
     pub version: u64,
     pub persistence: Persistence,
     pub pin: Pin,
-    /// `Nvme` or `ObjectStore`.
+    /// `Nvme` or `ObjectStore` (into DRAM), or `Hbm` / `Dram`: the node's copy in that memory
+    /// tier (a move; the range is in the other one).
     pub source: Tier,
 }
 

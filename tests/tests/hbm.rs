@@ -4,11 +4,15 @@
 //!
 //! Without a CUDA driver (CI) the refusals are what can be checked: a node asked for HBM exits
 //! with a clear error, and a put asking for HBM in a cluster without any fails with one. With a
-//! driver (`scripts/test-gpu` on a GPU machine) the whole path runs, byte for byte.
+//! driver (`scripts/test-gpu` on a GPU machine) the whole path runs, byte for byte, and so do
+//! the tier manager's moves (cold HBM objects down to DRAM above the HBM watermark, a hot one
+//! back up).
 
 use std::time::Duration;
 
 use kvfs_client::{ErrorKind, GetInto, PutFrom, PutOptions, Tier};
+use kvfs_proto::store::{self as w, ErrorCode, MasterRequest, MasterResponse, MoveItem, Role};
+use kvfs_rpc::{RpcConn, RpcOptions, no_handler};
 use kvfs_tests::{Cluster, ClusterOpts, content, kvfs_bin};
 use kvfs_transfer::BufferOptions;
 
@@ -48,6 +52,63 @@ async fn without_a_driver_hbm_is_refused_with_a_clear_error() {
     assert_eq!(c.get("gpu/a").await.unwrap_err().kind(), ErrorKind::NotFound);
     c.put("gpu/a", b"bytes", &PutOptions::default()).await.unwrap();
     assert_eq!(c.get("gpu/a").await.unwrap(), b"bytes");
+}
+
+/// The tier manager's `Move` over the real RPC, where no node has HBM: each bad request is
+/// refused with its reason, and the object stays where it was, byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moves_a_node_cannot_make_are_refused_and_lose_nothing() {
+    let cluster = Cluster::start(ClusterOpts { nodes: 1, ..ClusterOpts::default() }).await;
+    let c = cluster.client().await;
+    c.put("move/a", b"dram bytes", &PutOptions::default()).await.unwrap();
+    let rpc = RpcConn::connect(&cluster.master_addr, no_handler(), RpcOptions::default())
+        .await
+        .expect("the master answers");
+    let call = |req: MasterRequest| {
+        let rpc = &rpc;
+        async move {
+            let r: MasterResponse = rpc.call(&req, Duration::from_secs(10)).await.unwrap();
+            r
+        }
+    };
+    let version = w::STORE_PROTOCOL_VERSION;
+    let hello = MasterRequest::Hello { version, role: Role::Client, host: "mover".into() };
+    assert!(matches!(call(hello).await, MasterResponse::Hello { .. }));
+    let MasterResponse::Stat(mut views) = call(MasterRequest::Stat(vec!["move/a".into()])).await
+    else {
+        panic!("no stat answer")
+    };
+    let view = views.pop().unwrap().unwrap();
+    let node = view.replicas[0].node.expect("a node replica");
+    let item = |key: &str, v: u64, from: w::Tier, to: w::Tier| MoveItem {
+        key: key.into(),
+        version: v,
+        from,
+        to,
+    };
+    let (dram, hbm, nvme) = (w::Tier::Dram, w::Tier::Hbm, w::Tier::Nvme);
+    let items = vec![
+        item("move/a", view.version, dram, hbm),
+        item("move/a", view.version + 1, dram, hbm),
+        item("move/a", view.version, nvme, dram),
+        item("move/a", view.version, hbm, dram),
+        item("move/none", 1, hbm, dram),
+    ];
+    let MasterResponse::Move(out) = call(MasterRequest::Move { node, items }).await else {
+        panic!("no move answer")
+    };
+    let codes: Vec<Option<ErrorCode>> =
+        out.iter().map(|r| r.as_ref().err().map(|e| e.code)).collect();
+    use ErrorCode::*;
+    // A move down into DRAM where the node holds a DRAM copy already has nothing to do.
+    let want = [Some(NoSpace), Some(Conflict), Some(InvalidArgument), None, Some(NotFound)];
+    assert_eq!(codes, want, "{out:?}");
+    let msg = &out[0].as_ref().unwrap_err().message;
+    assert!(msg.contains("no Hbm range on node"), "{msg}");
+    assert_eq!(c.get("move/a").await.unwrap(), b"dram bytes");
+    let after = c.stat("move/a").await.unwrap();
+    assert_eq!(after.replicas.len(), 1);
+    assert_eq!(after.replicas[0].tier, Tier::Dram);
 }
 
 /// Sizes across the engine's 2 MiB staging pieces: inside one, across several, not aligned.
@@ -118,4 +179,78 @@ async fn hbm_objects_live_in_gpu_memory_and_read_back_byte_exact() {
     let v = content(999, 64 << 20);
     c.put("gpu/bytes/67108864", &v, &hbm(2)).await.unwrap();
     assert!(c.get("gpu/bytes/67108864").await.unwrap() == v);
+}
+
+/// The tier manager's HBM rung: with GPU memory above its high watermark, the coldest HBM
+/// objects move down to DRAM (the master allocates the range, the node copies device -> host)
+/// until it is under the low one; an object put into HBM and read often moves back up. Every
+/// object reads back byte for byte throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cold_hbm_objects_move_down_to_dram_and_a_hot_one_comes_back() {
+    if !driver() {
+        assert!(std::env::var_os("KVFS_REQUIRE_GPU").is_none(), "KVFS_REQUIRE_GPU: no driver");
+        eprintln!("no CUDA driver: run scripts/test-gpu on a GPU machine for this test");
+        return;
+    }
+    const MIB: usize = 1 << 20;
+    let mut opts = ClusterOpts { nodes: 1, ..ClusterOpts::default() };
+    let args = ["--hbm", "64MiB", "--hbm-high-watermark", "0.5", "--hbm-low-watermark", "0.25"];
+    opts.node_args.extend(args.map(String::from));
+    opts.node_args.extend(["--tier-tick-ms", "20", "--promote-min-reads", "2"].map(String::from));
+    let cluster = Cluster::start(opts).await;
+    let c = cluster.client().await;
+    // 12 objects of about 4 MiB: 48 of the 64 MiB, over the 32 MiB high watermark.
+    let objs: Vec<(String, Vec<u8>)> = (0..12)
+        .map(|i| (format!("gpu/tier/{i}"), content(700 + i, 4 * MIB - 100 + i as usize)))
+        .collect();
+    for (k, v) in &objs {
+        c.put(k, v, &hbm(1)).await.unwrap();
+    }
+    let tiers_of = |key: String| {
+        let c = &c;
+        async move {
+            let mut t: Vec<Tier> =
+                c.stat(&key).await.unwrap().replicas.iter().map(|r| r.tier).collect();
+            t.sort_by_key(|t| format!("{t:?}"));
+            t
+        }
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let demoted = loop {
+        let mut hbm_bytes = 0;
+        let mut demoted = Vec::new();
+        for (k, v) in &objs {
+            let t = tiers_of(k.clone()).await;
+            if t.contains(&Tier::Hbm) {
+                hbm_bytes += v.len();
+            } else {
+                assert_eq!(t, [Tier::Dram], "{k}: demoted HBM copies land in DRAM");
+                demoted.push(k.clone());
+            }
+        }
+        if hbm_bytes <= 32 * MIB {
+            break demoted;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "HBM still holds {hbm_bytes} bytes");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(demoted.len() >= 4, "demoted: {demoted:?}");
+    for (k, v) in &objs {
+        assert!(c.get(k).await.unwrap() == *v, "{k}: bytes differ after the demotions");
+    }
+    // A demoted object read often goes back into HBM (there is room under the watermark).
+    let hot = &demoted[0];
+    let v = &objs.iter().find(|(k, _)| k == hot).unwrap().1;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        assert!(c.get(hot).await.unwrap() == *v, "{hot}: bytes differ while it moves");
+        if tiers_of(hot.clone()).await.contains(&Tier::Hbm) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{hot} never came back to HBM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for (k, v) in &objs {
+        assert!(c.get(k).await.unwrap() == *v, "{k}: bytes differ after the promotion");
+    }
 }

@@ -31,12 +31,13 @@ pub enum Op {
     UnregisterNode,
     ReportReplicas,
     Promote,
+    Move,
     Rename,
     Job,
 }
 
 /// Number of [`Op`]s.
-const OPS: usize = 20;
+const OPS: usize = 21;
 
 impl Op {
     const ALL: [Op; OPS] = [
@@ -58,6 +59,7 @@ impl Op {
         Op::UnregisterNode,
         Op::ReportReplicas,
         Op::Promote,
+        Op::Move,
         Op::Rename,
         Op::Job,
     ];
@@ -82,6 +84,7 @@ impl Op {
             Op::UnregisterNode => "unregister_node",
             Op::ReportReplicas => "report_replicas",
             Op::Promote => "promote",
+            Op::Move => "move",
             Op::Rename => "rename",
             Op::Job => "job",
         }

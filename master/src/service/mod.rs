@@ -468,6 +468,7 @@ fn op_of(req: &MasterRequest) -> (Op, usize) {
         MasterRequest::UnregisterNode { .. } => (Op::UnregisterNode, 0),
         MasterRequest::ReportReplicas { items, .. } => (Op::ReportReplicas, items.len()),
         MasterRequest::Promote { keys, .. } => (Op::Promote, keys.len()),
+        MasterRequest::Move { items, .. } => (Op::Move, items.len()),
         MasterRequest::ClearReplicas { keys, .. } => (Op::Remove, keys.len()),
         MasterRequest::Rename(v) => (Op::Rename, v.len()),
         MasterRequest::Unlink(v) => (Op::Remove, v.len()),
@@ -505,7 +506,7 @@ fn count_errors(m: &Metrics, resp: &MasterResponse) {
         MasterResponse::Get(v) | MasterResponse::Stat(v) => each(m, v),
         MasterResponse::Exists(v) => each(m, v),
         MasterResponse::ReportReplicas(v) => each(m, v),
-        MasterResponse::Promote(v) => each(m, v),
+        MasterResponse::Promote(v) | MasterResponse::Move(v) => each(m, v),
         MasterResponse::ClearReplicas(v) => each(m, v),
         MasterResponse::Refused(e) => m.item_error(e.code),
         _ => {}
@@ -614,6 +615,7 @@ async fn dispatch(state: &Arc<State>, conn: &RpcConn, req: MasterRequest) -> Mas
         MasterRequest::Heartbeat { node, stats } => tiers::heartbeat(state, node, stats, now),
         MasterRequest::ReportReplicas { node, items } => tiers::report(state, node, items, now),
         MasterRequest::Promote { keys, .. } => tiers::promote(state, keys).await,
+        MasterRequest::Move { node, items } => tiers::relocate(state, node, items).await,
         MasterRequest::UnregisterNode { node } => {
             state.tiers.forget_nodes(&[NodeId(node)]);
             let r = state.lock().unregister_node(NodeId(node));

@@ -58,6 +58,9 @@ pub(crate) struct TierMetrics {
     loads_nvme: AtomicU64,
     loads_object_store: AtomicU64,
     load_failures: AtomicU64,
+    moves_down: AtomicU64,
+    moves_up: AtomicU64,
+    move_failures: AtomicU64,
     corrupt_nvme: AtomicU64,
     corrupt_object_store: AtomicU64,
     eager_persisted: AtomicU64,
@@ -367,40 +370,15 @@ async fn load(state: &Arc<State>, key: &str) -> Result<(), WireError> {
             Ok(Some(p)) => p,
             Err(e) => return Err(convert::error(&e)),
         };
-        // The node writes the range: a standby must know it before the node is asked.
-        let grant = w::MirrorGrant {
-            key: key.to_string(),
-            version: plan.version,
-            node: plan.node.0,
-            segment: plan.segment,
-            offset: plan.offset,
-            len: plan.size,
-            ttl_ms: state.cfg.load_timeout_ms,
-        };
-        if let Err(e) = super::mirror::replicate(state, &[grant]).await {
-            let mut fx = Vec::new();
-            state.lock().end_load(&plan, None, now_ms(), &mut fx);
-            deliver(state, fx, false).await;
-            return Err(e);
-        }
+        mirror_load(state, &plan).await?;
         let source = match plan.source {
             Location::ObjectStore => w::Tier::ObjectStore,
             Location::Node(_) => w::Tier::Nvme,
         };
-        let req = NodeRequest::Load(vec![w::LoadItem {
-            key: key.to_string(),
-            segment: plan.segment,
-            offset: plan.offset,
-            size: plan.size,
-            checksum: plan.checksum,
-            version: plan.version,
-            persistence: convert::persistence(plan.persistence),
-            pin: convert::pin(plan.pin),
-            source,
-        }]);
-        let r = call_node(state, plan.node, &req, state.cfg.load_timeout_ms)
-            .await
-            .and_then(|resp| single(resp, "load"));
+        let r =
+            call_node(state, plan.node, &load_request(&plan, source), state.cfg.load_timeout_ms)
+                .await
+                .and_then(|resp| single(resp, "load"));
         let m = &state.tiers.metrics;
         let mut fx = Vec::new();
         match r {
@@ -449,6 +427,89 @@ async fn load(state: &Arc<State>, key: &str) -> Result<(), WireError> {
         }
     }
     Err(wire_err(ErrorCode::Internal, format!("load of {key:?}: the object kept changing")))
+}
+
+/// Tell the standbys of the range a load's node is about to write (they must know it before
+/// the node is asked); a refusal ends the load unfilled.
+async fn mirror_load(state: &Arc<State>, plan: &crate::LoadPlan) -> Result<(), WireError> {
+    let grant = w::MirrorGrant {
+        key: plan.key.to_string(),
+        version: plan.version,
+        node: plan.node.0,
+        segment: plan.segment,
+        offset: plan.offset,
+        len: plan.size,
+        ttl_ms: state.cfg.load_timeout_ms,
+    };
+    let r = super::mirror::replicate(state, &[grant]).await;
+    if r.is_err() {
+        let mut fx = Vec::new();
+        state.lock().end_load(plan, None, now_ms(), &mut fx);
+        deliver(state, fx, false).await;
+    }
+    r
+}
+
+/// The node call that fills a planned load's range from `source`.
+fn load_request(plan: &crate::LoadPlan, source: w::Tier) -> NodeRequest {
+    NodeRequest::Load(vec![w::LoadItem {
+        key: plan.key.to_string(),
+        segment: plan.segment,
+        offset: plan.offset,
+        size: plan.size,
+        checksum: plan.checksum,
+        version: plan.version,
+        persistence: convert::persistence(plan.persistence),
+        pin: convert::pin(plan.pin),
+        source,
+    }])
+}
+
+/// `Move` from a node: copy objects between its own memory tiers (HBM -> DRAM, DRAM -> HBM),
+/// one after another; the node releases each source copy afterwards with a report.
+pub(crate) async fn relocate(
+    state: &Arc<State>,
+    node: u64,
+    items: Vec<w::MoveItem>,
+) -> w::MasterResponse {
+    let mut out = Vec::with_capacity(items.len());
+    for it in items {
+        let r = move_one(state, NodeId(node), &it).await;
+        let m = &state.tiers.metrics;
+        match (&r, it.to) {
+            (Err(_), _) => m.move_failures.fetch_add(1, Ordering::Relaxed),
+            (Ok(()), w::Tier::Hbm) => m.moves_up.fetch_add(1, Ordering::Relaxed),
+            (Ok(()), _) => m.moves_down.fetch_add(1, Ordering::Relaxed),
+        };
+        out.push(r);
+    }
+    w::MasterResponse::Move(out)
+}
+
+async fn move_one(state: &Arc<State>, node: NodeId, it: &w::MoveItem) -> Result<(), WireError> {
+    let tiers = (convert::tier_in(it.from), convert::tier_in(it.to));
+    let mut fx = Vec::new();
+    let plan = state.lock().begin_move(&it.key, it.version, node, tiers, now_ms(), &mut fx);
+    deliver(state, fx, false).await;
+    let plan = match plan {
+        Ok(None) => return Ok(()),
+        Ok(Some(p)) => p,
+        Err(e) => return Err(convert::error(&e)),
+    };
+    mirror_load(state, &plan).await?;
+    let req = load_request(&plan, it.from);
+    let r = call_node(state, plan.node, &req, state.cfg.load_timeout_ms)
+        .await
+        .and_then(|resp| single(resp, "move"));
+    let mut fx = Vec::new();
+    let attached = state.lock().end_load(&plan, r.as_ref().ok().copied(), now_ms(), &mut fx);
+    deliver(state, fx, false).await;
+    r?;
+    if !attached {
+        let detail = "the object or its source copy changed while it moved";
+        return Err(wire_err(ErrorCode::Conflict, format!("move of {:?}: {detail}", it.key)));
+    }
+    Ok(())
 }
 
 /// Forget a copy that failed verification and tell its node to delete it. Returns whether the
@@ -692,6 +753,19 @@ pub(crate) fn render(state: &State, o: &mut String) {
         &[("", load(&m.load_failures))],
     );
     counter(
+        "kvfs_master_moves_total",
+        "Copies made between a node's memory tiers for its tier manager, by direction.",
+        &[
+            ("{direction=\"hbm_to_dram\"}", load(&m.moves_down)),
+            ("{direction=\"dram_to_hbm\"}", load(&m.moves_up)),
+        ],
+    );
+    counter(
+        "kvfs_master_move_failures_total",
+        "Moves between a node's memory tiers that failed or were refused.",
+        &[("", load(&m.move_failures))],
+    );
+    counter(
         "kvfs_master_corrupt_copies_total",
         "Copies whose bytes failed their checksum when read, by tier.",
         &[
@@ -741,7 +815,7 @@ pub(crate) fn render(state: &State, o: &mut String) {
     );
     let stats = lock(&state.tiers.node_stats).clone();
     type Field = fn(&w::NodeStats) -> u64;
-    let fields: [(&str, &str, &str, Field); 17] = [
+    let fields: [(&str, &str, &str, Field); 21] = [
         ("kvfs_node_dram_capacity_bytes", "gauge", "DRAM the node contributes.", |s| {
             s.dram_capacity_bytes
         }),
@@ -807,6 +881,18 @@ pub(crate) fn render(state: &State, o: &mut String) {
         ),
         ("kvfs_node_hbm_available", "gauge", "1 when the node found a CUDA driver.", |s| {
             u64::from(s.hbm_available)
+        }),
+        ("kvfs_node_hbm_capacity_bytes", "gauge", "GPU memory the node contributes.", |s| {
+            s.hbm_capacity_bytes
+        }),
+        ("kvfs_node_hbm_used_bytes", "gauge", "HBM bytes of objects the node holds.", |s| {
+            s.hbm_used_bytes
+        }),
+        ("kvfs_node_hbm_demotions_total", "counter", "Objects moved HBM -> DRAM.", |s| {
+            s.hbm_demotions
+        }),
+        ("kvfs_node_hbm_promotions_total", "counter", "Objects moved DRAM -> HBM.", |s| {
+            s.hbm_promotions
         }),
     ];
     for (name, kind, help, f) in fields {

@@ -418,7 +418,15 @@ pub struct NodeArgs {
     /// ...down to this one.
     #[arg(long, default_value_t = 0.80)]
     pub nvme_low_watermark: f64,
-    /// Reads within the policy window an NVMe object needs before it is promoted to DRAM.
+    /// Demote cold objects HBM -> DRAM when the HBM segment's use is above this fraction...
+    #[arg(long, default_value_t = 0.90)]
+    pub hbm_high_watermark: f64,
+    /// ...down to this one. Objects put into HBM come back when hot (--promote-min-reads) and
+    /// they fit under the high watermark.
+    #[arg(long, default_value_t = 0.80)]
+    pub hbm_low_watermark: f64,
+    /// Reads within the policy window an object needs before it is promoted (NVMe -> DRAM,
+    /// and DRAM -> HBM for objects put into HBM).
     #[arg(long, default_value_t = 3)]
     pub promote_min_reads: u32,
     /// Bytes per second each of demotion and promotion may move (the rate limit).
@@ -438,6 +446,9 @@ impl NodeArgs {
         }
         if !ok(self.nvme_low_watermark, self.nvme_high_watermark) {
             anyhow::bail!("need 0 < --nvme-low-watermark <= --nvme-high-watermark <= 1");
+        }
+        if !ok(self.hbm_low_watermark, self.hbm_high_watermark) {
+            anyhow::bail!("need 0 < --hbm-low-watermark <= --hbm-high-watermark <= 1");
         }
         if self.writeback_queue_max == 0 || self.tier_rate == 0 {
             anyhow::bail!("--writeback-queue-max and --tier-rate must be positive");
@@ -464,6 +475,8 @@ impl NodeArgs {
         p.dram_low_watermark = self.demote_low_watermark;
         p.nvme_high_watermark = self.nvme_high_watermark;
         p.nvme_low_watermark = self.nvme_low_watermark;
+        p.hbm_high_watermark = self.hbm_high_watermark;
+        p.hbm_low_watermark = self.hbm_low_watermark;
         p.promote_min_accesses = self.promote_min_reads;
         p.demote_bytes_per_s = self.tier_rate;
         p.promote_bytes_per_s = self.tier_rate;
