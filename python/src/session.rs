@@ -46,6 +46,9 @@ pub struct SessionOptions {
     pub segment_bytes: u64,
     /// Fault the segment's pages in at start.
     pub populate: bool,
+    /// GPU memory (device 0) the embedded node also contributes as an HBM segment (0: none;
+    /// needs a DRAM segment and a CUDA driver).
+    pub hbm_bytes: u64,
     /// Bytes the bytes API may stage at once.
     pub staging_bytes_max: usize,
     pub tcp_only: bool,
@@ -66,6 +69,7 @@ impl Default for SessionOptions {
             port_range: None,
             segment_bytes: 0,
             populate: false,
+            hbm_bytes: 0,
             staging_bytes_max: usize::MAX,
             tcp_only: false,
             rpc_timeout_ms: 5_000,
@@ -220,6 +224,11 @@ pub async fn close_shared(s: Arc<Session>, limit: Duration) {
 /// Starts the engine (inside an embedded node when there is a segment), drawing ports from the
 /// range until one binds.
 async fn start_engine(opts: &SessionOptions) -> Result<(Engine, Option<Node>), Failure> {
+    if opts.hbm_bytes > 0 && opts.segment_bytes == 0 {
+        return Err(Failure::invalid(
+            "an HBM segment is contributed beside a DRAM one: set global_segment_size too",
+        ));
+    }
     let (host, fixed_port) = split_host(opts.local_hostname.as_deref())?;
     let ports: Vec<u16> = match (fixed_port, opts.port_range) {
         (Some(p), _) => vec![p],
@@ -242,7 +251,7 @@ async fn start_engine(opts: &SessionOptions) -> Result<(Engine, Option<Node>), F
         }
         tune_from_env(&mut ecfg);
         let started = if opts.segment_bytes > 0 {
-            let ncfg = NodeConfig {
+            let mut ncfg = NodeConfig {
                 master: opts.master.clone(),
                 engine: ecfg,
                 dram_bytes: opts.segment_bytes,
@@ -250,6 +259,7 @@ async fn start_engine(opts: &SessionOptions) -> Result<(Engine, Option<Node>), F
                 rpc_timeout_ms: opts.rpc_timeout_ms,
                 ..NodeConfig::default()
             };
+            ncfg.tiers.hbm_bytes = opts.hbm_bytes;
             Node::start(ncfg).await.map(|n| (n.engine().clone(), Some(n))).map_err(Failure::from)
         } else {
             Engine::start(ecfg)

@@ -9,7 +9,8 @@
 //!
 //! The Python class `kvfs.mooncake.MooncakeDistributedStore` wraps this one: it parses
 //! `setup`'s two forms, sizes like "16MB", and `ReplicateConfig`, then calls here with plain
-//! values (`cfg` is `(replicas, pin, persistence, strategy, preferred_endpoints)` or `None`).
+//! values (`cfg` is `(replicas, pin, persistence, strategy, preferred_endpoints, tier)` or
+//! `None`).
 //! The tensor calls live there too (the reference's on-store tensor format is plain bytes: a
 //! header and the payload), over `put_parts_batch` and the bytes calls here.
 //!
@@ -41,10 +42,10 @@ use crate::runtime;
 use crate::session::{self, Session, SessionOptions};
 
 /// The reference's ReplicateConfig, reduced to what kvfs places by.
-type Cfg = (u8, String, String, String, Vec<String>);
+type Cfg = (u8, String, String, String, Vec<String>, String);
 
 fn options(cfg: Option<Cfg>, upsert: bool) -> Result<PutOptions, Failure> {
-    let Some((replicas, pin, persistence, strategy, preferred)) = cfg else {
+    let Some((replicas, pin, persistence, strategy, preferred, tier)) = cfg else {
         return Ok(PutOptions { upsert, ..PutOptions::default() });
     };
     if replicas == 0 {
@@ -65,6 +66,11 @@ fn options(cfg: Option<Cfg>, upsert: bool) -> Result<PutOptions, Failure> {
         "free_ratio_first" => Strategy::FreeRatioFirst,
         _ => Strategy::Random,
     };
+    let tier = match tier.as_str() {
+        "hbm" => Tier::Hbm,
+        "dram" | "" => Tier::Dram,
+        other => return Err(Failure::invalid(format!("tier {other:?}: dram or hbm"))),
+    };
     Ok(PutOptions {
         replicas,
         pin,
@@ -73,7 +79,7 @@ fn options(cfg: Option<Cfg>, upsert: bool) -> Result<PutOptions, Failure> {
         upsert,
         preferred_endpoints: preferred,
         checksum: false,
-        ..PutOptions::default()
+        tier,
     })
 }
 
@@ -373,7 +379,7 @@ impl MooncakeCore {
     /// Connects (and with `global_segment_size > 0` contributes a segment); returns a code.
     #[pyo3(signature = (local_hostname, master, global_segment_size, local_buffer_size,
         tcp_only=false, port_min=12300, port_max=14300, timeout_ms=60_000, rpc_timeout_ms=5_000,
-        populate=false, tenant=None))]
+        populate=false, tenant=None, hbm_bytes=0))]
     #[allow(clippy::too_many_arguments)]
     fn setup(
         &self,
@@ -389,6 +395,7 @@ impl MooncakeCore {
         rpc_timeout_ms: u64,
         populate: bool,
         tenant: Option<String>,
+        hbm_bytes: u64,
     ) -> i64 {
         if self.session().is_ok() {
             // The reference re-runs setup over a live client; kvfs closes the old one first.
@@ -399,6 +406,7 @@ impl MooncakeCore {
             local_hostname: Some(local_hostname.to_string()),
             port_range: Some((port_min, port_max)),
             segment_bytes: global_segment_size,
+            hbm_bytes,
             staging_bytes_max: usize::try_from(local_buffer_size).unwrap_or(usize::MAX),
             tcp_only,
             populate,

@@ -119,8 +119,9 @@ class ReplicateConfig:
     ``get_hostname()`` returns) and ``prefer_alloc_in_same_node`` (local-first placement).
     ``nof_replica_num``/``dfs_replica_num`` > 0 return NOT_SUPPORTED (-1012); ``data_type``,
     ``group_ids`` (length-checked) and ``preferred_nof_segments`` are accepted and ignored.
-    kvfs extension: ``persistence`` ("none", "lazy", "eager") asks the nodes to write the object
-    back to object storage.
+    kvfs extensions: ``persistence`` ("none", "lazy", "eager") asks the nodes to write the
+    object back to object storage; ``tier`` ("dram", the default, or "hbm") places it in the GPU
+    memory nodes contribute (``hbm_segment_size`` in ``setup``, ``kvfs node --hbm``).
     """
 
     __slots__ = (
@@ -138,6 +139,7 @@ class ReplicateConfig:
         "data_type",
         "group_ids",
         "persistence",
+        "tier",
     )
 
     def __init__(self):
@@ -155,6 +157,7 @@ class ReplicateConfig:
         self.data_type = ObjectDataType.UNKNOWN
         self.group_ids = None
         self.persistence = "none"
+        self.tier = "dram"
 
     @property
     def soft_pin_ttl_ms(self):
@@ -178,7 +181,7 @@ class ReplicateConfig:
             f"preferred_segments={list(self.preferred_segments)}, "
             f"preferred_segment={self.preferred_segment!r}, "
             f"prefer_alloc_in_same_node={self.prefer_alloc_in_same_node}, "
-            f"persistence={self.persistence!r})"
+            f"persistence={self.persistence!r}, tier={self.tier!r})"
         )
 
     __repr__ = __str__
@@ -378,7 +381,10 @@ def _convert_config(config, nkeys=1):
     persistence = str(getattr(config, "persistence", "none") or "none")
     if persistence not in ("none", "lazy", "eager"):
         raise _Invalid(INVALID_PARAMS, f"persistence {persistence!r}: none, lazy or eager")
-    return (replicas, pin, persistence, strategy, preferred)
+    tier = str(getattr(config, "tier", "dram") or "dram").lower()
+    if tier not in ("dram", "hbm"):
+        raise _Invalid(INVALID_PARAMS, f"tier {tier!r}: dram or hbm")
+    return (replicas, pin, persistence, strategy, preferred, tier)
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
@@ -451,7 +457,12 @@ class MooncakeDistributedStore:
         """``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
         protocol, rdma_devices, master_server_addr, engine=None, enable_ssd_offload=False,
         ssd_offload_path="", tenant_id="default", enable_client_http_server=False,
-        client_http_port=9300)`` or ``setup(config: dict)``; returns 0 or an error code."""
+        client_http_port=9300)`` or ``setup(config: dict)``; returns 0 or an error code.
+
+        kvfs extension: ``hbm_segment_size`` (a dict key, or ``KVFS_HBM_SEGMENT_SIZE`` in the
+        environment for either form) makes this process's node also contribute that much GPU
+        memory (device 0) as an HBM segment, beside its ``global_segment_size`` of DRAM; setup
+        fails with a clear message where no CUDA driver is found."""
         if len(args) == 1 and not kwargs and isinstance(args[0], dict):
             return self._setup_dict(args[0])
         return self._setup_positional(*args, **kwargs)
@@ -500,6 +511,7 @@ class MooncakeDistributedStore:
             enable_ssd_offload=str(cfg.get("enable_ssd_offload", "false")).lower()
             in ("1", "true", "yes"),
             tenant_id=str(cfg.get("tenant_id", "default")),
+            hbm_segment_size=cfg.get("hbm_segment_size"),
         )
 
     def _do_setup(
@@ -512,10 +524,14 @@ class MooncakeDistributedStore:
         master,
         enable_ssd_offload=False,
         tenant_id="default",
+        hbm_segment_size=None,
     ):
+        if hbm_segment_size is None:
+            hbm_segment_size = os.environ.get("KVFS_HBM_SEGMENT_SIZE") or 0
         try:
             segment = parse_size(global_segment_size)
             local_buffer = parse_size(local_buffer_size)
+            hbm = parse_size(hbm_segment_size)
         except ValueError as e:
             log.error("setup: %s", e)
             return INVALID_PARAMS
@@ -542,6 +558,7 @@ class MooncakeDistributedStore:
             tcp_only=_tcp_only(protocol),
             timeout_ms=_timeout_ms(),
             tenant=tenant,
+            hbm_bytes=hbm,
         )
 
     def setup_dummy(self, mem_pool_size, local_buffer_size, server_address):
