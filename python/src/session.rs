@@ -85,6 +85,8 @@ pub struct Session {
     node: Option<Node>,
     pub endpoint: String,
     pub call_timeout: Duration,
+    /// The bytes API may put (`staging_bytes_max > 0`; see `store::bytes_puts`).
+    pub put_buffer: bool,
     /// The process that opened the session (a forked child must not use it).
     pid: u32,
 }
@@ -138,6 +140,7 @@ impl Session {
             node,
             endpoint: engine.name().to_string(),
             call_timeout: Duration::from_millis(opts.call_timeout_ms),
+            put_buffer: opts.staging_bytes_max > 0,
             pid: std::process::id(),
         })
     }

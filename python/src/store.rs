@@ -83,6 +83,19 @@ fn options(cfg: Option<Cfg>, upsert: bool) -> Result<PutOptions, Failure> {
     })
 }
 
+/// The reference puts bytes through its local buffer, so with `local_buffer_size` 0 every
+/// bytes put fails (INVALID_PARAMS, its own test says so). kvfs needs no buffer for a put into
+/// its own segment, but keeps the refusal: the caller said there is no buffer to put from.
+fn bytes_puts(s: &Session) -> Result<(), Failure> {
+    if s.put_buffer {
+        return Ok(());
+    }
+    Err(Failure::invalid(
+        "local_buffer_size is 0: the bytes API has no buffer to put from (put_from puts from \
+         registered memory)",
+    ))
+}
+
 fn rc(op: &str, r: Result<(), Failure>) -> i64 {
     match r {
         Ok(()) => code::OK,
@@ -324,6 +337,7 @@ impl MooncakeCore {
             Err(f) => return log_code("put", &f),
         };
         let c = self.code_call(py, "put", move |s: Arc<Session>| async move {
+            bytes_puts(&s)?;
             s.client.put_parts(key, parts, &opts).await.map_err(Failure::from)
         });
         upsert_rc(upsert, c)
@@ -473,6 +487,7 @@ impl MooncakeCore {
         let items = [(key, views[0].bytes())];
         let views = &views;
         let c = self.code_call(py, "put", move |s: Arc<Session>| async move {
+            bytes_puts(&s)?;
             let r = s.client.put_batch_lent(&items, &opts, keepers(views)).await;
             r.into_iter().find_map(Result::err).map_or(Ok(()), |e| Err(Failure::from(e)))
         });
@@ -515,6 +530,7 @@ impl MooncakeCore {
             keys.iter().map(String::as_str).zip(vs.iter().map(|v| v.bytes())).collect();
         let vs = &vs;
         let c = self.code_call(py, "put", move |s: Arc<Session>| async move {
+            bytes_puts(&s)?;
             let r = s.client.put_batch_lent(&items, &opts, keepers(vs)).await;
             r.into_iter().find_map(Result::err).map_or(Ok(()), |e| Err(Failure::from(e)))
         });
@@ -549,6 +565,7 @@ impl MooncakeCore {
         let (joined, single): (Vec<usize>, Vec<usize>) =
             (0..keys.len()).partition(|&i| small(&slices[i]));
         let r = self.session().and_then(|s| {
+            bytes_puts(&s)?;
             runtime::call(py, "put", s.call_timeout, async {
                 // Small objects: joined here, then one batched put (one master round trip).
                 let bodies: Vec<Vec<u8>> = joined.iter().map(|&i| slices[i].concat()).collect();

@@ -290,6 +290,33 @@ def test_host_mem_allocator_memory_serves_zero_copy_calls(store, key):
         alloc.alloc(0)
 
 
+def test_no_local_buffer_means_no_bytes_puts_but_zero_copy_puts_work(cluster, key):
+    """The reference's test_zero_local_buffer_size: with local_buffer_size 0 bytes puts fail
+    (INVALID_PARAMS) and leave nothing, even into this process's own segment; the zero-copy
+    calls on registered memory need no buffer and work."""
+    s = MooncakeDistributedStore()
+    assert s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 0, "tcp", "", cluster.master) == 0
+    try:
+        assert s.put(key, b"value") == INVALID_PARAMS
+        assert s.put_batch([key], [b"value"]) == INVALID_PARAMS
+        assert s.put_parts(key, b"val", b"ue") == INVALID_PARAMS
+        assert s.is_exist(key) == 0
+        src = np.frombuffer(b"zero-copy value", dtype=np.uint8).copy()
+        dst = np.zeros_like(src)
+        assert s.register_buffer(src.ctypes.data, src.nbytes) == 0
+        assert s.register_buffer(dst.ctypes.data, dst.nbytes) == 0
+        try:
+            assert s.put_from(key, src.ctypes.data, src.nbytes) == 0
+            assert s.get_into(key, dst.ctypes.data, dst.nbytes) == dst.nbytes
+            assert dst.tobytes() == b"zero-copy value"
+        finally:
+            s.unregister_buffer(src.ctypes.data)
+            s.unregister_buffer(dst.ctypes.data)
+        s.remove(key, force=True)
+    finally:
+        s.close()
+
+
 def test_bind_to_numa_node_binds_the_calling_thread():
     node0 = "/sys/devices/system/node/node0/cpulist"
     if not os.path.exists(node0):
