@@ -686,10 +686,10 @@ impl TierPolicy {
             self.demote_from_hbm(now_ms, &usage, &mut out);
         }
         if dram && nvme {
-            self.promote_into_dram(now_ms, &usage, &mut out);
+            self.promote(now_ms, &usage, Move::NvmeToDram, &mut out);
         }
         if hbm && dram {
-            self.promote_into_hbm(now_ms, &usage, &mut out);
+            self.promote(now_ms, &usage, Move::DramToHbm, &mut out);
         }
         out
     }
@@ -771,40 +771,35 @@ impl TierPolicy {
         }
     }
 
-    /// NVMe -> DRAM, hottest first, only into room under the DRAM high watermark.
-    fn promote_into_dram(&mut self, now_ms: u64, u: &Usage, out: &mut Vec<Action>) {
-        let dram_limit = frac(u.dram.capacity_bytes, self.cfg.dram_high_watermark);
-        for (_, _, key, size_bytes) in self.hot(now_ms, |o| o.tier == Tier::Nvme) {
+    /// Promotions hottest first, only into room under the upper tier's high watermark:
+    /// `NvmeToDram`, or `DramToHbm` of objects whose home is HBM.
+    fn promote(&mut self, now_ms: u64, u: &Usage, mv: Move, out: &mut Vec<Action>) {
+        let hbm = mv == Move::DramToHbm;
+        let (capacity, high) = if hbm {
+            (u.hbm.capacity_bytes, self.cfg.hbm_high_watermark)
+        } else {
+            (u.dram.capacity_bytes, self.cfg.dram_high_watermark)
+        };
+        let limit = frac(capacity, high);
+        let hot = if hbm {
+            self.hot(now_ms, |o| o.tier == Tier::Dram && o.hbm_home)
+        } else {
+            self.hot(now_ms, |o| o.tier == Tier::Nvme)
+        };
+        for (_, _, key, size_bytes) in hot {
             if out.len() >= self.cfg.actions_per_round_max {
                 break;
             }
-            if self.dram_proj(u) + size_bytes > dram_limit {
+            let projected = if hbm { self.hbm_proj(u) } else { self.dram_proj(u) };
+            if projected + size_bytes > limit {
                 continue;
             }
-            if !self.promote_bucket.take(size_bytes) {
+            let bucket = if hbm { &mut self.hbm_promote_bucket } else { &mut self.promote_bucket };
+            if !bucket.take(size_bytes) {
                 self.stats.rate_limited_rounds += 1;
                 break;
             }
-            self.start(key, Flight { mv: Move::NvmeToDram, size_bytes }, out);
-        }
-    }
-
-    /// DRAM -> HBM of objects whose home is HBM, hottest first, only into room under the HBM
-    /// high watermark.
-    fn promote_into_hbm(&mut self, now_ms: u64, u: &Usage, out: &mut Vec<Action>) {
-        let hbm_limit = frac(u.hbm.capacity_bytes, self.cfg.hbm_high_watermark);
-        for (_, _, key, size_bytes) in self.hot(now_ms, |o| o.tier == Tier::Dram && o.hbm_home) {
-            if out.len() >= self.cfg.actions_per_round_max {
-                break;
-            }
-            if self.hbm_proj(u) + size_bytes > hbm_limit {
-                continue;
-            }
-            if !self.hbm_promote_bucket.take(size_bytes) {
-                self.stats.rate_limited_rounds += 1;
-                break;
-            }
-            self.start(key, Flight { mv: Move::DramToHbm, size_bytes }, out);
+            self.start(key, Flight { mv, size_bytes }, out);
         }
     }
 }
