@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use kvfs_client::{
     GetInto, JobKind, JobSpec, JobStatus, Persistence, Pin, PutFrom, PutOptions, RenameMode,
-    Strategy,
+    Strategy, Tier,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -60,23 +60,30 @@ pub fn close_slot(py: Python<'_>, slot: &Shared) {
 /// A connection to a kvfs cluster.
 ///
 /// `Client(master="127.0.0.1:50051", *, segment_bytes=0, local_hostname=None, timeout_ms=60000,
-/// rpc_timeout_ms=5000, staging_bytes_max=None, tcp_only=False)`; `segment_bytes > 0` also
-/// contributes that much of this process's DRAM to the pool (an embedded node).
+/// rpc_timeout_ms=5000, staging_bytes_max=None, tcp_only=False, hbm_bytes=0)`;
+/// `segment_bytes > 0` also contributes that much of this process's DRAM to the pool (an
+/// embedded node), and `hbm_bytes > 0` that much GPU memory of device 0 beside it. Puts take
+/// `tier="hbm"` to be placed in GPU memory.
 #[pyclass(module = "kvfs._native", name = "Client", frozen)]
 pub struct PyClient {
     slot: Shared,
     regs: Mutex<HashMap<u64, Option<View>>>,
 }
 
-fn put_options(
+/// The placement keywords every put takes, as Python gave them.
+struct Knobs<'a> {
     replicas: u8,
-    pin: &str,
-    persistence: &str,
-    strategy: &str,
+    pin: &'a str,
+    persistence: &'a str,
+    strategy: &'a str,
     preferred: Vec<String>,
     upsert: bool,
     checksum: bool,
-) -> Result<PutOptions, Failure> {
+    tier: &'a str,
+}
+
+fn put_options(k: Knobs<'_>) -> Result<PutOptions, Failure> {
+    let Knobs { replicas, pin, persistence, strategy, preferred, upsert, checksum, tier } = k;
     let pin = match pin {
         "none" => Pin::None,
         "soft" => Pin::Soft,
@@ -99,6 +106,11 @@ fn put_options(
             )));
         }
     };
+    let tier = match tier {
+        "dram" => Tier::Dram,
+        "hbm" => Tier::Hbm,
+        t => return Err(Failure::invalid(format!("tier {t:?}: dram or hbm"))),
+    };
     if replicas == 0 {
         return Err(Failure::invalid("replicas must be at least 1"));
     }
@@ -110,7 +122,7 @@ fn put_options(
         upsert,
         preferred_endpoints: preferred,
         checksum,
-        ..PutOptions::default()
+        tier,
     })
 }
 
@@ -159,7 +171,8 @@ fn regions(
 impl PyClient {
     #[new]
     #[pyo3(signature = (master="127.0.0.1:50051", *, segment_bytes=0, local_hostname=None,
-        timeout_ms=60_000, rpc_timeout_ms=5_000, staging_bytes_max=None, tcp_only=false))]
+        timeout_ms=60_000, rpc_timeout_ms=5_000, staging_bytes_max=None, tcp_only=false,
+        hbm_bytes=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -170,6 +183,7 @@ impl PyClient {
         rpc_timeout_ms: u64,
         staging_bytes_max: Option<usize>,
         tcp_only: bool,
+        hbm_bytes: u64,
     ) -> PyResult<PyClient> {
         let opts = SessionOptions {
             master: master.to_string(),
@@ -178,6 +192,7 @@ impl PyClient {
             port_range: local_hostname.as_ref().map(|_| (12300, 14300)),
             local_hostname,
             segment_bytes,
+            hbm_bytes,
             staging_bytes_max: staging_bytes_max.unwrap_or(usize::MAX),
             tcp_only,
             rpc_timeout_ms,
@@ -204,7 +219,7 @@ impl PyClient {
     /// Stores bytes (any buffer-protocol object); the first writer of a key wins unless
     /// `upsert`.
     #[pyo3(signature = (key, value, *, replicas=1, pin="none", persistence="none",
-        strategy="random", preferred=Vec::new(), upsert=false, checksum=false))]
+        strategy="random", preferred=Vec::new(), upsert=false, checksum=false, tier="dram"))]
     #[allow(clippy::too_many_arguments)]
     fn put(
         &self,
@@ -218,10 +233,20 @@ impl PyClient {
         preferred: Vec<String>,
         upsert: bool,
         checksum: bool,
+        tier: &str,
     ) -> PyResult<()> {
         let opts = raise(
             py,
-            put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum),
+            put_options(Knobs {
+                replicas,
+                pin,
+                persistence,
+                strategy,
+                preferred,
+                upsert,
+                checksum,
+                tier,
+            }),
         )?;
         let s = raise(py, live(&self.slot))?;
         let views = [Arc::new(View::new(value, false)?)];
@@ -236,7 +261,7 @@ impl PyClient {
 
     /// Stores many values; returns one result per key (`None` or the exception).
     #[pyo3(signature = (keys, values, *, replicas=1, pin="none", persistence="none",
-        strategy="random", preferred=Vec::new(), upsert=false, checksum=false))]
+        strategy="random", preferred=Vec::new(), upsert=false, checksum=false, tier="dram"))]
     #[allow(clippy::too_many_arguments)]
     fn put_batch<'py>(
         &self,
@@ -250,10 +275,20 @@ impl PyClient {
         preferred: Vec<String>,
         upsert: bool,
         checksum: bool,
+        tier: &str,
     ) -> PyResult<Bound<'py, PyList>> {
         let opts = raise(
             py,
-            put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum),
+            put_options(Knobs {
+                replicas,
+                pin,
+                persistence,
+                strategy,
+                preferred,
+                upsert,
+                checksum,
+                tier,
+            }),
         )?;
         let s = raise(py, live(&self.slot))?;
         let views: Vec<Arc<View>> = values
@@ -279,7 +314,7 @@ impl PyClient {
 
     /// Stores the memory of a registered buffer (object, or address with `size`) without a copy.
     #[pyo3(signature = (key, src, size=None, *, replicas=1, pin="none", persistence="none",
-        strategy="random", preferred=Vec::new(), upsert=false, checksum=false))]
+        strategy="random", preferred=Vec::new(), upsert=false, checksum=false, tier="dram"))]
     #[allow(clippy::too_many_arguments)]
     fn put_from(
         &self,
@@ -294,10 +329,20 @@ impl PyClient {
         preferred: Vec<String>,
         upsert: bool,
         checksum: bool,
+        tier: &str,
     ) -> PyResult<()> {
         let opts = raise(
             py,
-            put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum),
+            put_options(Knobs {
+                replicas,
+                pin,
+                persistence,
+                strategy,
+                preferred,
+                upsert,
+                checksum,
+                tier,
+            }),
         )?;
         let s = raise(py, live(&self.slot))?;
         let r = Region::resolve(src, size, false)?;
@@ -311,7 +356,7 @@ impl PyClient {
 
     /// Zero-copy puts of many objects; one result per key.
     #[pyo3(signature = (keys, srcs, sizes=None, *, replicas=1, pin="none", persistence="none",
-        strategy="random", preferred=Vec::new(), upsert=false, checksum=false))]
+        strategy="random", preferred=Vec::new(), upsert=false, checksum=false, tier="dram"))]
     #[allow(clippy::too_many_arguments)]
     fn put_from_batch<'py>(
         &self,
@@ -326,10 +371,20 @@ impl PyClient {
         preferred: Vec<String>,
         upsert: bool,
         checksum: bool,
+        tier: &str,
     ) -> PyResult<Bound<'py, PyList>> {
         let opts = raise(
             py,
-            put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum),
+            put_options(Knobs {
+                replicas,
+                pin,
+                persistence,
+                strategy,
+                preferred,
+                upsert,
+                checksum,
+                tier,
+            }),
         )?;
         let s = raise(py, live(&self.slot))?;
         let rs = regions(srcs, sizes, keys.len(), false)?;

@@ -1,6 +1,7 @@
-"""HBM from the Python package (kvfs extensions to the reference's API): a store's embedded node
+"""HBM from the Python package: in the reference's API (kvfs extensions) a store's embedded node
 also contributes GPU memory with ``hbm_segment_size`` (or ``KVFS_HBM_SEGMENT_SIZE``), and a put
-asks for it with ``ReplicateConfig.tier = "hbm"``.
+asks for it with ``ReplicateConfig.tier = "hbm"``; in kvfs's own ``kvfs.Client`` the same are
+``hbm_bytes=`` and ``tier="hbm"``.
 
 Without a CUDA driver (CI) the refusals are what can be checked: setup says no and leaves the
 store usable, and a put asking for HBM where no node has any fails and leaves nothing. With a
@@ -10,6 +11,7 @@ import ctypes
 
 import pytest
 
+import kvfs
 from kvfs import ERROR_CODES
 from kvfs.mooncake import INVALID_PARAMS
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -100,3 +102,32 @@ def test_on_a_gpu_puts_asking_for_hbm_live_in_this_process_gpu_memory(cluster, k
         s.remove_all(force=True)
     finally:
         s.close()
+
+
+def test_the_native_client_refuses_what_it_cannot_place_and_keeps_nothing(cluster, key):
+    with kvfs.Client(cluster.master) as c:
+        with pytest.raises(kvfs.InvalidArgumentError):
+            c.put(key, b"x", tier="ssd")
+        if not driver_present():
+            with pytest.raises(kvfs.KvfsError) as e:
+                c.put(key, b"gpu bytes", tier="hbm")
+            assert e.value.kind == "no_space", e.value
+            assert not c.exists(key)
+        c.put(key, b"dram bytes", tier="dram")
+        assert c.get(key) == b"dram bytes"
+        c.remove(key, force=True)
+    if not driver_present():
+        with pytest.raises(kvfs.KvfsError) as e:
+            kvfs.Client(cluster.master, segment_bytes=16 * MIB, hbm_bytes=64 * MIB)
+        assert "CUDA" in str(e.value), e.value
+
+
+@pytest.mark.skipif(not driver_present(), reason="no CUDA driver: run on a GPU machine")
+def test_on_a_gpu_the_native_client_puts_into_its_own_gpu_memory(cluster, key):
+    with kvfs.Client(cluster.master, segment_bytes=16 * MIB, hbm_bytes=256 * MIB,
+                     local_hostname="localhost") as c:
+        v = bytes(range(256)) * (12 * 1024)
+        c.put(key, v, tier="hbm", preferred=[c.endpoint])
+        assert [r["tier"] for r in c.stat(key)["replicas"]] == ["hbm"]
+        assert c.get(key) == v
+        c.remove(key, force=True)
