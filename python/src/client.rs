@@ -70,20 +70,17 @@ pub struct PyClient {
     regs: Mutex<HashMap<u64, Option<View>>>,
 }
 
-/// The placement keywords every put takes, as Python gave them.
-struct Knobs<'a> {
+#[allow(clippy::too_many_arguments)]
+fn put_options(
     replicas: u8,
-    pin: &'a str,
-    persistence: &'a str,
-    strategy: &'a str,
+    pin: &str,
+    persistence: &str,
+    strategy: &str,
     preferred: Vec<String>,
     upsert: bool,
     checksum: bool,
-    tier: &'a str,
-}
-
-fn put_options(k: Knobs<'_>) -> Result<PutOptions, Failure> {
-    let Knobs { replicas, pin, persistence, strategy, preferred, upsert, checksum, tier } = k;
+    tier: &str,
+) -> Result<PutOptions, Failure> {
     let pin = match pin {
         "none" => Pin::None,
         "soft" => Pin::Soft,
@@ -237,16 +234,7 @@ impl PyClient {
     ) -> PyResult<()> {
         let opts = raise(
             py,
-            put_options(Knobs {
-                replicas,
-                pin,
-                persistence,
-                strategy,
-                preferred,
-                upsert,
-                checksum,
-                tier,
-            }),
+            put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum, tier),
         )?;
         let s = raise(py, live(&self.slot))?;
         let views = [Arc::new(View::new(value, false)?)];
@@ -279,16 +267,7 @@ impl PyClient {
     ) -> PyResult<Bound<'py, PyList>> {
         let opts = raise(
             py,
-            put_options(Knobs {
-                replicas,
-                pin,
-                persistence,
-                strategy,
-                preferred,
-                upsert,
-                checksum,
-                tier,
-            }),
+            put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum, tier),
         )?;
         let s = raise(py, live(&self.slot))?;
         let views: Vec<Arc<View>> = values
@@ -333,16 +312,7 @@ impl PyClient {
     ) -> PyResult<()> {
         let opts = raise(
             py,
-            put_options(Knobs {
-                replicas,
-                pin,
-                persistence,
-                strategy,
-                preferred,
-                upsert,
-                checksum,
-                tier,
-            }),
+            put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum, tier),
         )?;
         let s = raise(py, live(&self.slot))?;
         let r = Region::resolve(src, size, false)?;
@@ -375,16 +345,7 @@ impl PyClient {
     ) -> PyResult<Bound<'py, PyList>> {
         let opts = raise(
             py,
-            put_options(Knobs {
-                replicas,
-                pin,
-                persistence,
-                strategy,
-                preferred,
-                upsert,
-                checksum,
-                tier,
-            }),
+            put_options(replicas, pin, persistence, strategy, preferred, upsert, checksum, tier),
         )?;
         let s = raise(py, live(&self.slot))?;
         let rs = regions(srcs, sizes, keys.len(), false)?;
