@@ -15,20 +15,74 @@
 //! A wait that is dropped midway (a timeout) takes the socket with it: every later use fails
 //! with `NotConnected`, as the owner must drop a connection left in the middle of a message
 //! anyway.
+//!
+//! [`Inbound`] is the other side's reader: the read half of a connection a server's task owns
+//! (tokio's), with the same small read-ahead buffer and the same bounded poll before it parks.
+//! The rpc acceptor and the Transfer Engine's acceptor both read requests through it.
 
 use std::io::{IoSlice, Read, Write};
 use std::time::Duration;
 
-use tokio::io::Interest;
+use tokio::io::{AsyncReadExt, Interest};
+use tokio::net::tcp::OwnedReadHalf;
+
+/// Bytes received ahead of what the reader asked for: a fixed buffer and its unread part.
+struct ReadAhead {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl ReadAhead {
+    fn new(bytes: usize) -> ReadAhead {
+        ReadAhead { buf: vec![0u8; bytes].into_boxed_slice(), start: 0, end: 0 }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+
+    /// The whole buffer, to receive into while it is empty; then [`filled`](Self::filled).
+    fn room(&mut self) -> &mut [u8] {
+        &mut self.buf
+    }
+
+    fn filled(&mut self, n: usize) {
+        (self.start, self.end) = (0, n);
+    }
+
+    /// Copies what is buffered into `dst`; returns how much.
+    fn take(&mut self, dst: &mut [u8]) -> usize {
+        let n = dst.len().min(self.end - self.start);
+        dst[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+        self.start += n;
+        n
+    }
+}
+
+/// One receive into `dst` from tokio's (non-blocking) socket, which never waits. Beside
+/// tokio's readiness tracking this is harmless: a stale "readable" only costs the next read
+/// one empty system call.
+fn recv_now(rd: &OwnedReadHalf, dst: &mut [u8]) -> std::io::Result<usize> {
+    let sock = socket2::SockRef::from(rd.as_ref());
+    (&*sock).read(dst)
+}
+
+/// Gives the CPU away between two empty polls (`yield_cpu`), or hints a spin.
+fn pause(yield_cpu: bool) {
+    if yield_cpu {
+        std::thread::yield_now();
+    } else {
+        std::hint::spin_loop();
+    }
+}
 
 /// Bytes read ahead at most (a small message comes in with one system call).
 const BUFFER_BYTES: usize = 16 << 10;
 
 pub struct PlainStream {
     sock: Option<std::net::TcpStream>,
-    buf: Box<[u8]>,
-    start: usize,
-    end: usize,
+    ahead: ReadAhead,
 }
 
 fn gone() -> std::io::Error {
@@ -40,12 +94,7 @@ impl PlainStream {
     pub fn new(stream: tokio::net::TcpStream) -> std::io::Result<PlainStream> {
         let sock = stream.into_std()?;
         sock.set_nonblocking(true)?;
-        Ok(PlainStream {
-            sock: Some(sock),
-            buf: vec![0u8; BUFFER_BYTES].into_boxed_slice(),
-            start: 0,
-            end: 0,
-        })
+        Ok(PlainStream { sock: Some(sock), ahead: ReadAhead::new(BUFFER_BYTES) })
     }
 
     fn sock(&self) -> std::io::Result<&std::net::TcpStream> {
@@ -86,9 +135,10 @@ impl PlainStream {
 
     /// One receive into `dst`, without waiting: `Ok(0)` at the end of the stream,
     /// `WouldBlock` when nothing is there.
-    fn recv(&self, dst: &mut [u8]) -> std::io::Result<usize> {
+    fn recv(sock: &Option<std::net::TcpStream>, dst: &mut [u8]) -> std::io::Result<usize> {
+        let mut sock = sock.as_ref().ok_or_else(gone)?;
         loop {
-            match self.sock()?.read(dst) {
+            match sock.read(dst) {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 other => return other,
             }
@@ -97,11 +147,8 @@ impl PlainStream {
 
     /// Receives into the read-ahead buffer (which must be empty).
     fn fill(&mut self) -> std::io::Result<usize> {
-        let mut buf = std::mem::take(&mut self.buf);
-        let r = self.recv(&mut buf);
-        self.buf = buf;
-        let n = r?;
-        (self.start, self.end) = (0, n);
+        let n = Self::recv(&self.sock, self.ahead.room())?;
+        self.ahead.filled(n);
         Ok(n)
     }
 
@@ -110,7 +157,7 @@ impl PlainStream {
     /// each empty poll yields the CPU (with two cores, a thread woken on this one may be the
     /// very peer the caller waits for).
     pub fn spin_for_bytes(&mut self, spin: Duration, yield_cpu: bool) {
-        if self.end > self.start || spin.is_zero() {
+        if !self.ahead.is_empty() || spin.is_zero() {
             return;
         }
         let started = std::time::Instant::now();
@@ -122,38 +169,106 @@ impl PlainStream {
             if started.elapsed() >= spin {
                 return;
             }
-            if yield_cpu {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
+            pause(yield_cpu);
         }
     }
 
     /// Fills every byte of `dst`: the buffered bytes first, then from the socket (payloads
     /// larger than the buffer straight into `dst`), waiting when nothing is there.
     pub async fn read_exact(&mut self, dst: &mut [u8]) -> std::io::Result<()> {
-        let mut got = 0;
+        let mut got = self.ahead.take(dst);
         while got < dst.len() {
-            if self.start == self.end {
-                let r = if dst.len() - got >= self.buf.len() {
-                    self.recv(&mut dst[got..]).inspect(|&n| got += n)
-                } else {
-                    self.fill()
-                };
-                match r {
-                    Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                    Ok(_) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        self.wait(Interest::READABLE).await?
-                    }
-                    Err(e) => return Err(e),
+            let r = if dst.len() - got >= BUFFER_BYTES {
+                Self::recv(&self.sock, &mut dst[got..]).inspect(|&n| got += n)
+            } else {
+                self.fill().inspect(|_| got += self.ahead.take(&mut dst[got..]))
+            };
+            match r {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    self.wait(Interest::READABLE).await?
                 }
-                continue;
+                Err(e) => return Err(e),
             }
-            let n = (dst.len() - got).min(self.end - self.start);
-            dst[got..got + n].copy_from_slice(&self.buf[self.start..self.start + n]);
-            (self.start, got) = (self.start + n, got + n);
+        }
+        Ok(())
+    }
+}
+
+/// The read half of a served connection with a small read-ahead buffer (see the module notes):
+/// one system call brings in a request's header and whatever requests are queued behind it;
+/// payloads larger than the buffer go straight into their destination.
+pub struct Inbound {
+    rd: OwnedReadHalf,
+    ahead: ReadAhead,
+}
+
+impl Inbound {
+    /// Reads `rd` ahead by up to `bytes`.
+    pub fn new(rd: OwnedReadHalf, bytes: usize) -> Inbound {
+        Inbound { rd, ahead: ReadAhead::new(bytes) }
+    }
+
+    /// The read half, for reads that bypass the buffer (after [`take_buffered`](Self::take_buffered)).
+    pub fn get_ref(&self) -> &OwnedReadHalf {
+        &self.rd
+    }
+
+    pub fn has_buffered(&self) -> bool {
+        !self.ahead.is_empty()
+    }
+
+    /// Polls the socket without parking, for up to `spin`, until some bytes are buffered, the
+    /// stream ends or fails (the next read reports it), or `spin` has passed; `yield_cpu` as
+    /// for [`PlainStream::spin_for_bytes`].
+    pub fn spin_for_bytes(&mut self, spin: Duration, yield_cpu: bool) {
+        if self.has_buffered() || spin.is_zero() {
+            return;
+        }
+        let started = std::time::Instant::now();
+        loop {
+            match recv_now(&self.rd, self.ahead.room()) {
+                Ok(n) if n > 0 => {
+                    self.ahead.filled(n);
+                    return;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                // The end of the stream or an error: the next read reports it.
+                _ => return,
+            }
+            if started.elapsed() >= spin {
+                return;
+            }
+            pause(yield_cpu);
+        }
+    }
+
+    /// Waits until the socket has something to read (or has ended or failed: the next read
+    /// reports it).
+    pub async fn wait_readable(&self) -> std::io::Result<()> {
+        self.rd.as_ref().readable().await
+    }
+
+    /// Copies what is buffered into `dst`; returns how much.
+    pub fn take_buffered(&mut self, dst: &mut [u8]) -> usize {
+        self.ahead.take(dst)
+    }
+
+    /// Fills every byte of `dst`: the buffered bytes first, then from the socket.
+    pub async fn read_exact(&mut self, dst: &mut [u8]) -> std::io::Result<()> {
+        let mut got = self.ahead.take(dst);
+        while got < dst.len() {
+            if dst.len() - got >= self.ahead.buf.len() {
+                self.rd.read_exact(&mut dst[got..]).await?;
+                return Ok(());
+            }
+            let n = self.rd.read(self.ahead.room()).await?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            self.ahead.filled(n);
+            got += self.ahead.take(&mut dst[got..]);
         }
         Ok(())
     }

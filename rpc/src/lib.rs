@@ -46,14 +46,14 @@ use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{Notify, oneshot};
 
 pub use kvfs_proto::auth::ClusterSecret;
 use kvfs_proto::auth::{self, AuthError};
-use kvfs_proto::plain::PlainStream;
+use kvfs_proto::plain::{Inbound, PlainStream};
 
 const KIND_REQUEST: u8 = 1;
 const KIND_RESPONSE: u8 = 2;
@@ -425,15 +425,17 @@ struct ServeSpin {
 
 async fn read_loop(rd: OwnedReadHalf, conn: RpcConn, handler: Arc<dyn Handler>) {
     let max = conn.inner.opts.frame_bytes_max;
-    let mut rd = Reader::new(rd);
+    let mut rd = Inbound::new(rd, DIRECT_BUFFER_BYTES);
     let mut spin = ServeSpin { answered: false, paid: true };
     loop {
         if spin.answered && !rd.has_buffered() {
             let idle = std::time::Instant::now();
             if spin.paid {
-                rd.spin_for_bytes(SERVE_SPIN);
+                // Let a thread woken on this CPU (with two cores, the very peer this call
+                // waits for) run instead of spinning against it.
+                rd.spin_for_bytes(SERVE_SPIN, true);
             }
-            if !rd.has_buffered() && rd.rd.as_ref().readable().await.is_err() {
+            if !rd.has_buffered() && rd.wait_readable().await.is_err() {
                 break;
             }
             spin.paid = idle.elapsed() < SERVE_SPIN;
@@ -471,7 +473,7 @@ async fn read_loop(rd: OwnedReadHalf, conn: RpcConn, handler: Arc<dyn Handler>) 
     conn.inner.close();
 }
 
-async fn read_frame(rd: &mut Reader, max: usize) -> std::io::Result<(u8, u64, Vec<u8>)> {
+async fn read_frame(rd: &mut Inbound, max: usize) -> std::io::Result<(u8, u64, Vec<u8>)> {
     let mut hdr = [0u8; HEADER];
     rd.read_exact(&mut hdr).await?;
     if let Some(why) = refused_frame(&hdr) {
@@ -518,7 +520,7 @@ async fn respond(conn: &RpcConn, id: u64, result: Result<Vec<u8>, String>) {
     conn.send(&frame).await;
 }
 
-/// Bytes a connection's [`Reader`] reads ahead at most (a small frame comes in with one system
+/// Bytes a connection's [`Inbound`] reads ahead at most (a small frame comes in with one system
 /// call).
 const DIRECT_BUFFER_BYTES: usize = 16 << 10;
 
@@ -591,79 +593,10 @@ impl DirectConn {
     }
 }
 
-/// The read side of a connection, with a small buffer: one system call brings in a frame's
-/// header and a small body (and whatever frames are queued behind it); bodies larger than the
-/// buffer go straight into their destination.
-struct Reader {
-    rd: OwnedReadHalf,
-    buf: Box<[u8]>,
-    start: usize,
-    end: usize,
-}
-
-impl Reader {
-    fn new(rd: OwnedReadHalf) -> Reader {
-        Reader { rd, buf: vec![0u8; DIRECT_BUFFER_BYTES].into_boxed_slice(), start: 0, end: 0 }
-    }
-
-    fn has_buffered(&self) -> bool {
-        self.end > self.start
-    }
-
-    /// Polls the socket without parking, for up to `spin`, until some bytes are buffered, the
-    /// stream ends or fails (the next read reports it), or `spin` has passed.
-    fn spin_for_bytes(&mut self, spin: Duration) {
-        if self.end > self.start || spin.is_zero() {
-            return;
-        }
-        let fd = self.rd.as_ref().as_raw_fd();
-        let started = std::time::Instant::now();
-        loop {
-            // SAFETY: a non-blocking receive into this connection's own buffer, bounded by its
-            // length. Reading beside tokio's readiness tracking is harmless: a stale
-            // "readable" only costs the next read one empty system call.
-            let n = unsafe {
-                libc::recv(fd, self.buf.as_mut_ptr().cast(), self.buf.len(), libc::MSG_DONTWAIT)
-            };
-            if n > 0 {
-                (self.start, self.end) = (0, n as usize);
-                return;
-            }
-            let again =
-                n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock;
-            if !again || started.elapsed() >= spin {
-                return;
-            }
-            // Let a thread woken on this CPU (with two cores, the very peer this call waits
-            // for) run instead of spinning against it.
-            std::thread::yield_now();
-        }
-    }
-
-    async fn read_exact(&mut self, dst: &mut [u8]) -> std::io::Result<()> {
-        let mut got = 0;
-        while got < dst.len() {
-            if self.start == self.end {
-                if dst.len() - got >= self.buf.len() {
-                    return self.rd.read_exact(&mut dst[got..]).await.map(|_| ());
-                }
-                let n = self.rd.read(&mut self.buf).await?;
-                if n == 0 {
-                    return Err(std::io::ErrorKind::UnexpectedEof.into());
-                }
-                (self.start, self.end) = (0, n);
-            }
-            let n = (dst.len() - got).min(self.end - self.start);
-            dst[got..got + n].copy_from_slice(&self.buf[self.start..self.start + n]);
-            (self.start, got) = (self.start + n, got + n);
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncReadExt;
 
     async fn pair(h: Arc<dyn Handler>) -> (RpcConn, RpcConn) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -63,14 +63,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use kvfs_proto::plain::PlainStream;
+use kvfs_proto::plain::{Inbound, PlainStream};
 use kvfs_proto::transfer::{
     DataHeader, DataOp, DataReply, DataStatus, GUARD_BYTES_MAX, HANDSHAKE_FRAME_MAX, Hello,
     RANGE_ENTRY_BYTES, RANGES_PER_REQUEST_MAX, TE_PROTOCOL_VERSION, Welcome, decode_ranges,
     encode_ranges,
 };
 use kvfs_proto::{read_msg, write_msg};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
@@ -473,7 +473,7 @@ async fn read_exact_vectored(
 
 async fn reader(rd: OwnedReadHalf, st: Arc<ConnState>) {
     // Small replies (header and payload) come in with one system call.
-    let mut rd = Inbound::new(rd);
+    let mut rd = Inbound::new(rd, INBOUND_BUFFER_BYTES);
     let mut hb = [0u8; DataReply::SIZE];
     loop {
         if let Err(e) = rd.read_exact(&mut hb).await {
@@ -1245,7 +1245,7 @@ impl Replies {
 
 async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::io::Result<()> {
     let (rd, wr) = stream.into_split();
-    let mut rd = Inbound::new(rd);
+    let mut rd = Inbound::new(rd, INBOUND_BUFFER_BYTES);
     let mut out = Replies::new(wr);
     let mut hb = [0u8; DataHeader::SIZE];
     let mut spin = ServeSpin {
@@ -1342,7 +1342,7 @@ async fn next_header(
         if got == 0 && spin.lone && !spin.max.is_zero() {
             let idle = std::time::Instant::now();
             if spin.paid {
-                rd.spin_for_bytes(spin.max);
+                rd.spin_for_bytes(spin.max, false);
             }
             if !rd.has_buffered() {
                 rd.wait_readable().await?;
@@ -1360,91 +1360,16 @@ async fn next_header(
     Ok(true)
 }
 
-/// The read side of a served connection, with a small buffer: one system call brings in a
-/// request's header, its guard or range table and whatever requests are queued behind it;
-/// payloads larger than the buffer go straight into their destination.
-struct Inbound {
-    rd: OwnedReadHalf,
-    buf: Box<[u8]>,
-    start: usize,
-    end: usize,
-}
-
-/// Bytes an `Inbound` reads ahead at most.
+/// Bytes a served connection reads ahead at most.
 const INBOUND_BUFFER_BYTES: usize = 16 << 10;
 
-impl Inbound {
-    fn new(rd: OwnedReadHalf) -> Inbound {
-        Inbound { rd, buf: vec![0u8; INBOUND_BUFFER_BYTES].into_boxed_slice(), start: 0, end: 0 }
-    }
-
-    /// Polls the socket without parking, for up to `spin`, until some bytes are buffered, the
-    /// stream ends or fails (the next read then reports it), or `spin` has passed.
-    fn spin_for_bytes(&mut self, spin: Duration) {
-        if self.end > self.start || spin.is_zero() {
-            return;
-        }
-        let fd = self.rd.as_ref().as_raw_fd();
-        let started = std::time::Instant::now();
-        loop {
-            // SAFETY: a non-blocking receive into this Inbound's own buffer, bounded by its
-            // length. Reading beside tokio's readiness tracking is harmless: a stale
-            // "readable" only costs the next read one empty system call.
-            let n = unsafe {
-                libc::recv(fd, self.buf.as_mut_ptr().cast(), self.buf.len(), libc::MSG_DONTWAIT)
-            };
-            if n > 0 {
-                (self.start, self.end) = (0, n as usize);
-                return;
-            }
-            let again =
-                n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock;
-            if !again || started.elapsed() >= spin {
-                return;
-            }
-            std::hint::spin_loop();
-        }
-    }
-
-    fn has_buffered(&self) -> bool {
-        self.end > self.start
-    }
-
-    /// Waits until the socket has something to read (or has ended or failed: the next read
-    /// reports it).
-    async fn wait_readable(&mut self) -> std::io::Result<()> {
-        self.rd.as_ref().readable().await
-    }
-
-    /// Copies what is buffered into `dst`; returns how much.
-    fn take_buffered(&mut self, dst: &mut [u8]) -> usize {
-        let n = dst.len().min(self.end - self.start);
-        dst[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
-        self.start += n;
-        if self.start == self.end {
-            (self.start, self.end) = (0, 0);
-        }
-        n
-    }
-
-    async fn read_exact(&mut self, dst: &mut [u8]) -> std::io::Result<()> {
-        let mut got = self.take_buffered(dst);
-        while got < dst.len() {
-            if dst.len() - got >= self.buf.len() {
-                self.rd.read_exact(&mut dst[got..]).await?;
-                return Ok(());
-            }
-            let n = self.rd.read(&mut self.buf).await?;
-            if n == 0 {
-                return Err(std::io::ErrorKind::UnexpectedEof.into());
-            }
-            (self.start, self.end) = (0, n);
-            got += self.take_buffered(&mut dst[got..]);
-        }
-        Ok(())
-    }
-
+/// The vectored read a served connection needs beside [`Inbound`]'s own calls.
+trait ReadExactVectored {
     /// Fills every byte of `bufs`: the buffered bytes first, the rest straight from the socket.
+    async fn read_exact_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> std::io::Result<()>;
+}
+
+impl ReadExactVectored for Inbound {
     async fn read_exact_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> std::io::Result<()> {
         let mut taken = 0;
         for b in bufs.iter_mut() {
@@ -1456,7 +1381,7 @@ impl Inbound {
         }
         let mut rest = bufs;
         IoSliceMut::advance_slices(&mut rest, taken);
-        read_exact_vectored(&self.rd, rest).await
+        read_exact_vectored(self.get_ref(), rest).await
     }
 }
 
