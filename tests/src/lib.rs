@@ -134,6 +134,27 @@ impl Proc {
         unsafe { libc::kill(self.pid(), sig) };
     }
 
+    /// SIGSTOP, and waits (at most 5 s) until the kernel reports every thread stopped: the
+    /// signal stops the process only when one of its threads next runs, and until then the
+    /// others may still answer a request (on a loaded machine, long enough to matter).
+    pub fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+        let tasks = format!("/proc/{}/task", self.pid());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let stopped = || {
+            let Ok(dir) = std::fs::read_dir(&tasks) else { return false };
+            dir.flatten().all(|t| {
+                let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                // The state follows the parenthesised command name; T is stopped.
+                stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T'))
+            })
+        };
+        while !stopped() {
+            assert!(Instant::now() < deadline, "kvfs did not stop within 5 s");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
     /// SIGKILL and reap.
     pub fn kill(mut self) {
         self.signal(libc::SIGKILL);

@@ -254,7 +254,7 @@ async fn a_stopped_leader_is_deposed_and_refuses_to_act_when_it_resumes() {
         c.put(&format!("s/{i}"), &content(i, 10_000), &PutOptions::default()).await.expect("put");
     }
     let stopped = Instant::now();
-    ha.master_proc(&old).as_ref().expect("leader running").signal(libc::SIGSTOP);
+    ha.master_proc(&old).as_ref().expect("leader running").stop();
     let (new, new_term) = ha.wait_leader(old_term).await;
     let elected = stopped.elapsed();
     assert_ne!(new, old);
@@ -512,7 +512,7 @@ async fn a_mirroring_standby_takes_over_at_once_and_keeps_the_dead_leaders_grant
 async fn a_standby_dropped_from_the_mirror_takes_over_with_the_grace() {
     let (mut ha, c, old, old_term) = mirrored().await;
     let standby = ha.masters.iter().find(|(a, _)| *a != old).expect("a standby").0.clone();
-    ha.master_proc(&standby).as_ref().expect("standby").signal(libc::SIGSTOP);
+    ha.master_proc(&standby).as_ref().expect("standby").stop();
     // The put waits for the stopped standby's acknowledgement, drops it, and succeeds.
     c.put("dropped/a", &content(1, 1000), &PutOptions::default()).await.expect("put");
     assert_eq!(ha.metric(&old, "kvfs_master_mirror_dropped_total"), Some(1));

@@ -70,12 +70,16 @@ impl Peer {
     /// Waits (at most 5 s) until the kernel reports the peer stopped: SIGSTOP is delivered
     /// asynchronously, and a peer still running could answer one more request.
     fn wait_stopped(&self) {
-        let stat = format!("/proc/{}/stat", self.child.id());
+        let tasks = format!("/proc/{}/task", self.child.id());
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline {
-            let s = std::fs::read_to_string(&stat).unwrap_or_default();
-            // Field 3 (after the parenthesised command name) is the state; T means stopped.
-            if s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T')) {
+            // Every thread: one that has not run since the signal may still answer.
+            let Ok(dir) = std::fs::read_dir(&tasks) else { continue };
+            if dir.flatten().all(|t| {
+                let s = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                // Field 3 (after the parenthesised command name) is the state; T means stopped.
+                s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T'))
+            }) {
                 return;
             }
             std::thread::sleep(Duration::from_millis(5));
