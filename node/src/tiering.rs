@@ -660,7 +660,7 @@ impl Inner {
 
     async fn load_one(&self, it: &LoadItem) -> ItemResult<[u8; 32]> {
         if matches!(it.source, Tier::Hbm | Tier::Dram) {
-            return self.move_in(it);
+            return self.move_in(it).await;
         }
         if it.segment != DRAM_SEGMENT {
             return Err(WireError::new(ErrorCode::InvalidArgument, "load into a non-DRAM segment"));
@@ -727,7 +727,10 @@ impl Inner {
     /// A move's copy (a `Load` whose source is this node's copy in one memory tier): copy it
     /// into the range the master allocated in the other (HBM -> DRAM, DRAM -> HBM) and hold
     /// it there; answers the object's blake3 (known, or hashed from the host-side bytes).
-    fn move_in(&self, it: &LoadItem) -> ItemResult<[u8; 32]> {
+    ///
+    /// The copy (and a hash, when the checksum is not known) runs on a blocking thread: a large
+    /// object's copy across PCIe takes milliseconds that would stall a runtime worker.
+    async fn move_in(&self, it: &LoadItem) -> ItemResult<[u8; 32]> {
         let err = |code, what: String| Err(WireError::new(code, what));
         let (from_seg, to_seg) = if it.source == Tier::Hbm {
             (HBM_SEGMENT, DRAM_SEGMENT)
@@ -755,23 +758,32 @@ impl Inner {
         };
         let size = it.size as usize;
         let host_off = if to_seg == DRAM_SEGMENT { it.offset } else { from };
-        let host = self.dram_range(host_off, it.size)?;
-        // The block checks its own side of the copy.
-        if to_seg == DRAM_SEGMENT {
-            // SAFETY: the range lies in the segment (checked); the master allocated it for
-            // this move alone and attaches it only after we answer.
-            let dst = unsafe { std::slice::from_raw_parts_mut(host, size) };
-            block.read(from, dst).map_err(|e| wire(&e))?;
-        } else {
-            // SAFETY: our committed DRAM copy; if the master drops and reuses it meanwhile, it
-            // refuses to attach what we copied (the source is no longer a replica).
-            let src = unsafe { std::slice::from_raw_parts(host, size) };
-            block.write(it.offset, src).map_err(|e| wire(&e))?;
-        }
-        let sum = checksum.unwrap_or_else(|| {
-            // SAFETY: as above: the host side of the copy, read only.
-            kvfs_tiers::checksum(unsafe { std::slice::from_raw_parts(host, size) })
-        });
+        // Checked here; the closure holds the segment alive by its `Arc`.
+        let host = self.dram_range(host_off, it.size)? as usize;
+        let (block, dram, to) = (block.clone(), self.dram.clone(), it.offset);
+        let copy = move || -> ItemResult<[u8; 32]> {
+            let _alive = &dram;
+            let host = host as *mut u8;
+            // The block checks its own side of the copy.
+            if to_seg == DRAM_SEGMENT {
+                // SAFETY: the range lies in the segment (checked); the master allocated it for
+                // this move alone and attaches it only after we answer.
+                let dst = unsafe { std::slice::from_raw_parts_mut(host, size) };
+                block.read(from, dst).map_err(|e| wire(&e))?;
+            } else {
+                // SAFETY: our committed DRAM copy; if the master drops and reuses it meanwhile,
+                // it refuses to attach what we copied (the source is no longer a replica).
+                let src = unsafe { std::slice::from_raw_parts(host, size) };
+                block.write(to, src).map_err(|e| wire(&e))?;
+            }
+            Ok(checksum.unwrap_or_else(|| {
+                // SAFETY: as above: the host side of the copy, read only.
+                kvfs_tiers::checksum(unsafe { std::slice::from_raw_parts(host, size) })
+            }))
+        };
+        let sum = tokio::task::spawn_blocking(copy).await.map_err(|e| {
+            WireError::new(ErrorCode::Internal, format!("the move's copy did not finish: {e}"))
+        })??;
         let h = {
             let mut idx = lock(&self.index);
             if idx.objects.get(&it.key).is_some_and(|h| h.version == it.version) {
