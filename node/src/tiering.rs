@@ -758,12 +758,11 @@ impl Inner {
         };
         let size = it.size as usize;
         let host_off = if to_seg == DRAM_SEGMENT { it.offset } else { from };
-        // Checked here; the closure holds the segment alive by its `Arc`.
-        let host = self.dram_range(host_off, it.size)? as usize;
+        self.dram_range(host_off, it.size)?;
         let (block, dram, to) = (block.clone(), self.dram.clone(), it.offset);
         let copy = move || -> ItemResult<[u8; 32]> {
-            let _alive = &dram;
-            let host = host as *mut u8;
+            // Inside the segment (checked above), which `dram` keeps alive.
+            let host = dram.as_ptr().wrapping_add(host_off as usize);
             // The block checks its own side of the copy.
             if to_seg == DRAM_SEGMENT {
                 // SAFETY: the range lies in the segment (checked); the master allocated it for

@@ -51,6 +51,32 @@ impl ReadAhead {
         (self.start, self.end) = (0, n);
     }
 
+    /// Polls `recv` into the (empty) buffer without parking, for up to `spin`, until bytes
+    /// arrive, the stream ends or fails (the next read reports it), or `spin` has passed;
+    /// between two empty polls, [`pause`].
+    fn spin_fill(
+        &mut self,
+        spin: Duration,
+        yield_cpu: bool,
+        mut recv: impl FnMut(&mut [u8]) -> std::io::Result<usize>,
+    ) {
+        if !self.is_empty() || spin.is_zero() {
+            return;
+        }
+        let started = std::time::Instant::now();
+        loop {
+            match recv(&mut self.buf) {
+                Ok(n) => return self.filled(n),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => return,
+            }
+            if started.elapsed() >= spin {
+                return;
+            }
+            pause(yield_cpu);
+        }
+    }
+
     /// Copies what is buffered into `dst`; returns how much.
     fn take(&mut self, dst: &mut [u8]) -> usize {
         let n = dst.len().min(self.end - self.start);
@@ -157,20 +183,7 @@ impl PlainStream {
     /// each empty poll yields the CPU (with two cores, a thread woken on this one may be the
     /// very peer the caller waits for).
     pub fn spin_for_bytes(&mut self, spin: Duration, yield_cpu: bool) {
-        if !self.ahead.is_empty() || spin.is_zero() {
-            return;
-        }
-        let started = std::time::Instant::now();
-        loop {
-            match self.fill() {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                _ => return,
-            }
-            if started.elapsed() >= spin {
-                return;
-            }
-            pause(yield_cpu);
-        }
+        self.ahead.spin_fill(spin, yield_cpu, |b| Self::recv(&self.sock, b));
     }
 
     /// Fills every byte of `dst`: the buffered bytes first, then from the socket (payloads
@@ -223,25 +236,7 @@ impl Inbound {
     /// stream ends or fails (the next read reports it), or `spin` has passed; `yield_cpu` as
     /// for [`PlainStream::spin_for_bytes`].
     pub fn spin_for_bytes(&mut self, spin: Duration, yield_cpu: bool) {
-        if self.has_buffered() || spin.is_zero() {
-            return;
-        }
-        let started = std::time::Instant::now();
-        loop {
-            match recv_now(&self.rd, self.ahead.room()) {
-                Ok(n) if n > 0 => {
-                    self.ahead.filled(n);
-                    return;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                // The end of the stream or an error: the next read reports it.
-                _ => return,
-            }
-            if started.elapsed() >= spin {
-                return;
-            }
-            pause(yield_cpu);
-        }
+        self.ahead.spin_fill(spin, yield_cpu, |b| recv_now(&self.rd, b));
     }
 
     /// Waits until the socket has something to read (or has ended or failed: the next read

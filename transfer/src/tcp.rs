@@ -565,7 +565,9 @@ async fn receive_reply(
                         })
                     })
                     .collect();
-                rd.read_exact_vectored(&mut dsts).await.map_err(|e| Error::io("tcp receive", e))?;
+                read_exact_vectored_buffered(rd, &mut dsts)
+                    .await
+                    .map_err(|e| Error::io("tcp receive", e))?;
             }
             Ok(Ok(Outcome::Ranges(statuses)))
         }
@@ -1363,26 +1365,23 @@ async fn next_header(
 /// Bytes a served connection reads ahead at most.
 const INBOUND_BUFFER_BYTES: usize = 16 << 10;
 
-/// The vectored read a served connection needs beside [`Inbound`]'s own calls.
-trait ReadExactVectored {
-    /// Fills every byte of `bufs`: the buffered bytes first, the rest straight from the socket.
-    async fn read_exact_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> std::io::Result<()>;
-}
-
-impl ReadExactVectored for Inbound {
-    async fn read_exact_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> std::io::Result<()> {
-        let mut taken = 0;
-        for b in bufs.iter_mut() {
-            let n = self.take_buffered(b);
-            taken += n;
-            if n < b.len() {
-                break;
-            }
+/// Fills every byte of `bufs` from `rd`: the bytes [`Inbound`] has buffered first, the rest
+/// straight from the socket.
+async fn read_exact_vectored_buffered(
+    rd: &mut Inbound,
+    bufs: &mut [IoSliceMut<'_>],
+) -> std::io::Result<()> {
+    let mut taken = 0;
+    for b in bufs.iter_mut() {
+        let n = rd.take_buffered(b);
+        taken += n;
+        if n < b.len() {
+            break;
         }
-        let mut rest = bufs;
-        IoSliceMut::advance_slices(&mut rest, taken);
-        read_exact_vectored(self.get_ref(), rest).await
     }
+    let mut rest = bufs;
+    IoSliceMut::advance_slices(&mut rest, taken);
+    read_exact_vectored(rd.get_ref(), rest).await
 }
 
 /// The region holding a remotely accessible range, if any.
@@ -1530,7 +1529,7 @@ async fn serve_write_pack(
                 })
             })
             .collect();
-        rd.read_exact_vectored(&mut dsts).await?;
+        read_exact_vectored_buffered(rd, &mut dsts).await?;
     }
     let mut reply = DataReply { status: DataStatus::Ok, id: hdr.id, len: ranges.len() as u64 }
         .encode()

@@ -74,11 +74,13 @@ impl Peer {
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline {
             // Every thread: one that has not run since the signal may still answer.
-            let Ok(dir) = std::fs::read_dir(&tasks) else { continue };
-            if dir.flatten().all(|t| {
-                let s = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
-                // Field 3 (after the parenthesised command name) is the state; T means stopped.
-                s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T'))
+            let dir = std::fs::read_dir(&tasks);
+            if dir.is_ok_and(|d| {
+                d.flatten().all(|t| {
+                    let s = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                    // Field 3 (after the parenthesised command name) is the state; T means stopped.
+                    s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T'))
+                })
             }) {
                 return;
             }
