@@ -16,6 +16,7 @@
 pub mod auth;
 pub mod frame;
 pub mod plain;
+pub mod sock;
 pub mod store;
 pub mod transfer;
 

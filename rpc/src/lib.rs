@@ -385,6 +385,7 @@ fn frame_bytes(kind: u8, id: u64, body: &[u8]) -> Vec<u8> {
 
 fn tune(stream: &TcpStream) {
     let _ = stream.set_nodelay(true);
+    kvfs_proto::sock::unpace_same_host(stream);
     let fd = stream.as_raw_fd();
     for (level, name, value) in [
         (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),

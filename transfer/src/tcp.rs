@@ -281,6 +281,7 @@ pub(crate) fn handshake_read_error(e: kvfs_proto::FrameError, what: &'static str
 
 pub(crate) fn tune_socket(stream: &TcpStream, buffer_bytes: usize) {
     let _ = stream.set_nodelay(true);
+    kvfs_proto::sock::unpace_same_host(stream);
     let fd = stream.as_raw_fd();
     let set = |level, name, value: libc::c_int| {
         // SAFETY: setsockopt with a pointer to a local c_int of the right size.

@@ -98,6 +98,8 @@ pub fn serve_raw_tcp(listener: TcpListener) {
 
 fn serve_one(mut s: TcpStream) -> std::io::Result<()> {
     s.set_nodelay(true)?;
+    // As the engine's own connections (a paced congestion control reorders loopback).
+    kvfs_proto::sock::unpace_same_host(&s);
     let mut buf = vec![0x33u8; CHUNK];
     let mut memory: Option<Cycling> = None;
     let mut hdr = [0u8; 9];
@@ -217,6 +219,7 @@ fn raw_tcp(
     for _ in 0..streams {
         let s = TcpStream::connect(addr)?;
         s.set_nodelay(true)?;
+        kvfs_proto::sock::unpace_same_host(&s);
         conns.push((s, Cycling::take()));
     }
     // Warm the connections (slow start, buffer auto-tuning) before timing.
@@ -331,6 +334,7 @@ pub fn raw_rtt_p50_us(
 ) -> std::io::Result<f64> {
     let mut s = TcpStream::connect(addr)?;
     s.set_nodelay(true)?;
+    kvfs_proto::sock::unpace_same_host(&s);
     for _ in 0..iters.min(200) {
         one_transfer(&mut s, len, dir)?;
     }
