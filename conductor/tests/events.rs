@@ -372,3 +372,55 @@ fn routes_requests_by_cache_and_load() {
     let (_, body) = http(addr, "GET", "/metrics", None);
     assert!(body.contains("kvfs_conductor_prefill_queue_seconds{instance=\"p1\"}"), "{body}");
 }
+
+/// The HTTP service's threads serve keep-alive connections each to the end, several at once,
+/// and stop with the `serve` future: afterwards nothing accepts on the address.
+#[test]
+fn the_http_threads_serve_many_connections_and_stop_with_serve() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let shared = Shared::new(&Config::default());
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let serving = rt.spawn(kvfs_conductor::service::serve(listener, shared));
+    // Eight keep-alive connections, each asking twice, interleaved.
+    let mut conns: Vec<_> = (0..8)
+        .map(|_| {
+            let s = std::net::TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            (BufReader::new(s.try_clone().unwrap()), s)
+        })
+        .collect();
+    for _ in 0..2 {
+        for (rd, wr) in &mut conns {
+            wr.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let mut head = String::new();
+            loop {
+                let mut line = String::new();
+                assert!(rd.read_line(&mut line).unwrap() > 0, "the connection closed");
+                if line == "\r\n" {
+                    break;
+                }
+                head.push_str(&line);
+            }
+            assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+            let mut body = [0u8; 3];
+            rd.read_exact(&mut body).unwrap();
+            assert_eq!(&body, b"ok\n");
+        }
+    }
+    serving.abort();
+    let start = Instant::now();
+    loop {
+        match std::net::TcpStream::connect(addr) {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => break,
+            _ if start.elapsed() > Duration::from_secs(5) => {
+                panic!("{addr} still accepts 5 s after serve was dropped")
+            }
+            _ => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    // Connections open at the stop are closed, not left hanging.
+    let (rd, _) = &mut conns[0];
+    let mut rest = Vec::new();
+    assert_eq!(rd.read_to_end(&mut rest).unwrap(), 0);
+}
