@@ -480,7 +480,10 @@ const SOCKET_BUFFER_BYTES: usize = 4 << 20;
 /// its connection's task stay on one thread. On a work-stealing runtime, hyper hands each body
 /// chunk to the handler by waking its own task, and a sibling worker woken to steal it moved
 /// the query to another CPU mid-request (two thread wake-ups, about 100 us each on a loaded
-/// 2-core machine). Event sources registered over HTTP run on the caller's runtime.
+/// 2-core machine). Event sources registered over HTTP run on the caller's runtime. A
+/// connection that sends no complete request head for 30 s (hyper's header timeout, which also
+/// runs while a keep-alive connection waits for its next request) is closed, so idle
+/// connections do not keep their slots of `CONNECTIONS_MAX`.
 pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) -> std::io::Result<()> {
     if let Err(e) = socket2::SockRef::from(&listener).set_recv_buffer_size(SOCKET_BUFFER_BYTES) {
         tracing::debug!(error = %e, "SO_RCVBUF");
