@@ -37,7 +37,6 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -261,7 +260,7 @@ impl RpcConn {
 
     /// Starts a connection on an established stream whose handshake (if any) is done.
     pub fn start(stream: TcpStream, handler: Arc<dyn Handler>, opts: RpcOptions) -> RpcConn {
-        tune(&stream);
+        kvfs_proto::sock::tune(&stream, 0);
         let peer = stream.peer_addr().map(|a: SocketAddr| a.to_string()).unwrap_or_default();
         let (rd, wr) = stream.into_split();
         let conn = RpcConn {
@@ -381,30 +380,6 @@ fn frame_bytes(kind: u8, id: u64, body: &[u8]) -> Vec<u8> {
     f.extend_from_slice(&id.to_le_bytes());
     f.extend_from_slice(body);
     f
-}
-
-fn tune(stream: &TcpStream) {
-    let _ = stream.set_nodelay(true);
-    kvfs_proto::sock::unpace_same_host(stream);
-    let fd = stream.as_raw_fd();
-    for (level, name, value) in [
-        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 10),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 5),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3),
-    ] {
-        let v: libc::c_int = value;
-        // SAFETY: setsockopt with a pointer to a local c_int of the right size.
-        unsafe {
-            libc::setsockopt(
-                fd,
-                level,
-                name,
-                (&v as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-    }
 }
 
 /// How long a connection's reader polls for the next request after answering one inline,
@@ -541,7 +516,7 @@ pub struct DirectConn {
 impl DirectConn {
     pub async fn connect(addr: &str, opts: RpcOptions) -> Result<DirectConn, RpcError> {
         let stream = dial(addr, &opts).await?;
-        tune(&stream);
+        kvfs_proto::sock::tune(&stream, 0);
         let peer = stream.peer_addr().map(|a: SocketAddr| a.to_string()).unwrap_or_default();
         let sock = PlainStream::new(stream).map_err(|e| RpcError::Connect {
             peer: peer.clone(),

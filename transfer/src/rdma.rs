@@ -87,7 +87,7 @@ use tokio::time::Instant;
 use crate::config::EngineConfig;
 use crate::engine::{RdmaStatus, Shared, TransferOp, TransferRequest};
 use crate::memory::Region;
-use crate::tcp::{PeerInfo, tune_socket};
+use crate::tcp::PeerInfo;
 use crate::{Error, ErrorKind, Result};
 
 /// A region's registration with the NIC.
@@ -594,7 +594,7 @@ impl RdmaPeer {
         let mut ep = Endpoint::new(&self.nic.ctx, &self.nic.opts).map_err(|e| engine_error(&e))?;
         let stream =
             TcpStream::connect(self.addr).await.map_err(|e| Error::io("rdma connect", e))?;
-        tune_socket(&stream, 0);
+        kvfs_proto::sock::tune(&stream, 0);
         let mut stream = stream;
         let timeout = self.shared.cfg.connect_timeout();
         tokio::time::timeout(

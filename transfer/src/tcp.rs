@@ -230,7 +230,7 @@ async fn connect(addr: SocketAddr, shared: &Shared) -> Result<(TcpStream, Welcom
     let cfg = &shared.cfg;
     let fut = async {
         let stream = TcpStream::connect(addr).await.map_err(|e| Error::io("tcp connect", e))?;
-        tune_socket(&stream, cfg.socket_buffer_bytes);
+        kvfs_proto::sock::tune(&stream, cfg.socket_buffer_bytes);
         let mut stream = stream;
         prove(&mut stream, shared, "tcp handshake").await?;
         let hello = Hello {
@@ -276,34 +276,6 @@ pub(crate) fn handshake_read_error(e: kvfs_proto::FrameError, what: &'static str
     match e {
         kvfs_proto::FrameError::SecretRequired(m) => Error::new(ErrorKind::Refused, what, m),
         e => Error::new(ErrorKind::PeerGone, what, e.to_string()),
-    }
-}
-
-pub(crate) fn tune_socket(stream: &TcpStream, buffer_bytes: usize) {
-    let _ = stream.set_nodelay(true);
-    kvfs_proto::sock::unpace_same_host(stream);
-    let fd = stream.as_raw_fd();
-    let set = |level, name, value: libc::c_int| {
-        // SAFETY: setsockopt with a pointer to a local c_int of the right size.
-        unsafe {
-            libc::setsockopt(
-                fd,
-                level,
-                name,
-                (&value as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-    };
-    // Keepalive finds peers that vanished while a connection sat idle.
-    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 10);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 5);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
-    if buffer_bytes > 0 {
-        let v = buffer_bytes.min(i32::MAX as usize) as libc::c_int;
-        set(libc::SOL_SOCKET, libc::SO_SNDBUF, v);
-        set(libc::SOL_SOCKET, libc::SO_RCVBUF, v);
     }
 }
 
@@ -1098,7 +1070,7 @@ impl Drop for BusyGuard<'_> {
 
 /// Serves one accepted connection: handshake, then requests in order until the peer leaves.
 pub(crate) async fn serve_conn(mut stream: TcpStream, shared: Arc<Shared>) {
-    tune_socket(&stream, shared.cfg.socket_buffer_bytes);
+    kvfs_proto::sock::tune(&stream, shared.cfg.socket_buffer_bytes);
     if let Err(e) = check(&mut stream, &shared).await {
         let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
         return tracing::warn!(%peer, error = %e, "transfer connection refused");
