@@ -15,7 +15,8 @@
 //! each one's time on this rank as `exec_us`), `dst_offset=K` (slot `s` is target participant
 //! `s-K`: with sources on slots below K every byte crosses processes), `slice_bytes=N` and
 //! `tcp_conns=N`, `socket_buffer_bytes=N` (the Transfer Engine's tcp slicing, connections per
-//! peer and socket buffers).
+//! peer and socket buffers), `spin_us=N` (how long the engine polls for a small request's
+//! reply, and for the next request after serving one, before it parks).
 
 use std::time::{Duration, Instant};
 
@@ -85,6 +86,10 @@ pub fn main(args: &[String]) -> i32 {
             "dst_offset" => off = v.parse().expect("dst_offset"),
             "slice_bytes" => ec.slice_bytes = v.parse().expect("slice_bytes"),
             "tcp_conns" => ec.tcp_conns_per_peer = v.parse().expect("tcp_conns"),
+            "spin_us" => {
+                ec.tcp_direct_spin_us = v.parse().expect("spin_us");
+                ec.tcp_serve_spin_us = ec.tcp_direct_spin_us;
+            }
             "socket_buffer_bytes" => {
                 ec.socket_buffer_bytes = v.parse().expect("socket_buffer_bytes")
             }

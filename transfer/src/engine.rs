@@ -42,6 +42,17 @@ pub enum TransferOp {
     Write,
 }
 
+/// How a batch may use its peers' connections.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BatchOptions {
+    /// The most tcp connections one item is striped over (0: all `tcp_conns_per_peer`). When
+    /// several engines read from one peer at once (a reshard's targets reading the same
+    /// source), each striping over every connection multiplies the streams the peer's cores
+    /// serve without adding any capacity; a caller that knows how many share the peer divides
+    /// the connections among them.
+    pub tcp_conns_max: usize,
+}
+
 /// One item of a batch.
 #[derive(Clone)]
 pub struct TransferRequest {
@@ -706,6 +717,11 @@ impl Engine {
 
     /// Submits a batch; items run concurrently and report individually.
     pub fn submit(&self, reqs: Vec<TransferRequest>) -> Result<Batch> {
+        self.submit_with(reqs, BatchOptions::default())
+    }
+
+    /// [`submit`](Self::submit) with `opts`.
+    pub fn submit_with(&self, reqs: Vec<TransferRequest>, opts: BatchOptions) -> Result<Batch> {
         let cfg = &self.inner.shared.cfg;
         if reqs.len() > cfg.batch_items_max {
             return Err(Error::new(
@@ -731,7 +747,7 @@ impl Engine {
             for (i, req) in singles {
                 let (shared, st) = (shared.clone(), st.clone());
                 runs.push(Box::pin(async move {
-                    let r = run_item(&shared, &req, deadline).await;
+                    let r = run_item(&shared, &req, deadline, opts.tcp_conns_max).await;
                     st.complete(i, r);
                 }));
             }
@@ -760,10 +776,19 @@ impl Engine {
         Ok(self.submit(reqs)?.wait().await)
     }
 
+    /// [`transfer`](Self::transfer) with `opts`.
+    pub async fn transfer_with(
+        &self,
+        reqs: Vec<TransferRequest>,
+        opts: BatchOptions,
+    ) -> Result<Vec<Result<()>>> {
+        Ok(self.submit_with(reqs, opts)?.wait().await)
+    }
+
     /// Runs one request on the calling task (no batch bookkeeping): the lowest-latency path.
     pub async fn transfer_one(&self, req: &TransferRequest) -> Result<()> {
         let deadline = Instant::now() + self.inner.shared.cfg.op_timeout();
-        run_item(&self.inner.shared, req, deadline).await
+        run_item(&self.inner.shared, req, deadline, 0).await
     }
 
     /// Copies `data` into this engine's own remotely accessible host memory at `remote_addr`:
@@ -1030,7 +1055,13 @@ fn host_side(local: &Region, what: &'static str) -> Result<()> {
     }
 }
 
-async fn run_item(shared: &Shared, req: &TransferRequest, deadline: Instant) -> Result<()> {
+/// Runs one item; `tcp_conns_max` as [`BatchOptions::tcp_conns_max`].
+async fn run_item(
+    shared: &Shared,
+    req: &TransferRequest,
+    deadline: Instant,
+    tcp_conns_max: usize,
+) -> Result<()> {
     if req.len == 0 {
         return Err(Error::new(ErrorKind::InvalidArgument, "transfer", "zero length"));
     }
@@ -1084,7 +1115,8 @@ async fn run_item(shared: &Shared, req: &TransferRequest, deadline: Instant) -> 
                 TransferOp::Read => DataOp::Read,
                 TransferOp::Write => DataOp::Write,
             };
-            tcp.request(op, req.remote_addr, req.local_addr, req.len, hold, deadline).await
+            let (remote, local) = (req.remote_addr, req.local_addr);
+            tcp.request(op, remote, local, req.len, hold, deadline, tcp_conns_max).await
         }
     }
 }

@@ -825,7 +825,9 @@ impl TcpPeer {
         }
     }
 
-    /// Runs one request (Read or Write), striped over the connections, retrying broken slices.
+    /// Runs one request (Read or Write), striped over at most `conns_max` of the connections
+    /// (0: all of them), retrying broken slices.
+    #[allow(clippy::too_many_arguments)]
     pub async fn request(
         &self,
         op: DataOp,
@@ -834,9 +836,12 @@ impl TcpPeer {
         len: u64,
         hold: Hold,
         deadline: Instant,
+        conns_max: usize,
     ) -> Result<()> {
         let _busy = BusyGuard::new(&self.busy);
-        let slice = self.slice_for(len);
+        let all = self.slots.len();
+        let width = if conns_max == 0 { all } else { conns_max.min(all) };
+        let slice = self.slice_for(len, width);
         if len <= slice {
             let r = Range { remote, local, len };
             if len <= DIRECT_BYTES_MAX
@@ -846,13 +851,19 @@ impl TcpPeer {
             }
             return self.single(op, r, &hold, deadline).await;
         }
+        // A request held to fewer connections than the peer has takes a window of them; the
+        // next such request takes the next window, so requests to one peer still spread.
+        let first = (width < all).then(|| self.next.fetch_add(width, Ordering::Relaxed));
         let mut slices = Vec::with_capacity(len.div_ceil(slice) as usize);
         let mut off = 0;
+        let mut k = 0;
         while off < len {
             let n = slice.min(len - off);
             let r = Range { remote: remote + off, local: local + off, len: n };
-            slices.push(self.single(op, r, &hold, deadline));
+            let slot = first.map(|f| (f + k % width) % all);
+            slices.push(self.on_slot(op, r, &hold, deadline, slot));
             off += n;
+            k += 1;
         }
         let results = futures_util::future::join_all(slices).await;
         results.into_iter().find(|r| r.is_err()).unwrap_or(Ok(()))
@@ -911,20 +922,23 @@ impl TcpPeer {
         {
             return done;
         }
-        self.with_retries(op, &note, &[r], std::slice::from_ref(&hold), deadline).await.map(|_| ())
+        self.with_retries(op, &note, &[r], std::slice::from_ref(&hold), deadline, None)
+            .await
+            .map(|_| ())
     }
 
-    /// Slice size for a request of `len` bytes: `slice_bytes`, except that a request alone on an
-    /// otherwise idle peer is striped over the connections (one per CPU; slices of at least
-    /// `STRIPE_SLICE_MIN`), so one mid-sized transfer still uses them all; when other requests
-    /// are in flight the connections are busy anyway and bigger slices cost less per byte.
-    fn slice_for(&self, len: u64) -> u64 {
+    /// Slice size for a request of `len` bytes striped over `width` connections: `slice_bytes`,
+    /// except that a request alone on an otherwise idle peer is striped over the connections
+    /// (one per CPU; slices of at least `STRIPE_SLICE_MIN`), so one mid-sized transfer still
+    /// uses them all; when other requests are in flight the connections are busy anyway and
+    /// bigger slices cost less per byte.
+    fn slice_for(&self, len: u64, width: usize) -> u64 {
         if self.busy.load(Ordering::Relaxed) > 1 {
             return self.slice_bytes;
         }
         // More parallel slices than cores only adds wakeups: stripe over at most one
         // connection per CPU.
-        let conns = (self.slots.len() as u64).min(cpus());
+        let conns = (width.max(1) as u64).min(cpus());
         len.div_ceil(conns)
             .next_multiple_of(4096)
             .clamp(STRIPE_SLICE_MIN, self.slice_bytes.max(STRIPE_SLICE_MIN))
@@ -942,7 +956,7 @@ impl TcpPeer {
         let _busy = BusyGuard::new(&self.busy);
         let n = ranges.len();
         let packed = if op == DataOp::Read { DataOp::ReadV } else { DataOp::WriteV };
-        match self.with_retries(packed, &no_guard(), &ranges, &holds, deadline).await {
+        match self.with_retries(packed, &no_guard(), &ranges, &holds, deadline, None).await {
             Ok(Outcome::Ranges(st)) if st.len() == n => st
                 .into_iter()
                 .map(|s| if s == DataStatus::Ok { Ok(()) } else { Err(status_error(s, op)) })
@@ -955,7 +969,19 @@ impl TcpPeer {
     }
 
     async fn single(&self, op: DataOp, r: Range, hold: &Hold, deadline: Instant) -> Result<()> {
-        self.with_retries(op, &no_guard(), &[r], std::slice::from_ref(hold), deadline)
+        self.on_slot(op, r, hold, deadline, None).await
+    }
+
+    /// [`single`](Self::single), first tried on connection `slot` when one is given.
+    async fn on_slot(
+        &self,
+        op: DataOp,
+        r: Range,
+        hold: &Hold,
+        deadline: Instant,
+        slot: Option<usize>,
+    ) -> Result<()> {
+        self.with_retries(op, &no_guard(), &[r], std::slice::from_ref(hold), deadline, slot)
             .await
             .map(|_| ())
     }
@@ -967,10 +993,15 @@ impl TcpPeer {
         ranges: &[Range],
         holds: &[Hold],
         deadline: Instant,
+        first: Option<usize>,
     ) -> Result<Outcome> {
         let mut attempt = 0;
         loop {
-            let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
+            // A retry goes to the next connection in turn, whatever the first one was.
+            let slot = match first {
+                Some(s) if attempt == 0 => s % self.slots.len(),
+                _ => self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len(),
+            };
             let res = self.try_job(slot, op, guard, ranges, holds, deadline).await;
             match res {
                 Err(e)

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use kvfs_transfer::testing::{fill_pattern, pattern};
 use kvfs_transfer::{
-    Buffer, BufferOptions, Engine, EngineConfig, ErrorKind, SegmentHandle, TransferOp,
-    TransferRequest, TransportKind, Transports,
+    BatchOptions, Buffer, BufferOptions, Engine, EngineConfig, ErrorKind, SegmentHandle,
+    TransferOp, TransferRequest, TransportKind, Transports,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -413,6 +413,39 @@ async fn restarted_peer_is_a_new_segment() {
     let _peer2 = Peer::start(&["--tcp-only", "--listen", &listen]);
     let err = engine.transfer_one(&req).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::PeerGone, "{err}");
+}
+
+/// A batch held to fewer connections than the peer has stripes its large reads over that many
+/// (each item over its own window of them) and still moves every byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_held_to_fewer_connections_uses_only_those() {
+    let mut peer = Peer::start(&["--tcp-only"]);
+    peer.fill(REMOTE_SEED);
+    let (engine, local) = local_engine(Transports::tcp_only(), 20_000).await;
+    assert!(engine.config().tcp_conns_per_peer >= 4);
+    let seg = engine.open_segment(&peer.name).await.unwrap();
+    let len = 8usize << 20;
+    let read = |at: usize| TransferRequest {
+        op: TransferOp::Read,
+        segment: seg.clone(),
+        local_addr: local.addr() + at as u64,
+        remote_addr: peer.addr + at as u64,
+        len: len as u64,
+    };
+    let one = BatchOptions { tcp_conns_max: 1 };
+    for r in engine.transfer_with(vec![read(0)], one).await.unwrap() {
+        r.unwrap();
+    }
+    assert_eq!(seg.status().tcp_connections, Some(1), "eight slices on one connection");
+    // Two items of two connections each: two windows, four connections.
+    let two = BatchOptions { tcp_conns_max: 2 };
+    for r in engine.transfer_with(vec![read(len), read(2 * len)], two).await.unwrap() {
+        r.unwrap();
+    }
+    assert_eq!(seg.status().tcp_connections, Some(4));
+    // SAFETY: every transfer has completed; nothing writes the buffer now.
+    let got = blake3::hash(unsafe { &local.as_slice()[..3 * len] });
+    assert_eq!(got, blake3::hash(&pattern(REMOTE_SEED, 0, 3 * len)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
