@@ -45,10 +45,14 @@ blocking sockets, the fastest of one stream and four in either direction, as ``k
 store`` measures its limit), and with ``--in-process`` against numpy's single-threaded memcpy
 of as many bytes in the client; bytes over total time, as the figure. Beside each, the ratio
 against the same limit measured apart from the figures (before and after the table) is printed
-too. The CPU time each system's processes used while the other was timed is summed and
-printed (it should be near zero: a round starts only after the last one answered, so neither
-system's leftovers slow the other). On a shared machine absolute figures are noise; the ratios
-are the figures.
+too. While one system's round (and its limit) is timed, every process of the other system is
+stopped (SIGSTOP, then SIGCONT after the round; ``--no-freeze`` leaves them running): idle, the
+other system's threads still wake (heartbeats, pollers), and on a 2-core machine each wake-up
+takes a CPU from the calls being timed: running, the idle reference used 130-200 ms of CPU
+during kvfs's rounds of a full run, and idle kvfs 400-900 ms during the reference's. A round
+is under a second with the defaults, well inside both systems' liveness timeouts. The CPU
+time each system's processes used while the other was timed is summed and printed (zero when
+frozen). On a shared machine absolute figures are noise; the ratios are the figures.
 
 Usage::
 
@@ -62,6 +66,7 @@ Usage::
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -369,6 +374,25 @@ class System:
             tail = f.read()[-2000:].decode(errors="replace")
         raise SystemExit(f"{self.name}: {why}\n--- last lines of {self.log_path} ---\n{tail}")
 
+    def freeze(self, stop):
+        """Stops (`stop`) or resumes every process of this system; a stop returns once each
+        process is stopped (a process stops when its threads next run: an idle one, at once)."""
+        for p in self.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGSTOP if stop else signal.SIGCONT)
+        if not stop:
+            return
+        deadline = time.monotonic() + 2.0
+        for p in self.procs:
+            while p.poll() is None and time.monotonic() < deadline:
+                try:
+                    with open(f"/proc/{p.pid}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                            break
+                except OSError:
+                    break
+                time.sleep(0.0005)
+
     def cpu_seconds(self):
         """CPU time (user + system, all threads) its processes have used so far."""
         tick, total = os.sysconf("SC_CLK_TCK"), 0.0
@@ -578,13 +602,19 @@ def measure(systems, calls, sizes, args, emit, raw_port=None, raw_tcp=None):
                 for s in systems:  # A, B, A, B: drift touches both alike
                     mine = limit if s.name == "kvfs" else None
                     others = [o for o in systems if o is not s]
-                    idle = sum(o.cpu_seconds() for o in others)
-                    done = s.round(call, size, n, None if mine == "tcp" else mine, raw_port)
-                    # What the other system took of the CPU while this one was timed (it
-                    # should be idle: each round waits for the last one's answer).
-                    done["others_cpu_s"] = sum(o.cpu_seconds() for o in others) - idle
-                    if mine == "tcp":  # as many bytes, right after
-                        done["tcp_times"] = raw_tcp.times(size * n, 1)
+                    for o in others if args.freeze else ():
+                        o.freeze(True)
+                    try:
+                        idle = sum(o.cpu_seconds() for o in others)
+                        done = s.round(call, size, n, None if mine == "tcp" else mine, raw_port)
+                        # What the other system took of the CPU while this one was timed (it
+                        # should be idle: each round waits for the last one's answer).
+                        done["others_cpu_s"] = sum(o.cpu_seconds() for o in others) - idle
+                        if mine == "tcp":  # as many bytes, right after
+                            done["tcp_times"] = raw_tcp.times(size * n, 1)
+                    finally:
+                        for o in others if args.freeze else ():
+                            o.freeze(False)
                     got[s.name].append(done)
             row = {"call": call, "size_bytes": size, "objects_per_round": n}
             for name, replies in got.items():
@@ -645,6 +675,9 @@ def parse_args():
     ap.add_argument("--ref-wheel", default="mooncake-transfer-engine-non-cuda",
                     help="pip requirement or wheel file of the reference (default %(default)s)")
     ap.add_argument("--no-ref", action="store_true", help="kvfs only")
+    ap.add_argument("--no-freeze", dest="freeze", action="store_false",
+                    help="leave the other system's processes running while one is timed "
+                         "(by default they are stopped with SIGSTOP for the round)")
     # worker mode (internal)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--role", help=argparse.SUPPRESS)
@@ -703,7 +736,9 @@ def main():
                 print(f"mode {mode}; raw loopback TCP before: {before:.2f} GB/s; kvfs "
                       f"wheel {profile}, transport {args.kvfs_transport}"
                       f"{'' if args.no_ref else ', reference protocol tcp'}; "
-                      f"{args.rounds} rounds each, interleaved")
+                      f"{args.rounds} rounds each, interleaved"
+                      + (", the other system stopped while one is timed"
+                         if args.freeze and with_ref else ""))
                 head = f"{'call':<15} {'size':>8} {'unit':>5} {'kvfs':>10}"
                 if with_ref:
                     head += f" {'reference':>10} {'ratio':>6} {'kvfs p50us':>10} {'ref p50us':>10}"
