@@ -855,15 +855,10 @@ impl TcpPeer {
         // next such request takes the next window, so requests to one peer still spread.
         let first = (width < all).then(|| self.next.fetch_add(width, Ordering::Relaxed));
         let mut slices = Vec::with_capacity(len.div_ceil(slice) as usize);
-        let mut off = 0;
-        let mut k = 0;
-        while off < len {
-            let n = slice.min(len - off);
-            let r = Range { remote: remote + off, local: local + off, len: n };
+        for (k, off) in (0..len).step_by(slice as usize).enumerate() {
+            let r = Range { remote: remote + off, local: local + off, len: slice.min(len - off) };
             let slot = first.map(|f| (f + k % width) % all);
             slices.push(self.on_slot(op, r, &hold, deadline, slot));
-            off += n;
-            k += 1;
         }
         let results = futures_util::future::join_all(slices).await;
         results.into_iter().find(|r| r.is_err()).unwrap_or(Ok(()))
