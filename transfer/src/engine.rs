@@ -264,11 +264,11 @@ struct Pack {
 }
 
 /// Most items in one pack, and the largest item that is packed (larger ones are sliced).
-const PACK_ITEMS_MAX: usize = 256;
-const PACK_ITEM_BYTES_MAX: u64 = 1 << 20;
+pub(crate) const PACK_ITEMS_MAX: usize = 256;
+pub(crate) const PACK_ITEM_BYTES_MAX: u64 = 1 << 20;
 /// Packs of 2 MiB beat 4 MiB ones on loopback (1 MiB items, paired against raw TCP in the
 /// same rounds: reads 0.88-0.91 against 0.79-0.84, writes 0.90-0.97 against 0.84-0.89).
-const PACK_BYTES_MAX: u64 = 2 << 20;
+pub(crate) const PACK_BYTES_MAX: u64 = 2 << 20;
 
 /// Splits a batch into items that run on their own and packs of small items that can share one
 /// tcp request: remote ranges reached only over tcp (outside the peer's shared buffers, no rdma
@@ -783,6 +783,72 @@ impl Engine {
         opts: BatchOptions,
     ) -> Result<Vec<Result<()>>> {
         Ok(self.submit_with(reqs, opts)?.wait().await)
+    }
+
+    /// Whether [`read_in_order`](Self::read_in_order) can run on `segment`: it is reached
+    /// over tcp alone (no shm, no rdma; not this engine's own segment).
+    pub fn ordered_reads(&self, segment: &SegmentHandle) -> bool {
+        matches!(&segment.0.kind, PeerKind::Remote { tcp: Some(_), shm: None, rdma: None })
+    }
+
+    /// Reads `items` (local address, remote address, length) from `segment` in order, on its
+    /// tcp connection `lane` (modulo `tcp_conns_per_peer`): each item's bytes are read from
+    /// the peer's memory no earlier than the item before it was (the acceptor serves a
+    /// connection's requests, and copies their bytes out, in order). One round trip's
+    /// worth of waiting for the whole sequence, where awaiting each read in turn would cost
+    /// one per read: a seqlock reader brackets its data with two header reads on each lane.
+    /// Not retried (a broken connection fails the rest of the lane; run it again whole).
+    /// `Unsupported` where [`ordered_reads`](Self::ordered_reads) is false; per item, the
+    /// errors of a transfer (unregistered local range, range out of the peer's regions).
+    pub async fn read_in_order(
+        &self,
+        segment: &SegmentHandle,
+        items: &[(u64, u64, u64)],
+        lane: usize,
+    ) -> Result<Vec<Result<()>>> {
+        let PeerKind::Remote { tcp: Some(tcp), shm: None, rdma: None } = &segment.0.kind else {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "read in order",
+                format!("{} is not reached over tcp alone", segment.name()),
+            ));
+        };
+        let shared = &self.inner.shared;
+        let deadline = Instant::now() + shared.cfg.op_timeout();
+        let mut out: Vec<Option<Result<()>>> = vec![None; items.len()];
+        let mut reads = Vec::with_capacity(items.len());
+        let mut at = Vec::with_capacity(items.len());
+        for (k, &(local, remote, len)) in items.iter().enumerate() {
+            let checked = (|| {
+                if len == 0 {
+                    return Err(Error::new(ErrorKind::InvalidArgument, "transfer", "zero length"));
+                }
+                if remote.checked_add(len).is_none() {
+                    let what = "remote range wraps around";
+                    return Err(Error::new(ErrorKind::OutOfRange, "transfer", what));
+                }
+                let region = shared.registry.find(local, len).ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::NotRegistered,
+                        "transfer",
+                        format!("local range {local:#x}+{len} is not inside one registered region"),
+                    )
+                })?;
+                host_side(&region, "transfer")?;
+                Ok(region.hold())
+            })();
+            match checked {
+                Ok(hold) => {
+                    reads.push((crate::tcp::Range { remote, local, len }, hold));
+                    at.push(k);
+                }
+                Err(e) => out[k] = Some(Err(e)),
+            }
+        }
+        for (k, r) in at.into_iter().zip(tcp.read_in_order(reads, lane, deadline).await) {
+            out[k] = Some(r);
+        }
+        Ok(out.into_iter().map(|r| r.expect("every item answered")).collect())
     }
 
     /// Runs one request on the calling task (no batch bookkeeping): the lowest-latency path.

@@ -864,6 +864,114 @@ impl TcpPeer {
         results.into_iter().find(|r| r.is_err()).unwrap_or(Ok(()))
     }
 
+    /// Reads `reads` (each a range and what keeps its local memory alive) in order over the
+    /// pooled connection `lane` (modulo the peer's connections): runs of small reads go as
+    /// packs (`ReadV`, whose ranges the acceptor copies in table order, as the engine packs a
+    /// batch's), larger ones as slices, all queued on that one connection in turn, and the
+    /// acceptor serves a connection's requests in order and copies every reply's bytes out of
+    /// its memory in that order, so each read sees the peer's memory no earlier than the reads
+    /// before it did. A seqlock reader puts a header read before and after its data on each
+    /// lane and needs no round trips of its own for them. Never on the direct connection,
+    /// never retried (a retry would break the order): a broken connection fails the reads
+    /// still on it, and the caller runs the whole lane again. One result per read, in order.
+    pub async fn read_in_order(
+        &self,
+        reads: Vec<(Range, Hold)>,
+        lane: usize,
+        deadline: Instant,
+    ) -> Vec<Result<()>> {
+        use crate::engine::{PACK_BYTES_MAX, PACK_ITEM_BYTES_MAX, PACK_ITEMS_MAX};
+        let _busy = BusyGuard::new(&self.busy);
+        let n = reads.len();
+        let conn = match self.conn(lane % self.slots.len(), deadline).await {
+            Ok(c) => c,
+            Err(e) => return vec![Err(e); n],
+        };
+        // The requests, in order.
+        let mut jobs: Vec<LaneRequest> = Vec::new();
+        let mut pack = LaneRequest::default();
+        let close = |pack: &mut LaneRequest, jobs: &mut Vec<LaneRequest>| {
+            if !pack.ranges.is_empty() {
+                let mut p = std::mem::take(pack);
+                p.op = if p.ranges.len() == 1 { DataOp::Read } else { DataOp::ReadV };
+                jobs.push(p);
+            }
+        };
+        let slice = self.slice_bytes.max(1);
+        for (k, (r, hold)) in reads.into_iter().enumerate() {
+            if r.len <= PACK_ITEM_BYTES_MAX {
+                let bytes: u64 = pack.ranges.iter().map(|r| r.len).sum();
+                if pack.ranges.len() >= PACK_ITEMS_MAX || bytes + r.len > PACK_BYTES_MAX {
+                    close(&mut pack, &mut jobs);
+                }
+                pack.ranges.push(r);
+                pack.holds.push(hold);
+                pack.owners.push(k);
+                continue;
+            }
+            close(&mut pack, &mut jobs);
+            for off in (0..r.len).step_by(slice as usize) {
+                let len = slice.min(r.len - off);
+                jobs.push(LaneRequest {
+                    op: DataOp::Read,
+                    ranges: vec![Range { remote: r.remote + off, local: r.local + off, len }],
+                    holds: vec![hold.clone()],
+                    owners: vec![k],
+                });
+            }
+        }
+        close(&mut pack, &mut jobs);
+        let mut out: Vec<Result<()>> = vec![Ok(()); n];
+        let fail = |out: &mut Vec<Result<()>>, k: usize, e: Error| {
+            if out[k].is_ok() {
+                out[k] = Err(e);
+            }
+        };
+        let mut waits = Vec::with_capacity(jobs.len());
+        let mut jobs = jobs.into_iter();
+        for LaneRequest { op, ranges, holds, owners } in jobs.by_ref() {
+            let (done, wait) = oneshot::channel();
+            let job = Job { op, guard: no_guard(), ranges, deadline, holds, done };
+            let queued = tokio::time::timeout_at(deadline, conn.tx.send(job)).await;
+            let e = match queued {
+                Ok(Ok(())) => {
+                    waits.push((wait, owners));
+                    continue;
+                }
+                Ok(Err(_)) => conn.st.death(),
+                Err(_) => Error::new(
+                    ErrorKind::Timeout,
+                    "tcp queue",
+                    "the connection's queue stayed full until the deadline",
+                ),
+            };
+            // Neither this request nor any after it is sent.
+            for k in owners.into_iter().chain(jobs.by_ref().flat_map(|j| j.owners)) {
+                fail(&mut out, k, e.clone());
+            }
+            break;
+        }
+        for (wait, owners) in waits {
+            match wait.await {
+                Ok(Ok(Outcome::Ranges(st))) if st.len() == owners.len() => {
+                    for (k, s) in owners.into_iter().zip(st) {
+                        if s != DataStatus::Ok {
+                            fail(&mut out, k, status_error(s, DataOp::Read));
+                        }
+                    }
+                }
+                Ok(Ok(Outcome::Ranges(_))) => {
+                    let e = Error::new(ErrorKind::Io, "tcp pack", "reply with the wrong statuses");
+                    owners.into_iter().for_each(|k| fail(&mut out, k, e.clone()));
+                }
+                Ok(Ok(Outcome::Done)) => {}
+                Ok(Err(e)) => owners.into_iter().for_each(|k| fail(&mut out, k, e.clone())),
+                Err(_) => owners.into_iter().for_each(|k| fail(&mut out, k, conn.st.death())),
+            }
+        }
+        out
+    }
+
     /// One guarded read on one connection (never striped: the acceptor checks the guard once
     /// for the whole range); `Stale` when the peer no longer vouches for it.
     pub async fn read_guarded(
@@ -1076,6 +1184,21 @@ impl TcpPeer {
 fn cpus() -> u64 {
     static CPUS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *CPUS.get_or_init(|| std::thread::available_parallelism().map(|n| n.get() as u64).unwrap_or(1))
+}
+
+/// One request of [`TcpPeer::read_in_order`]: a slice, a single small read or a pack, and the
+/// read each of its ranges belongs to.
+struct LaneRequest {
+    op: DataOp,
+    ranges: Vec<Range>,
+    holds: Vec<Hold>,
+    owners: Vec<usize>,
+}
+
+impl Default for LaneRequest {
+    fn default() -> Self {
+        LaneRequest { op: DataOp::Read, ranges: Vec::new(), holds: Vec::new(), owners: Vec::new() }
+    }
 }
 
 /// Counts a request as in flight for as long as it lives.

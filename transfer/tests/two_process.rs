@@ -448,6 +448,105 @@ async fn a_batch_held_to_fewer_connections_uses_only_those() {
     assert_eq!(got, blake3::hash(&pattern(REMOTE_SEED, 0, 3 * len)));
 }
 
+/// Reads in order on one lane see the peer's memory in order: while the peer rewrites a region
+/// under a seqlock, a reader that brackets the data (one large read in slices, or many small
+/// ones in packs) with a header read before and after on the same lane never finds a torn
+/// region behind an unchanged, even epoch. Reads issued apart
+/// (striped, or over other connections) give no such guarantee.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_in_order_see_a_seqlock_whole() {
+    let mut peer = Peer::start(&["--tcp-only"]);
+    let (engine, local) = local_engine(Transports::tcp_only(), 20_000).await;
+    let seg = engine.open_segment(&peer.name).await.unwrap();
+    assert!(engine.ordered_reads(&seg));
+    // Three slices at the default 1 MiB, all on the lane's one connection.
+    let len = 3usize << 20;
+    assert_eq!(peer.ask(&format!("seqlock {len} 400")), "OK");
+    let (l, r) = (local.addr(), peer.addr);
+    // The data as one read (sliced), and as 48 reads of 64 KiB (packed).
+    let one = vec![(l, r, 8), (l + 64, r + 64, len as u64), (l + 8, r, 8)];
+    let mut many = vec![(l, r, 8)];
+    let piece = 64u64 << 10;
+    many.extend((0..len as u64 / piece).map(|k| (l + 64 + k * piece, r + 64 + k * piece, piece)));
+    many.push((l + 8, r, 8));
+    let (mut whole, mut moved) = (0u32, 0u32);
+    let mut epochs = std::collections::HashSet::new();
+    let mut data = vec![0u8; len];
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(20) && (whole < 200 || moved < 20) {
+        let items = if (whole + moved) % 2 == 0 { &one } else { &many };
+        for res in engine.read_in_order(&seg, items, 0).await.unwrap() {
+            res.unwrap();
+        }
+        let mut e = [0u8; 16];
+        local.read_at(0, &mut e).unwrap();
+        let before = u64::from_le_bytes(e[..8].try_into().unwrap());
+        let after = u64::from_le_bytes(e[8..].try_into().unwrap());
+        if before != after || before % 2 == 1 {
+            moved += 1;
+            continue;
+        }
+        if before == 0 {
+            continue; // not written yet
+        }
+        local.read_at(64, &mut data).unwrap();
+        let want = (before / 2).to_le_bytes();
+        let torn = data.chunks_exact(8).position(|w| w != want);
+        assert_eq!(torn, None, "epoch {before} unchanged, yet the data is torn at word {torn:?}");
+        whole += 1;
+        epochs.insert(before);
+    }
+    let stopped = peer.ask("seqlock-stop");
+    assert!(stopped.starts_with("OK "), "{stopped}");
+    assert!(whole >= 200 && moved >= 20, "{whole} whole reads, {moved} overlapped a write");
+    assert!(epochs.len() > 10, "the reads saw {} epochs", epochs.len());
+    assert_eq!(seg.status().tcp_connections, Some(1), "one lane, one connection");
+}
+
+/// A lane's items fail one by one (an unregistered local range, a range outside the peer's
+/// regions) while the rest are read; a segment reached over shm has no lanes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_in_order_fail_item_by_item() {
+    let mut peer = Peer::start(&["--tcp-only"]);
+    peer.fill(REMOTE_SEED);
+    let (engine, local) = local_engine(Transports::tcp_only(), 5_000).await;
+    let seg = engine.open_segment(&peer.name).await.unwrap();
+    let (l, r) = (local.addr(), peer.addr);
+    let items = [
+        (l, r, 4096),
+        (0x1000, r, 4096),
+        (l + 4096, r + BUF as u64, 4096),
+        (l + 8192, r + 8192, 0),
+        (l + 8192, r + 8192, 4096),
+    ];
+    let got = engine.read_in_order(&seg, &items, 0).await.unwrap();
+    let kinds: Vec<Option<ErrorKind>> =
+        got.iter().map(|r| r.as_ref().err().map(|e| e.kind())).collect();
+    assert_eq!(
+        kinds,
+        [
+            None,
+            Some(ErrorKind::NotRegistered),
+            Some(ErrorKind::OutOfRange),
+            Some(ErrorKind::InvalidArgument),
+            None
+        ]
+    );
+    let mut b = vec![0u8; 4096];
+    local.read_at(8192, &mut b).unwrap();
+    assert_eq!(b, pattern(REMOTE_SEED, 8192, 4096));
+    local.read_at(0, &mut b).unwrap();
+    assert_eq!(b, pattern(REMOTE_SEED, 0, 4096));
+
+    let shm_peer = Peer::start(&[]);
+    let (shm_engine, shm_local) = local_engine(Transports::default(), 5_000).await;
+    let shm_seg = shm_engine.open_segment(&shm_peer.name).await.unwrap();
+    assert!(!shm_engine.ordered_reads(&shm_seg));
+    let one = [(shm_local.addr(), shm_peer.addr, 4096)];
+    let e = shm_engine.read_in_order(&shm_seg, &one, 0).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notifications_reach_the_peer() {
     let mut peer = Peer::start(&["--tcp-only"]);

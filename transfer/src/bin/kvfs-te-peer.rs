@@ -5,6 +5,10 @@
 //! - `fill SEED` fills the buffer with the deterministic test pattern of SEED, answers `OK`;
 //! - `hash OFFSET LEN` answers the blake3 hex digest of that range of the buffer;
 //! - `notes` answers `NOTES n msg1,msg2,...` with the notifications received so far (utf-8);
+//! - `seqlock LEN PAUSE_US` starts a writer thread that rewrites the buffer as a seqlock, over
+//!   and over, PAUSE_US apart: the 8-byte epoch at offset 0 goes odd, the LEN bytes from offset
+//!   64 are filled with the epoch's half as little-endian u64 words, the epoch goes even;
+//!   answers `OK`. `seqlock-stop` stops it and answers `OK <writes>`;
 //! - `reregister` unregisters the buffer and registers it again (same address; with rdma, a new
 //!   memory region and rkey, so peers holding the old one fail and must refresh), answers `OK`;
 //! - `quit` (or end of input) exits.
@@ -15,6 +19,8 @@
 //! turns it off; `--rdma-device`, `--rdma-gid-index` pick the port).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvfs_transfer::{BufferOptions, Engine, EngineConfig, Transports};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -80,6 +86,7 @@ async fn main() {
     let mut out = tokio::io::stdout();
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     let mut notes: Vec<String> = Vec::new();
+    let mut writer: Option<(Arc<AtomicBool>, std::thread::JoinHandle<u64>)> = None;
     let ready = format!("READY {} {} {}\n", engine.name(), buf.addr(), buf.len());
     let _ = out.write_all(ready.as_bytes()).await;
     let _ = out.flush().await;
@@ -117,10 +124,55 @@ async fn main() {
                     Err(e) => format!("ERR {e}"),
                 }
             }
+            ["seqlock", len, pause] => match (len.parse::<usize>(), pause.parse::<u64>()) {
+                (Ok(len), Ok(pause))
+                    if writer.is_none() && len % 8 == 0 && 64 + len <= buf.len() =>
+                {
+                    let stop = Arc::new(AtomicBool::new(false));
+                    let (b, st) = (buf.clone(), stop.clone());
+                    let h = std::thread::spawn(move || seqlock_writer(&b, len, pause, &st));
+                    writer = Some((stop, h));
+                    "OK".to_string()
+                }
+                _ => "ERR bad seqlock arguments, or one running".to_string(),
+            },
+            ["seqlock-stop"] => match writer.take() {
+                Some((stop, h)) => {
+                    stop.store(true, Ordering::Relaxed);
+                    format!("OK {}", h.join().unwrap_or(0))
+                }
+                None => "ERR no seqlock writer".to_string(),
+            },
             ["quit"] => break,
             _ => format!("ERR unknown command: {line}"),
         };
         let _ = out.write_all(format!("{reply}\n").as_bytes()).await;
         let _ = out.flush().await;
     }
+}
+
+/// The `seqlock` command's writer: returns how many writes it completed.
+fn seqlock_writer(
+    buf: &kvfs_transfer::Buffer,
+    len: usize,
+    pause_us: u64,
+    stop: &AtomicBool,
+) -> u64 {
+    let mut epoch = 0u64;
+    let mut data = vec![0u8; len];
+    while !stop.load(Ordering::Relaxed) {
+        epoch += 1;
+        let _ = buf.write_at(0, &epoch.to_le_bytes());
+        // The odd epoch lands before the data, the data before the even epoch.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        for w in data.chunks_exact_mut(8) {
+            w.copy_from_slice(&(epoch / 2 + 1).to_le_bytes());
+        }
+        let _ = buf.write_at(64, &data);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        epoch += 1;
+        let _ = buf.write_at(0, &epoch.to_le_bytes());
+        std::thread::sleep(std::time::Duration::from_micros(pause_us));
+    }
+    epoch / 2
 }
