@@ -106,6 +106,38 @@ fn tp2_to_tp4_across_processes_is_exact_and_committed() {
     }
 }
 
+/// Over tcp alone the targets read in lanes, the header checks riding the data's connections.
+#[test]
+fn tp2_to_tp4_over_tcp_alone_is_exact_and_committed() {
+    let (ranks, _rt, _c) =
+        reshard("tp2", "tp4", 6, &[(u32::MAX, "tcp_only=1"), (u32::MAX, "dst_offset=2")]);
+    for r in &ranks {
+        let done = r.wait_for("done", 90);
+        assert!(done.contains("committed=true"), "slot {}: {done}", r.slot);
+        if r.slot >= 2 {
+            assert!(done.contains("state=Some(Active) verified=true"), "slot {}: {done}", r.slot);
+        }
+    }
+}
+
+/// Over tcp alone too (lanes), a source moved to another allocation after binding is refused
+/// by the targets that read it, and nothing commits.
+#[test]
+fn a_source_in_another_allocation_over_tcp_alone_is_not_read() {
+    let all = [(u32::MAX, "tcp_only=1"), (u32::MAX, "dst_offset=2"), (1, "stale=source")];
+    let (ranks, _rt, _c) = reshard("tp2", "tp4", 6, &all);
+    let mut refused = 0;
+    for r in &ranks {
+        let done = r.wait_for("done", 90);
+        assert!(done.contains("committed=false"), "slot {}: {done}", r.slot);
+        if r.slot >= 2 {
+            assert!(done.contains("state=Some(Inactive)"), "slot {}: {done}", r.slot);
+            refused += usize::from(done.contains("err=StaleGeneration"));
+        }
+    }
+    assert!(refused >= 2, "{refused} targets refused participant 1's regions");
+}
+
 #[test]
 fn pp2_ep2_tp2_to_tp4_dp2_across_processes() {
     // Sources on 8 processes, targets on 8: the experts leave their EP ranks, layers leave
