@@ -887,8 +887,14 @@ mod tests {
     /// Two engines over loopback tcp, a tp2 -> tp1 plan of one matrix (the target reads two
     /// sources), the sources filled and active.
     async fn setup() -> (Vec<Holder>, Holder, BoundPlan) {
+        setup_shaped(&[64, 32], None).await
+    }
+
+    /// [`setup`] with a matrix of `shape`, the sources filled with each element's linear index
+    /// or, given `byte`, with that byte.
+    async fn setup_shaped(shape: &[u64], byte: Option<u8>) -> (Vec<Holder>, Holder, BoundPlan) {
         let tensors = vec![(
-            TensorDesc::new("w", &[64, 32], "float32", 4),
+            TensorDesc::new("w", shape, "float32", 4),
             Rule { tp_dim: Some(0), ..Rule::default() },
         )];
         let src = Parallel::parse("tp2").unwrap().placement(&tensors).unwrap();
@@ -901,7 +907,11 @@ mod tests {
             h.allocate().unwrap();
             for (t, f, buf) in h.buffers() {
                 let tp = &src.tensors[t as usize];
-                buf.write_at(0, &linear_fragment(&tp.desc, &tp.fragments[f as usize])).unwrap();
+                let fill = match byte {
+                    Some(v) => vec![v; buf.len()],
+                    None => linear_fragment(&tp.desc, &tp.fragments[f as usize]),
+                };
+                buf.write_at(0, &fill).unwrap();
             }
             h.activate().unwrap();
             sources.push(h);
@@ -921,29 +931,7 @@ mod tests {
     /// mix of two.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn lanes_never_commit_a_source_rewritten_during_the_copies() {
-        let tensors = vec![(
-            TensorDesc::new("w", &[8192, 1024], "float32", 4),
-            Rule { tp_dim: Some(0), ..Rule::default() },
-        )];
-        let src = Parallel::parse("tp2").unwrap().placement(&tensors).unwrap();
-        let dst = Parallel::parse("tp1").unwrap().placement(&tensors).unwrap();
-        let cfg = || EngineConfig { transports: Transports::tcp_only(), ..EngineConfig::default() };
-        let (a, b) = (Engine::start(cfg()).await.unwrap(), Engine::start(cfg()).await.unwrap());
-        let mut sources = Vec::new();
-        for p in 0..2 {
-            let mut h = Holder::new(a.clone(), &src, p).unwrap();
-            h.allocate().unwrap();
-            for (_, _, buf) in h.buffers() {
-                buf.write_at(0, &vec![1u8; buf.len()]).unwrap();
-            }
-            h.activate().unwrap();
-            sources.push(h);
-        }
-        let mut target = Holder::new(b, &dst, 0).unwrap();
-        target.allocate().unwrap();
-        let plan = crate::plan(&src, &dst, &Limits::default()).unwrap();
-        let sb: Vec<Binding> = sources.iter().map(Holder::binding).collect();
-        let bound = BoundPlan::new(plan, &src, &dst, &sb, &[target.binding()]).unwrap();
+        let (mut sources, target, bound) = setup_shaped(&[8192, 1024], Some(1)).await;
         let half = 4096 * 1024 * 4;
         assert!(
             target
