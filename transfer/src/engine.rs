@@ -819,27 +819,9 @@ impl Engine {
         let mut reads = Vec::with_capacity(items.len());
         let mut at = Vec::with_capacity(items.len());
         for (k, &(local, remote, len)) in items.iter().enumerate() {
-            let checked = (|| {
-                if len == 0 {
-                    return Err(Error::new(ErrorKind::InvalidArgument, "transfer", "zero length"));
-                }
-                if remote.checked_add(len).is_none() {
-                    let what = "remote range wraps around";
-                    return Err(Error::new(ErrorKind::OutOfRange, "transfer", what));
-                }
-                let region = shared.registry.find(local, len).ok_or_else(|| {
-                    Error::new(
-                        ErrorKind::NotRegistered,
-                        "transfer",
-                        format!("local range {local:#x}+{len} is not inside one registered region"),
-                    )
-                })?;
-                host_side(&region, "transfer")?;
-                Ok(region.hold())
-            })();
-            match checked {
-                Ok(hold) => {
-                    reads.push((crate::tcp::Range { remote, local, len }, hold));
+            match checked_item(shared, "transfer", local, remote, len) {
+                Ok(region) => {
+                    reads.push((crate::tcp::Range { remote, local, len }, region.hold()));
                     at.push(k);
                 }
                 Err(e) => out[k] = Some(Err(e)),
@@ -925,7 +907,7 @@ impl Engine {
         guard: Arc<[u8]>,
     ) -> Result<()> {
         let shared = &self.inner.shared;
-        let local = checked_lone(shared, "guarded read", local_addr, remote_addr, len)?;
+        let local = checked_item(shared, "guarded read", local_addr, remote_addr, len)?;
         let deadline = Instant::now() + shared.cfg.op_timeout();
         match &seg.0.kind {
             PeerKind::Local => {
@@ -974,7 +956,7 @@ impl Engine {
         note: Arc<[u8]>,
     ) -> Result<bool> {
         let shared = &self.inner.shared;
-        let local = checked_lone(shared, "noted write", local_addr, remote_addr, len)?;
+        let local = checked_item(shared, "noted write", local_addr, remote_addr, len)?;
         let deadline = Instant::now() + shared.cfg.op_timeout();
         let written = match &seg.0.kind {
             PeerKind::Local => {
@@ -1081,10 +1063,10 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-/// The checks of a lone owner-checked request (guarded read, noted write) before it leaves:
-/// a non-empty range that does not wrap, and local memory inside one registered region (whose
-/// hold the request keeps).
-fn checked_lone(
+/// The checks of a transfer's item (a batch's, a lane's, a lone owner-checked request's)
+/// before it leaves: a non-empty range that does not wrap, and local host memory inside one
+/// registered region (whose hold the request keeps).
+fn checked_item(
     shared: &Shared,
     what: &'static str,
     local_addr: u64,
@@ -1095,7 +1077,7 @@ fn checked_lone(
         return Err(Error::new(ErrorKind::InvalidArgument, what, "zero length"));
     }
     if remote_addr.checked_add(len).is_none() {
-        return Err(Error::new(ErrorKind::OutOfRange, what, "range wraps around"));
+        return Err(Error::new(ErrorKind::OutOfRange, what, "remote range wraps around"));
     }
     let local = shared.registry.find(local_addr, len).ok_or_else(|| {
         Error::new(
@@ -1128,23 +1110,7 @@ async fn run_item(
     deadline: Instant,
     tcp_conns_max: usize,
 ) -> Result<()> {
-    if req.len == 0 {
-        return Err(Error::new(ErrorKind::InvalidArgument, "transfer", "zero length"));
-    }
-    if req.remote_addr.checked_add(req.len).is_none() {
-        return Err(Error::new(ErrorKind::OutOfRange, "transfer", "remote range wraps around"));
-    }
-    let local = shared.registry.find(req.local_addr, req.len).ok_or_else(|| {
-        Error::new(
-            ErrorKind::NotRegistered,
-            "transfer",
-            format!(
-                "local range {:#x}+{} is not inside one registered region",
-                req.local_addr, req.len
-            ),
-        )
-    })?;
-    host_side(&local, "transfer")?;
+    let local = checked_item(shared, "transfer", req.local_addr, req.remote_addr, req.len)?;
     match &req.segment.0.kind {
         PeerKind::Local => local_copy(shared, req).await,
         PeerKind::Remote { tcp, shm, rdma } => {

@@ -898,18 +898,21 @@ impl TcpPeer {
             }
         };
         let slice = self.slice_bytes.max(1);
+        let mut pack_bytes = 0;
         for (k, (r, hold)) in reads.into_iter().enumerate() {
             if r.len <= PACK_ITEM_BYTES_MAX {
-                let bytes: u64 = pack.ranges.iter().map(|r| r.len).sum();
-                if pack.ranges.len() >= PACK_ITEMS_MAX || bytes + r.len > PACK_BYTES_MAX {
+                if pack.ranges.len() >= PACK_ITEMS_MAX || pack_bytes + r.len > PACK_BYTES_MAX {
                     close(&mut pack, &mut jobs);
+                    pack_bytes = 0;
                 }
+                pack_bytes += r.len;
                 pack.ranges.push(r);
                 pack.holds.push(hold);
                 pack.owners.push(k);
                 continue;
             }
             close(&mut pack, &mut jobs);
+            pack_bytes = 0;
             for off in (0..r.len).step_by(slice as usize) {
                 let len = slice.min(r.len - off);
                 jobs.push(LaneRequest {
