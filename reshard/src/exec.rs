@@ -514,7 +514,7 @@ async fn run(
     }
     let open: Vec<u32> = sources.iter().copied().filter(|p| segs[p].is_ok()).collect();
     let ordered = |p: &u32| segs[p].as_ref().is_ok_and(|s| engine.ordered_reads(s));
-    if !open.is_empty() && open.iter().all(ordered) && lanes_off().is_none() {
+    if !open.is_empty() && open.iter().all(ordered) && !lanes_off() {
         return Ok(run_lanes(engine, bound, regions, &segs, &open, lanes, scratch).await);
     }
     let before = check_sources(engine, bound, &segs, &open, scratch, None).await;
@@ -523,34 +523,18 @@ async fn run(
             segs.insert(*p, Err(e.clone()));
         }
     }
-    let mut outcome: HashMap<usize, Result<()>> = HashMap::new();
     let mut reqs = Vec::new();
     let mut owner = Vec::new();
-    let mut bytes = 0;
-    for &i in regions {
-        let r = &bound.plan.regions[i];
-        let seg = match &segs[&r.src_participant] {
-            Ok(s) => s,
-            Err(e) => {
-                outcome.insert(i, Err(e.clone()));
-                continue;
-            }
-        };
-        let (sb, db) = bound.bases[i];
-        let (s0, d0) = (r.src_offset, r.dst_offset);
-        r.for_each_segment(|s, d, len| {
-            reqs.push(TransferRequest {
-                op: TransferOp::Read,
-                segment: seg.clone(),
-                local_addr: db + (d - d0),
-                remote_addr: sb + (s - s0),
-                len,
-            });
-            owner.push(i);
+    let (mut outcome, bytes) = copies(bound, regions, &segs, |i, seg, local, remote, len| {
+        reqs.push(TransferRequest {
+            op: TransferOp::Read,
+            segment: seg.clone(),
+            local_addr: local,
+            remote_addr: remote,
+            len,
         });
-        bytes += r.bytes();
-        outcome.insert(i, Ok(()));
-    }
+        owner.push(i);
+    });
     let max = engine.config().batch_items_max.max(1);
     let conns = engine.config().tcp_conns_per_peer;
     let opts = BatchOptions { tcp_conns_max: conns_share(conns, &bound.readers, sources) };
@@ -591,10 +575,41 @@ async fn run(
     Ok(Report { regions, bytes })
 }
 
+/// Walks the byte segments of `regions` (each as region, source segment, local address,
+/// remote address, length) into `each`. A region whose source did not open (or failed its
+/// check) is failed with that error and not walked. Returns each region's outcome so far and
+/// the bytes walked.
+fn copies(
+    bound: &BoundPlan,
+    regions: &[usize],
+    segs: &HashMap<u32, std::result::Result<SegmentHandle, Error>>,
+    mut each: impl FnMut(usize, &SegmentHandle, u64, u64, u64),
+) -> (HashMap<usize, Result<()>>, u64) {
+    let mut outcome = HashMap::new();
+    let mut bytes = 0;
+    for &i in regions {
+        let r = &bound.plan.regions[i];
+        let seg = match &segs[&r.src_participant] {
+            Ok(s) => s,
+            Err(e) => {
+                outcome.insert(i, Err(e.clone()));
+                continue;
+            }
+        };
+        let (sb, db) = bound.bases[i];
+        let (s0, d0) = (r.src_offset, r.dst_offset);
+        r.for_each_segment(|s, d, len| each(i, seg, db + (d - d0), sb + (s - s0), len));
+        bytes += r.bytes();
+        outcome.insert(i, Ok(()));
+    }
+    (outcome, bytes)
+}
+
 /// `KVFS_RESHARD_LANES=0` turns the lanes off (the header checks take round trips of their
-/// own, as on shm and rdma): for measuring what the lanes gain.
-fn lanes_off() -> Option<()> {
-    (std::env::var("KVFS_RESHARD_LANES").as_deref() == Ok("0")).then_some(())
+/// own, as on shm and rdma): for measuring what the lanes gain. Read once.
+fn lanes_off() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OFF.get_or_init(|| std::env::var("KVFS_RESHARD_LANES").as_deref() == Ok("0"))
 }
 
 /// How many times a lane broken by a connection failure is run again, whole.
@@ -621,28 +636,14 @@ async fn run_lanes(
 ) -> Report {
     let lanes = lanes.max(1);
     let slice = engine.config().slice_bytes.max(1);
-    let mut outcome: HashMap<usize, Result<()>> = HashMap::new();
     // Per open source: its pieces (region, local, remote, len).
     let mut pieces: HashMap<u32, Vec<(usize, u64, u64, u64)>> = HashMap::new();
-    let mut bytes = 0;
-    for &i in regions {
-        let r = &bound.plan.regions[i];
-        if let Err(e) = &segs[&r.src_participant] {
-            outcome.insert(i, Err(e.clone()));
-            continue;
+    let (mut outcome, bytes) = copies(bound, regions, segs, |i, _, local, remote, len| {
+        let mine = pieces.entry(bound.plan.regions[i].src_participant).or_default();
+        for off in (0..len).step_by(slice as usize) {
+            mine.push((i, local + off, remote + off, slice.min(len - off)));
         }
-        let (sb, db) = bound.bases[i];
-        let (s0, d0) = (r.src_offset, r.dst_offset);
-        let mine = pieces.entry(r.src_participant).or_default();
-        r.for_each_segment(|s, d, len| {
-            let (local, remote) = (db + (d - d0), sb + (s - s0));
-            for off in (0..len).step_by(slice as usize) {
-                mine.push((i, local + off, remote + off, slice.min(len - off)));
-            }
-        });
-        bytes += r.bytes();
-        outcome.insert(i, Ok(()));
-    }
+    });
     // (source, lane): the lane's items, with the region of each (None: a header read).
     let mut runs = Vec::new();
     for (si, &p) in open.iter().enumerate() {
@@ -682,7 +683,7 @@ async fn run_lanes(
         .await;
     // Per source: the first failure, and the epoch every lane's headers must agree on.
     let mut failed: HashMap<u32, Error> = HashMap::new();
-    let mut epoch: HashMap<u32, Header> = HashMap::new();
+    let mut first_seen: HashMap<u32, Header> = HashMap::new();
     for ((p, si, lane, _, owners), got) in runs.iter().zip(done) {
         let (seg, bd) = (segs[p].as_ref().expect("open source"), &bound.src[p]);
         let results = match got {
@@ -713,7 +714,7 @@ async fn run_lanes(
         }
         let at = |b: usize| ((si * lanes + lane) * 2 + b) * HEADER_BYTES;
         let checked = header_at(scratch, at(0), seg, bd).and_then(|h| {
-            let first = *epoch.entry(*p).or_insert(h);
+            let first = *first_seen.entry(*p).or_insert(h);
             check_header(h, bd, Some(&first))?;
             check_header(header_at(scratch, at(1), seg, bd)?, bd, Some(&first))
         });

@@ -788,7 +788,7 @@ impl Engine {
     /// Whether [`read_in_order`](Self::read_in_order) can run on `segment`: it is reached
     /// over tcp alone (no shm, no rdma; not this engine's own segment).
     pub fn ordered_reads(&self, segment: &SegmentHandle) -> bool {
-        matches!(&segment.0.kind, PeerKind::Remote { tcp: Some(_), shm: None, rdma: None })
+        tcp_alone(segment).is_some()
     }
 
     /// Reads `items` (local address, remote address, length) from `segment` in order, on its
@@ -806,7 +806,7 @@ impl Engine {
         items: &[(u64, u64, u64)],
         lane: usize,
     ) -> Result<Vec<Result<()>>> {
-        let PeerKind::Remote { tcp: Some(tcp), shm: None, rdma: None } = &segment.0.kind else {
+        let Some(tcp) = tcp_alone(segment) else {
             return Err(Error::new(
                 ErrorKind::Unsupported,
                 "read in order",
@@ -1060,6 +1060,14 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             },
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
         }
+    }
+}
+
+/// The tcp peer of a segment reached over tcp alone (no shm, no rdma; not our own).
+fn tcp_alone(segment: &SegmentHandle) -> Option<&tcp::TcpPeer> {
+    match &segment.0.kind {
+        PeerKind::Remote { tcp: Some(tcp), shm: None, rdma: None } => Some(tcp),
+        _ => None,
     }
 }
 

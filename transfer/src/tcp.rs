@@ -955,21 +955,13 @@ impl TcpPeer {
             break;
         }
         for (wait, owners) in waits {
-            match wait.await {
-                Ok(Ok(Outcome::Ranges(st))) if st.len() == owners.len() => {
-                    for (k, s) in owners.into_iter().zip(st) {
-                        if s != DataStatus::Ok {
-                            fail(&mut out, k, status_error(s, DataOp::Read));
-                        }
-                    }
+            let done = wait.await.unwrap_or_else(|_| Err(conn.st.death()));
+            let packed = owners.len() > 1;
+            for (k, r) in owners.iter().zip(range_results(done, owners.len(), DataOp::Read, packed))
+            {
+                if let Err(e) = r {
+                    fail(&mut out, *k, e);
                 }
-                Ok(Ok(Outcome::Ranges(_))) => {
-                    let e = Error::new(ErrorKind::Io, "tcp pack", "reply with the wrong statuses");
-                    owners.into_iter().for_each(|k| fail(&mut out, k, e.clone()));
-                }
-                Ok(Ok(Outcome::Done)) => {}
-                Ok(Err(e)) => owners.into_iter().for_each(|k| fail(&mut out, k, e.clone())),
-                Err(_) => owners.into_iter().for_each(|k| fail(&mut out, k, conn.st.death())),
             }
         }
         out
@@ -1062,16 +1054,8 @@ impl TcpPeer {
         let _busy = BusyGuard::new(&self.busy);
         let n = ranges.len();
         let packed = if op == DataOp::Read { DataOp::ReadV } else { DataOp::WriteV };
-        match self.with_retries(packed, &no_guard(), &ranges, &holds, deadline, None).await {
-            Ok(Outcome::Ranges(st)) if st.len() == n => st
-                .into_iter()
-                .map(|s| if s == DataStatus::Ok { Ok(()) } else { Err(status_error(s, op)) })
-                .collect(),
-            Ok(_) => {
-                vec![Err(Error::new(ErrorKind::Io, "tcp pack", "reply without range statuses")); n]
-            }
-            Err(e) => vec![Err(e); n],
-        }
+        let done = self.with_retries(packed, &no_guard(), &ranges, &holds, deadline, None).await;
+        range_results(done, n, op, true)
     }
 
     async fn single(&self, op: DataOp, r: Range, hold: &Hold, deadline: Instant) -> Result<()> {
@@ -1187,6 +1171,22 @@ impl TcpPeer {
 fn cpus() -> u64 {
     static CPUS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *CPUS.get_or_init(|| std::thread::available_parallelism().map(|n| n.get() as u64).unwrap_or(1))
+}
+
+/// The per-range results of a request over `n` ranges of direction `op`: a pack (`packed`)
+/// answers a status per range, a single request succeeds or fails whole.
+fn range_results(done: Result<Outcome>, n: usize, op: DataOp, packed: bool) -> Vec<Result<()>> {
+    match done {
+        Ok(Outcome::Ranges(st)) if st.len() == n => st
+            .into_iter()
+            .map(|s| if s == DataStatus::Ok { Ok(()) } else { Err(status_error(s, op)) })
+            .collect(),
+        Ok(Outcome::Done) if !packed => vec![Ok(()); n],
+        Ok(_) => {
+            vec![Err(Error::new(ErrorKind::Io, "tcp pack", "reply without range statuses")); n]
+        }
+        Err(e) => vec![Err(e); n],
+    }
 }
 
 /// One request of [`TcpPeer::read_in_order`]: a slice, a single small read or a pack, and the
