@@ -375,6 +375,10 @@ struct StoreArgs {
     /// Bytes moved when measuring each limit.
     #[arg(long, default_value = "512M", value_parser = parse_bytes)]
     limit_bytes: u64,
+    /// Calls to measure (comma separated; default all): put, get, put_from, get_into, their
+    /// `_batch` forms, exists, exists_batch, remove_batch.
+    #[arg(long, value_delimiter = ',')]
+    ops: Vec<String>,
 }
 
 fn parse_transport(s: &str) -> Result<TransportKind, String> {
@@ -457,6 +461,7 @@ fn run() -> anyhow::Result<()> {
                     json: a.json,
                     node_dram: a.node_dram,
                     limit_bytes: a.limit_bytes as usize,
+                    ops: a.ops,
                 })
                 .await
             }

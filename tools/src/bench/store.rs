@@ -46,7 +46,24 @@ pub struct StoreBench {
     pub json: bool,
     pub node_dram: u64,
     pub limit_bytes: usize,
+    /// The calls to measure; empty: all of them.
+    pub ops: Vec<String>,
 }
+
+/// The calls moving data, in the order measured.
+const DATA_OPS: [&str; 8] = [
+    "put",
+    "get",
+    "put_from",
+    "get_into",
+    "put_batch",
+    "get_batch",
+    "put_from_batch",
+    "get_into_batch",
+];
+
+/// The calls on keys alone.
+const META_OPS: [&str; 3] = ["exists", "exists_batch", "remove_batch"];
 
 /// The peer: master + node + raw TCP server; prints `READY <master> <raw tcp>`.
 pub async fn serve_peer(dram: u64) -> anyhow::Result<()> {
@@ -118,6 +135,12 @@ impl Ctx {
 }
 
 pub async fn run(opts: StoreBench) -> anyhow::Result<()> {
+    if let Some(bad) =
+        opts.ops.iter().find(|o| !DATA_OPS.contains(&o.as_str()) && !META_OPS.contains(&o.as_str()))
+    {
+        bail!("unknown op {bad:?} ({}, {})", DATA_OPS.join(", "), META_OPS.join(", "));
+    }
+    let wanted = |op: &str| opts.ops.is_empty() || opts.ops.iter().any(|o| o == op);
     // As the Python package does at import: large gets land on pages already faulted in.
     kvfs_client::keep_freed_buffers();
     let (_peer, master, raw) = start_peer(opts.node_dram).await?;
@@ -150,16 +173,7 @@ pub async fn run(opts: StoreBench) -> anyhow::Result<()> {
             round: 0,
         };
         for &size in &opts.sizes {
-            for op in [
-                "put",
-                "get",
-                "put_from",
-                "get_into",
-                "put_batch",
-                "get_batch",
-                "put_from_batch",
-                "get_into_batch",
-            ] {
+            for op in DATA_OPS.into_iter().filter(|op| wanted(op)) {
                 let (limit_gbps, rtt, mut s) = run_op(&mut ctx, op, size)
                     .await
                     .with_context(|| format!("{mode} {op} {size} B"))?;
@@ -169,7 +183,7 @@ pub async fn run(opts: StoreBench) -> anyhow::Result<()> {
                 rep.emit(&f);
             }
         }
-        for op in ["exists", "exists_batch", "remove_batch"] {
+        for op in META_OPS.into_iter().filter(|op| wanted(op)) {
             let mut s = run_meta(&mut ctx, op).await.with_context(|| format!("{mode} {op}"))?;
             rep.emit(&figure(&ctx, op, None, &mut s, None));
         }
