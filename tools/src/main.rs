@@ -259,8 +259,10 @@ struct ReshardBenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "shm,tcp")]
     transports: Vec<String>,
     /// Timed executions per case (the first one included: it is the cold one a one-shot
-    /// reshard meets).
-    #[arg(long, default_value_t = 30)]
+    /// reshard meets). Executions spread widely on a shared host (a 64 MiB one's p99 about 1.5x
+    /// its p50): over 30, tp1->tp1 64 MiB's p50 ranged over 0.74-1.09 of the limit across
+    /// runs; over 100, 0.86-1.01.
+    #[arg(long, default_value_t = 100)]
     iters: usize,
     /// Print one JSON object per figure instead of a table.
     #[arg(long)]
