@@ -244,7 +244,17 @@ pub struct DataHeader {
     /// Entries in the range table that follows a ReadV/WriteV header, bytes of the guard or
     /// note that follows a ReadGuarded or WriteNoted header (0 otherwise).
     pub ranges: u32,
+    /// How long the caller sat idle between the reply to its last request on this connection
+    /// and this request, in microseconds (saturating), where it knows: the serving side polls
+    /// for the next request only for a caller that comes back promptly, and this is that
+    /// promptness as the caller saw it, without the serving side's own wake-up in it. `None`
+    /// (a first request, or a sender that does not say) leaves the serving side to its own
+    /// clock.
+    pub idle_us: Option<u32>,
 }
+
+/// Flag bit of a request header's byte 5: `idle_us` is given (in bytes 36..40).
+const HEADER_IDLE_GIVEN: u8 = 1;
 
 impl DataHeader {
     pub const SIZE: usize = 40;
@@ -257,6 +267,10 @@ impl DataHeader {
         b[16..24].copy_from_slice(&self.addr.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
         b[32..36].copy_from_slice(&self.ranges.to_le_bytes());
+        if let Some(us) = self.idle_us {
+            b[5] |= HEADER_IDLE_GIVEN;
+            b[36..40].copy_from_slice(&us.to_le_bytes());
+        }
         b
     }
 
@@ -272,6 +286,7 @@ impl DataHeader {
             addr: u64::from_le_bytes(take8(b, 16)),
             len: u64::from_le_bytes(take8(b, 24)),
             ranges: u32::from_le_bytes(take4(b, 32)),
+            idle_us: (b[5] & HEADER_IDLE_GIVEN != 0).then(|| u32::from_le_bytes(take4(b, 36))),
         })
     }
 }
@@ -383,8 +398,17 @@ mod tests {
             addr: 0xdead_beef_0000,
             len: 1 << 26,
             ranges: 7,
+            idle_us: None,
         };
         assert_eq!(DataHeader::decode(&h.encode()).unwrap(), h);
+        for idle in [Some(0), Some(37), Some(u32::MAX)] {
+            let h = DataHeader { idle_us: idle, ..h };
+            assert_eq!(DataHeader::decode(&h.encode()).unwrap(), h);
+        }
+        // A header from a sender that does not say (bytes 5 and 36..40 zero) gives none.
+        let mut b = DataHeader { idle_us: Some(5), ..h }.encode();
+        b[5] = 0;
+        assert_eq!(DataHeader::decode(&b).unwrap().idle_us, None);
         let r = DataReply { status: DataStatus::OutOfRange, id: 9, len: 0 };
         assert_eq!(DataReply::decode(&r.encode()).unwrap(), r);
     }
@@ -474,7 +498,9 @@ mod tests {
 
     #[test]
     fn corrupt_headers_are_rejected() {
-        let mut b = DataHeader { op: DataOp::Write, id: 1, addr: 2, len: 3, ranges: 0 }.encode();
+        let mut b =
+            DataHeader { op: DataOp::Write, id: 1, addr: 2, len: 3, ranges: 0, idle_us: None }
+                .encode();
         b[4] = 99;
         assert_eq!(DataHeader::decode(&b), Err(WireError::BadOp(99)));
         b[0] = 0;

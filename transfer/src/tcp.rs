@@ -311,12 +311,18 @@ fn sends_payload(op: DataOp) -> bool {
 
 /// The bytes of a job's header and, for packs, its range table.
 fn request_head(job: &Job, id: u64) -> Vec<u8> {
-    encode_head(job.op, id, &job.ranges, &job.guard)
+    encode_head(job.op, id, &job.ranges, &job.guard, None)
 }
 
 /// A request's header, then its range table (packs) or its guard or note (`ReadGuarded`,
 /// `WriteNoted`).
-fn encode_head(op: DataOp, id: u64, ranges: &[Range], guard: &[u8]) -> Vec<u8> {
+fn encode_head(
+    op: DataOp,
+    id: u64,
+    ranges: &[Range],
+    guard: &[u8],
+    idle_us: Option<u32>,
+) -> Vec<u8> {
     let packed = matches!(op, DataOp::ReadV | DataOp::WriteV);
     let total: u64 = ranges.iter().map(|r| r.len).sum();
     let first = ranges.first().copied().unwrap_or(Range { remote: 0, local: 0, len: 0 });
@@ -332,6 +338,7 @@ fn encode_head(op: DataOp, id: u64, ranges: &[Range], guard: &[u8]) -> Vec<u8> {
         } else {
             0
         },
+        idle_us,
     };
     let mut head = hdr.encode().to_vec();
     if packed {
@@ -637,6 +644,9 @@ const DIRECT_BYTES_MAX: u64 = 1 << 20;
 struct Direct {
     sock: PlainStream,
     next_id: u64,
+    /// When the last reply on it was read: each request tells the serving side how long its
+    /// caller was away since (`DataHeader::idle_us`; see `ServeSpin`).
+    answered: Option<std::time::Instant>,
 }
 
 enum DirectSlot {
@@ -676,7 +686,8 @@ impl Direct {
     ) -> Result<Result<()>> {
         let id = self.next_id;
         self.next_id += 1;
-        let head = encode_head(op, id, &[r], guard);
+        let idle_us = self.answered.map(|t| t.elapsed().as_micros().min(u32::MAX as u128) as u32);
+        let head = encode_head(op, id, &[r], guard, idle_us);
         let mut slices = vec![IoSlice::new(&head)];
         if sends_payload(op) && r.len > 0 {
             // SAFETY: the caller's memory is registered and held (by the caller) until this
@@ -710,6 +721,7 @@ impl Direct {
                 return Err(Error::new(ErrorKind::InvalidArgument, "tcp direct", detail));
             }
         }
+        self.answered = Some(std::time::Instant::now());
         Ok(Ok(()))
     }
 }
@@ -798,7 +810,7 @@ impl TcpPeer {
             Some(d) => d,
             None => match self.reconnect(deadline).await {
                 Ok(stream) => match PlainStream::new(stream) {
-                    Ok(sock) => Direct { sock, next_id: 1 },
+                    Ok(sock) => Direct { sock, next_id: 1, answered: None },
                     Err(_) => return None,
                 },
                 Err(e) if matches!(e.kind(), ErrorKind::PeerGone | ErrorKind::Timeout) => {
@@ -1385,6 +1397,7 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
             return Ok(());
         }
         let hdr = DataHeader::decode(&hb).map_err(std::io::Error::other)?;
+        spin.heard(hdr.idle_us);
         spin.lone = matches!(
             hdr.op,
             DataOp::Read | DataOp::Write | DataOp::ReadGuarded | DataOp::WriteNoted
@@ -1445,12 +1458,35 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
 /// a caller whose lone requests are spread out (a put's write sits between two master round
 /// trips) costs no core time spent polling for nothing. The first late request stops the
 /// polling; the first prompt one resumes it.
+///
+/// Promptness is the caller's own account where its request gives one (`idle_us`, sent on the
+/// direct connection), and this side's clock otherwise. This side's clock, once it has parked,
+/// also counts its own wake-up: where that takes about `max` or more (a parked thread woken on
+/// a halted vCPU took 50-60 us on a 2-core VM), every request of a prompt caller looked late,
+/// so polling never resumed and each call paid the wake-up (a 4 KiB get's p50 at 51-67 us in
+/// about one `kvfs bench store` run in five, against 11 us).
 struct ServeSpin {
     max: Duration,
     /// The request just answered was a lone small one.
     lone: bool,
     /// The last request after a lone one came within `max`.
     paid: bool,
+}
+
+impl ServeSpin {
+    /// The request that followed a lone one came `waited` after the answer, by this side's
+    /// clock.
+    fn waited(&mut self, waited: Duration) {
+        self.paid = waited < self.max;
+    }
+
+    /// The caller's account of its idle time before the request just read, which decides
+    /// over this side's clock: it leaves out the wire and this side's wake-up.
+    fn heard(&mut self, idle_us: Option<u32>) {
+        if let (true, Some(us)) = (self.lone, idle_us) {
+            self.paid = Duration::from_micros(u64::from(us)) < self.max;
+        }
+    }
 }
 
 /// Reads the next request header: from what the last read already brought in, or, when that
@@ -1474,7 +1510,7 @@ async fn next_header(
             if !rd.has_buffered() {
                 rd.wait_readable().await?;
             }
-            spin.paid = idle.elapsed() < spin.max;
+            spin.waited(idle.elapsed());
         }
         match rd.read_exact(&mut hb[got..]).await {
             Ok(_) => {}
@@ -1856,4 +1892,36 @@ async fn drain(rd: &mut Inbound, len: u64, max: u64) -> std::io::Result<()> {
         left -= n;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prompt_caller_resumes_the_polling_however_slow_this_side_woke() {
+        let us = Duration::from_micros;
+        let mut spin = ServeSpin { max: us(50), lone: true, paid: true };
+        // A late request (the caller paused) stops the polling.
+        spin.waited(us(400));
+        assert!(!spin.paid);
+        // Parked, this side then measures the caller's next prompt request past its own
+        // wake-up: by that clock alone the polling would never resume.
+        spin.waited(us(60));
+        assert!(!spin.paid);
+        // The caller says it came back within 3 us: that decides.
+        spin.heard(Some(3));
+        assert!(spin.paid);
+        // And a caller that says it was away longer than `max` stops it again.
+        spin.heard(Some(80));
+        assert!(!spin.paid);
+        // A request that does not say leaves this side's clock in charge.
+        spin.waited(us(10));
+        spin.heard(None);
+        assert!(spin.paid);
+        // After a request that was not lone (a pack, a striped slice), nothing is judged.
+        spin.lone = false;
+        spin.heard(Some(500));
+        assert!(spin.paid);
+    }
 }
