@@ -52,7 +52,7 @@ use tokio::sync::{Notify, oneshot};
 
 pub use kvfs_proto::auth::ClusterSecret;
 use kvfs_proto::auth::{self, AuthError};
-use kvfs_proto::plain::{Inbound, PlainStream};
+use kvfs_proto::plain::{Inbound, PlainStream, ServeSpin};
 
 const KIND_REQUEST: u8 = 1;
 const KIND_RESPONSE: u8 = 2;
@@ -386,35 +386,17 @@ fn frame_bytes(kind: u8, id: u64, body: &[u8]) -> Vec<u8> {
 /// before it parks (see [`ServeSpin`]).
 const SERVE_SPIN: Duration = Duration::from_micros(50);
 
-/// Whether the reader polls the socket for the next request before parking: after a request it
-/// answered inline (the master's in-memory calls), and only while the requests after such
-/// answers have come within [`SERVE_SPIN`] (a client making call after call, whose next request
-/// is then read without waking a parked thread: in a VM that wake is most of a small call's
-/// time). The first late request stops the polling, so a connection with spread-out calls (a
-/// node's heartbeats) costs no core time; the first prompt one resumes it.
-struct ServeSpin {
-    /// The last frame was a request answered inline.
-    answered: bool,
-    /// The last request after such an answer came within `SERVE_SPIN`.
-    paid: bool,
-}
-
 async fn read_loop(rd: OwnedReadHalf, conn: RpcConn, handler: Arc<dyn Handler>) {
     let max = conn.inner.opts.frame_bytes_max;
     let mut rd = Inbound::new(rd, DIRECT_BUFFER_BYTES);
-    let mut spin = ServeSpin { answered: false, paid: true };
+    // Lone requests here are the ones answered inline (the master's in-memory calls). Each
+    // empty poll yields the CPU: a thread woken on this CPU (with two cores, the very peer
+    // this call waits for) runs instead of spinning against it. Frames carry no idle time, so
+    // promptness is judged by this side's clock.
+    let mut spin = ServeSpin::new(SERVE_SPIN, true);
     loop {
-        if spin.answered && !rd.has_buffered() {
-            let idle = std::time::Instant::now();
-            if spin.paid {
-                // Let a thread woken on this CPU (with two cores, the very peer this call
-                // waits for) run instead of spinning against it.
-                rd.spin_for_bytes(SERVE_SPIN, true);
-            }
-            if !rd.has_buffered() && rd.wait_readable().await.is_err() {
-                break;
-            }
-            spin.paid = idle.elapsed() < SERVE_SPIN;
+        if spin.next_request(&mut rd).await.is_err() {
+            break;
         }
         let (kind, id, body) = match read_frame(&mut rd, max).await {
             Ok(f) => f,
@@ -434,10 +416,10 @@ async fn read_loop(rd: OwnedReadHalf, conn: RpcConn, handler: Arc<dyn Handler>) 
                 if let Some(tx) = waiter {
                     let _ = tx.send((kind, body));
                 }
-                spin.answered = false;
+                spin.lone = false;
             }
             KIND_REQUEST => {
-                spin.answered = serve(&conn, &handler, id, body).await;
+                spin.lone = serve(&conn, &handler, id, body).await;
                 continue;
             }
             other => {

@@ -63,7 +63,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use kvfs_proto::plain::{Inbound, PlainStream};
+use kvfs_proto::plain::{Inbound, PlainStream, ServeSpin};
 use kvfs_proto::transfer::{
     DataHeader, DataOp, DataReply, DataStatus, GUARD_BYTES_MAX, HANDSHAKE_FRAME_MAX, Hello,
     RANGE_ENTRY_BYTES, RANGES_PER_REQUEST_MAX, TE_PROTOCOL_VERSION, Welcome, decode_ranges,
@@ -1387,11 +1387,9 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
     let mut rd = Inbound::new(rd, INBOUND_BUFFER_BYTES);
     let mut out = Replies::new(wr);
     let mut hb = [0u8; DataHeader::SIZE];
-    let mut spin = ServeSpin {
-        max: Duration::from_micros(shared.cfg.tcp_serve_spin_us),
-        lone: false,
-        paid: true,
-    };
+    // After a lone small request (the pattern of a peer's direct connection), whose caller
+    // says how long it was away (`DataHeader::idle_us`).
+    let mut spin = ServeSpin::new(Duration::from_micros(shared.cfg.tcp_serve_spin_us), false);
     loop {
         if !next_header(&mut rd, &mut out, &mut hb, &mut spin).await? {
             return Ok(());
@@ -1452,43 +1450,6 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
     }
 }
 
-/// Whether the serving side polls a connection for its next request before it parks: after a
-/// lone small request (the pattern of a peer's direct connection), and only while the requests
-/// after such ones have come within `max` of the answer (a caller making call after call), so
-/// a caller whose lone requests are spread out (a put's write sits between two master round
-/// trips) costs no core time spent polling for nothing. The first late request stops the
-/// polling; the first prompt one resumes it.
-///
-/// Promptness is the caller's own account where its request gives one (`idle_us`, sent on the
-/// direct connection), and this side's clock otherwise. This side's clock, once it has parked,
-/// also counts its own wake-up: where that takes about `max` or more (a parked thread woken on
-/// a halted vCPU took 50-60 us on a 2-core VM), every request of a prompt caller looked late,
-/// so polling never resumed and each call paid the wake-up (a 4 KiB get's p50 at 51-67 us in
-/// about one `kvfs bench store` run in five, against 11 us).
-struct ServeSpin {
-    max: Duration,
-    /// The request just answered was a lone small one.
-    lone: bool,
-    /// The last request after a lone one came within `max`.
-    paid: bool,
-}
-
-impl ServeSpin {
-    /// The request that followed a lone one came `waited` after the answer, by this side's
-    /// clock.
-    fn waited(&mut self, waited: Duration) {
-        self.paid = waited < self.max;
-    }
-
-    /// The caller's account of its idle time before the request just read, which decides
-    /// over this side's clock: it leaves out the wire and this side's wake-up.
-    fn heard(&mut self, idle_us: Option<u32>) {
-        if let (true, Some(us)) = (self.lone, idle_us) {
-            self.paid = Duration::from_micros(u64::from(us)) < self.max;
-        }
-    }
-}
-
 /// Reads the next request header: from what the last read already brought in, or, when that
 /// is used up, after sending the held-back replies (the socket is then as good as drained:
 /// waiting for more without answering would only add latency) and polling the socket as
@@ -1502,15 +1463,8 @@ async fn next_header(
     let got = rd.take_buffered(hb);
     if got < hb.len() {
         out.flush().await?;
-        if got == 0 && spin.lone && !spin.max.is_zero() {
-            let idle = std::time::Instant::now();
-            if spin.paid {
-                rd.spin_for_bytes(spin.max, false);
-            }
-            if !rd.has_buffered() {
-                rd.wait_readable().await?;
-            }
-            spin.waited(idle.elapsed());
+        if got == 0 {
+            spin.next_request(rd).await?;
         }
         match rd.read_exact(&mut hb[got..]).await {
             Ok(_) => {}
@@ -1892,36 +1846,4 @@ async fn drain(rd: &mut Inbound, len: u64, max: u64) -> std::io::Result<()> {
         left -= n;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_prompt_caller_resumes_the_polling_however_slow_this_side_woke() {
-        let us = Duration::from_micros;
-        let mut spin = ServeSpin { max: us(50), lone: true, paid: true };
-        // A late request (the caller paused) stops the polling.
-        spin.waited(us(400));
-        assert!(!spin.paid);
-        // Parked, this side then measures the caller's next prompt request past its own
-        // wake-up: by that clock alone the polling would never resume.
-        spin.waited(us(60));
-        assert!(!spin.paid);
-        // The caller says it came back within 3 us: that decides.
-        spin.heard(Some(3));
-        assert!(spin.paid);
-        // And a caller that says it was away longer than `max` stops it again.
-        spin.heard(Some(80));
-        assert!(!spin.paid);
-        // A request that does not say leaves this side's clock in charge.
-        spin.waited(us(10));
-        spin.heard(None);
-        assert!(spin.paid);
-        // After a request that was not lone (a pack, a striped slice), nothing is judged.
-        spin.lone = false;
-        spin.heard(Some(500));
-        assert!(spin.paid);
-    }
 }
