@@ -53,11 +53,10 @@ impl ReadAhead {
 
     /// Polls `recv` into the (empty) buffer without parking, for up to `spin`, until bytes
     /// arrive, the stream ends or fails (the next read reports it), or `spin` has passed;
-    /// between two empty polls, [`pause`].
+    /// between two empty polls, the CPU is given away (see [`PlainStream::spin_for_bytes`]).
     fn spin_fill(
         &mut self,
         spin: Duration,
-        yield_cpu: bool,
         mut recv: impl FnMut(&mut [u8]) -> std::io::Result<usize>,
     ) {
         if !self.is_empty() || spin.is_zero() {
@@ -73,7 +72,7 @@ impl ReadAhead {
             if started.elapsed() >= spin {
                 return;
             }
-            pause(yield_cpu);
+            std::thread::yield_now();
         }
     }
 
@@ -92,15 +91,6 @@ impl ReadAhead {
 fn recv_now(rd: &OwnedReadHalf, dst: &mut [u8]) -> std::io::Result<usize> {
     let sock = socket2::SockRef::from(rd.as_ref());
     (&*sock).read(dst)
-}
-
-/// Gives the CPU away between two empty polls (`yield_cpu`), or hints a spin.
-fn pause(yield_cpu: bool) {
-    if yield_cpu {
-        std::thread::yield_now();
-    } else {
-        std::hint::spin_loop();
-    }
 }
 
 /// Bytes read ahead at most (a small message comes in with one system call).
@@ -179,11 +169,16 @@ impl PlainStream {
     }
 
     /// Polls the socket without parking, for up to `spin`, until some bytes are buffered, the
-    /// stream ends or fails (the next read reports it), or `spin` has passed. With `yield_cpu`
-    /// each empty poll yields the CPU (with two cores, a thread woken on this one may be the
-    /// very peer the caller waits for).
-    pub fn spin_for_bytes(&mut self, spin: Duration, yield_cpu: bool) {
-        self.ahead.spin_fill(spin, yield_cpu, |b| Self::recv(&self.sock, b));
+    /// stream ends or fails (the next read reports it), or `spin` has passed.
+    ///
+    /// Each empty poll yields the CPU: a thread woken on this CPU may be the very peer the
+    /// caller waits for. Where the caller and the serving process share one CPU (a container
+    /// with one core, or the scheduler putting both there), a poll that kept the CPU held the
+    /// peer off it until the spin ran out: a 4 KiB get over loopback tcp took 115 us with both
+    /// processes on one CPU of a 2-core VM, and 8 us yielding (10-12 us on the two CPUs
+    /// either way; `kvfs bench store` under `taskset -c 0`).
+    pub fn spin_for_bytes(&mut self, spin: Duration) {
+        self.ahead.spin_fill(spin, |b| Self::recv(&self.sock, b));
     }
 
     /// Fills every byte of `dst`: the buffered bytes first, then from the socket (payloads
@@ -233,10 +228,10 @@ impl Inbound {
     }
 
     /// Polls the socket without parking, for up to `spin`, until some bytes are buffered, the
-    /// stream ends or fails (the next read reports it), or `spin` has passed; `yield_cpu` as
-    /// for [`PlainStream::spin_for_bytes`].
-    pub fn spin_for_bytes(&mut self, spin: Duration, yield_cpu: bool) {
-        self.ahead.spin_fill(spin, yield_cpu, |b| recv_now(&self.rd, b));
+    /// stream ends or fails (the next read reports it), or `spin` has passed; each empty poll
+    /// yields the CPU, as [`PlainStream::spin_for_bytes`] says why.
+    pub fn spin_for_bytes(&mut self, spin: Duration) {
+        self.ahead.spin_fill(spin, |b| recv_now(&self.rd, b));
     }
 
     /// Waits until the socket has something to read (or has ended or failed: the next read
@@ -288,8 +283,6 @@ impl Inbound {
 /// [`heard`]: ServeSpin::heard
 pub struct ServeSpin {
     max: Duration,
-    /// Each empty poll yields the CPU (see [`PlainStream::spin_for_bytes`]).
-    yield_cpu: bool,
     /// The request just answered was a lone one.
     pub lone: bool,
     /// The last request after a lone one came within `max`.
@@ -298,8 +291,8 @@ pub struct ServeSpin {
 
 impl ServeSpin {
     /// Polls for up to `max` (zero: never).
-    pub fn new(max: Duration, yield_cpu: bool) -> ServeSpin {
-        ServeSpin { max, yield_cpu, lone: false, paid: true }
+    pub fn new(max: Duration) -> ServeSpin {
+        ServeSpin { max, lone: false, paid: true }
     }
 
     /// Before reading the next request from `rd` when nothing of it is buffered: after a lone
@@ -311,7 +304,7 @@ impl ServeSpin {
         }
         let idle = std::time::Instant::now();
         if self.paid {
-            rd.spin_for_bytes(self.max, self.yield_cpu);
+            rd.spin_for_bytes(self.max);
         }
         if !rd.has_buffered() {
             rd.wait_readable().await?;
@@ -344,7 +337,7 @@ mod tests {
     #[test]
     fn a_prompt_caller_resumes_the_polling_however_slow_this_side_woke() {
         let us = Duration::from_micros;
-        let mut spin = ServeSpin::new(us(50), false);
+        let mut spin = ServeSpin::new(us(50));
         spin.lone = true;
         // A late request (the caller paused) stops the polling.
         spin.waited(us(400));
@@ -389,7 +382,7 @@ mod tests {
         let mut p = PlainStream::new(tokio::net::TcpStream::connect(addr).await.unwrap()).unwrap();
         let req: Vec<u8> = (0..100_000).map(|i| i as u8).collect();
         p.write_all(&req).await.unwrap();
-        p.spin_for_bytes(Duration::from_micros(100), true);
+        p.spin_for_bytes(Duration::from_micros(100));
         let mut head = [0u8; 4];
         p.read_exact(&mut head).await.unwrap();
         assert_eq!(&head, b"head");

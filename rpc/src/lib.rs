@@ -393,7 +393,7 @@ async fn read_loop(rd: OwnedReadHalf, conn: RpcConn, handler: Arc<dyn Handler>) 
     // empty poll yields the CPU: a thread woken on this CPU (with two cores, the very peer
     // this call waits for) runs instead of spinning against it. Frames carry no idle time, so
     // promptness is judged by this side's clock.
-    let mut spin = ServeSpin::new(SERVE_SPIN, true);
+    let mut spin = ServeSpin::new(SERVE_SPIN);
     loop {
         if spin.next_request(&mut rd).await.is_err() {
             break;
@@ -527,7 +527,7 @@ impl DirectConn {
         }
         let closed = |_| RpcError::Closed(self.peer.clone());
         self.sock.write_all(&frame).await.map_err(closed)?;
-        self.sock.spin_for_bytes(spin, true);
+        self.sock.spin_for_bytes(spin);
         let mut hdr = [0u8; HEADER];
         self.sock.read_exact(&mut hdr).await.map_err(|_| RpcError::Closed(self.peer.clone()))?;
         if let Some(detail) = refused_frame(&hdr) {

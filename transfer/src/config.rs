@@ -70,8 +70,9 @@ pub struct EngineConfig {
     pub socket_buffer_bytes: usize,
     /// How long a request on a peer's direct connection (a lone small request, sent and
     /// received by its caller's own task) polls the socket for its reply before it parks until
-    /// the reply comes: a loopback or same-rack reply arrives within tens of microseconds, and
-    /// parking then waking costs about as much again. 0 parks at once. At most 1000.
+    /// the reply comes (yielding the CPU between polls): a loopback or same-rack reply arrives
+    /// within tens of microseconds, and parking then waking costs about as much again. 0 parks
+    /// at once. At most 1000.
     pub tcp_direct_spin_us: u64,
     /// How long the serving side of a connection polls it for the next request after
     /// answering a lone small request (the pattern of a peer's direct connection) before it

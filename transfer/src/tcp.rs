@@ -698,7 +698,7 @@ impl Direct {
         }
         self.sock.write_all_vectored(&mut slices).await.map_err(|e| Error::io("tcp send", e))?;
         drop(slices);
-        self.sock.spin_for_bytes(spin, false);
+        self.sock.spin_for_bytes(spin);
         let mut hb = [0u8; DataReply::SIZE];
         self.sock.read_exact(&mut hb).await.map_err(|e| Error::io("tcp receive", e))?;
         let reply = DataReply::decode(&hb)
@@ -1389,7 +1389,7 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
     let mut hb = [0u8; DataHeader::SIZE];
     // After a lone small request (the pattern of a peer's direct connection), whose caller
     // says how long it was away (`DataHeader::idle_us`).
-    let mut spin = ServeSpin::new(Duration::from_micros(shared.cfg.tcp_serve_spin_us), false);
+    let mut spin = ServeSpin::new(Duration::from_micros(shared.cfg.tcp_serve_spin_us));
     loop {
         if !next_header(&mut rd, &mut out, &mut hb, &mut spin).await? {
             return Ok(());
