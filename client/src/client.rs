@@ -1196,14 +1196,15 @@ impl Client {
                     Err(e) => out[i] = Some(Err(e.with_key(keys[i]))),
                 }
             }
-            let guarded = cached.iter().map(|(i, v, d, _)| self.read_cached(keys[*i], v, d.0));
+            let guarded: Vec<(&str, &ObjectView, u64)> =
+                cached.iter().map(|(i, v, d, _)| (keys[*i], v, d.0)).collect();
             let remember: Vec<(usize, ObjectView)> =
                 plain.iter().map(|(i, v, _, _)| (*i, v.clone())).collect();
             let dsts: Vec<(u64, u64)> = plain.iter().map(|(_, _, d, _)| *d).collect();
             let views: Vec<Result<ObjectView>> =
                 plain.iter().map(|(_, v, _, _)| Ok(v.clone())).collect();
             let (guarded, read) = futures_util::future::join(
-                futures_util::future::join_all(guarded),
+                self.read_cached(&guarded),
                 self.read_views(views, &dsts),
             )
             .await;
@@ -1267,26 +1268,70 @@ impl Client {
         (out, sent)
     }
 
-    /// One guarded read of a cached location straight from its node.
-    async fn read_cached(&self, key: &str, v: &ObjectView, local: u64) -> Result<()> {
-        let r = v
-            .replicas
-            .first()
-            .ok_or_else(|| Error::new(ErrorKind::Internal, "get", "no replica"))?;
-        let engine = &self.inner.engine;
-        let seg =
-            engine.open_segment(&r.endpoint).await.map_err(|e| Error::from_transfer("get", &e))?;
-        let guard = crate::read_guard::encode(key, v.version);
-        match engine.read_guarded(&seg, local, r.addr, v.size, guard).await {
-            Ok(()) => {
-                self.inner.cache_hits.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(e) => {
-                self.forget_if_dead(&r.endpoint, &e).await;
-                Err(Error::from_transfer("get", &e))
+    /// Guarded reads of cached locations straight from their nodes, `(key, view, local
+    /// address)` each: one request for a lone object, packs (`Engine::read_guarded_batch`)
+    /// for many on one node. One result per item, in order.
+    async fn read_cached(&self, items: &[(&str, &ObjectView, u64)]) -> Vec<Result<()>> {
+        let no_replica = || Error::new(ErrorKind::Internal, "get", "no replica");
+        let mut out: Vec<Result<()>> = Vec::with_capacity(items.len());
+        // Item indices by node, in first-seen order.
+        let mut nodes: Vec<(&str, Vec<usize>)> = Vec::new();
+        for (k, (_, v, _)) in items.iter().enumerate() {
+            let Some(r) = v.replicas.first() else {
+                out.push(Err(no_replica()));
+                continue;
+            };
+            out.push(Ok(()));
+            match nodes.iter_mut().find(|(e, _)| *e == r.endpoint) {
+                Some((_, ks)) => ks.push(k),
+                None => nodes.push((r.endpoint.as_str(), vec![k])),
             }
         }
+        let engine = &self.inner.engine;
+        let per_node = nodes.into_iter().map(|(endpoint, ks)| async move {
+            let seg = match engine.open_segment(endpoint).await {
+                Ok(s) => s,
+                Err(e) => {
+                    let e = Error::from_transfer("get", &e);
+                    return ks.into_iter().map(|k| (k, Err(e.clone()))).collect::<Vec<_>>();
+                }
+            };
+            let reads: Vec<(u64, u64, u64, Arc<[u8]>)> = ks
+                .iter()
+                .map(|&k| {
+                    let (key, v, local) = items[k];
+                    let addr = v.replicas.first().map_or(0, |r| r.addr);
+                    (local, addr, v.size, crate::read_guard::encode(key, v.version))
+                })
+                .collect();
+            let done = match &reads[..] {
+                [(local, addr, len, guard)] => {
+                    vec![engine.read_guarded(&seg, *local, *addr, *len, guard.clone()).await]
+                }
+                _ => engine.read_guarded_batch(&seg, &reads).await,
+            };
+            let mut dead_checked = false;
+            let mut res = Vec::with_capacity(ks.len());
+            for (k, r) in ks.into_iter().zip(done) {
+                match r {
+                    Ok(()) => {
+                        self.inner.cache_hits.fetch_add(1, Ordering::Relaxed);
+                        res.push((k, Ok(())));
+                    }
+                    Err(e) => {
+                        if !dead_checked {
+                            dead_checked = self.forget_if_dead(endpoint, &e).await;
+                        }
+                        res.push((k, Err(Error::from_transfer("get", &e))));
+                    }
+                }
+            }
+            res
+        });
+        for (k, r) in futures_util::future::join_all(per_node).await.into_iter().flatten() {
+            out[k] = r;
+        }
+        out
     }
 
     /// Caches the location of an object just read through the master's answer, when a

@@ -23,8 +23,9 @@
 use serde::{Deserialize, Serialize};
 
 /// Version of the Transfer Engine protocol; peers with a different version are refused.
-/// Version 2 added the rdma fields of [`Hello`] and [`Welcome`]; version 6 `WriteNoted`.
-pub const TE_PROTOCOL_VERSION: u32 = 6;
+/// Version 2 added the rdma fields of [`Hello`] and [`Welcome`]; version 6 `WriteNoted`;
+/// version 7 `ReadGuardedV`.
+pub const TE_PROTOCOL_VERSION: u32 = 7;
 
 /// Largest handshake frame accepted.
 pub const HANDSHAKE_FRAME_MAX: usize = 1 << 20;
@@ -175,10 +176,30 @@ pub enum DataOp {
     /// note (the store passes the commit record of the object written, so a put needs no
     /// separate commit round trip).
     WriteNoted = 8,
+    /// Several guarded reads in one request: the range table of `ranges` entries, then one
+    /// guard per range in table order (a u16 little-endian length, then that many bytes, at
+    /// most [`GUARD_BYTES_MAX`]); the reply is a `ReadV`'s, with `Stale` for every range whose
+    /// guard the acceptor's owner no longer vouches for (a batch get of many objects whose
+    /// locations the reader cached goes as one request per pack instead of one per object).
+    ReadGuardedV = 9,
 }
 
 /// Largest guard a `ReadGuarded` request, or note a `WriteNoted` request, may carry.
 pub const GUARD_BYTES_MAX: u32 = 4096;
+
+/// Encodes the guard table of a `ReadGuardedV` request; `None` when a guard is longer than
+/// [`GUARD_BYTES_MAX`].
+pub fn encode_guards<'a>(guards: impl Iterator<Item = &'a [u8]>) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    for g in guards {
+        if g.len() > GUARD_BYTES_MAX as usize {
+            return None;
+        }
+        out.extend_from_slice(&(g.len() as u16).to_le_bytes());
+        out.extend_from_slice(g);
+    }
+    Some(out)
+}
 
 /// Bytes of one entry of a ReadV/WriteV range table: `addr` u64 and `len` u64, little endian.
 pub const RANGE_ENTRY_BYTES: usize = 16;
@@ -208,6 +229,11 @@ pub fn decode_ranges(bytes: &[u8]) -> Result<Vec<(u64, u64)>, WireError> {
 }
 
 impl DataOp {
+    /// Whether the header is followed by a range table ([`DataHeader::ranges`] entries).
+    pub fn is_pack(self) -> bool {
+        matches!(self, DataOp::ReadV | DataOp::WriteV | DataOp::ReadGuardedV)
+    }
+
     /// Whether the header is followed by opaque owner bytes (a guard or a note) counted in
     /// [`DataHeader::ranges`].
     pub fn carries_note(self) -> bool {
@@ -224,6 +250,7 @@ impl DataOp {
             6 => DataOp::WriteV,
             7 => DataOp::ReadGuarded,
             8 => DataOp::WriteNoted,
+            9 => DataOp::ReadGuardedV,
             _ => return None,
         })
     }
@@ -239,9 +266,9 @@ pub struct DataHeader {
     pub id: u64,
     pub addr: u64,
     /// Payload bytes that follow (writes, notifications) or are asked for (reads); for
-    /// ReadV/WriteV the sum of the ranges' lengths.
+    /// ReadV/WriteV/ReadGuardedV the sum of the ranges' lengths.
     pub len: u64,
-    /// Entries in the range table that follows a ReadV/WriteV header, bytes of the guard or
+    /// Entries in the range table that follows a ReadV/WriteV/ReadGuardedV header, bytes of the guard or
     /// note that follows a ReadGuarded or WriteNoted header (0 otherwise).
     pub ranges: u32,
     /// How long the caller sat idle between the reply to its last request on this connection
@@ -411,6 +438,26 @@ mod tests {
         assert_eq!(DataHeader::decode(&b).unwrap().idle_us, None);
         let r = DataReply { status: DataStatus::OutOfRange, id: 9, len: 0 };
         assert_eq!(DataReply::decode(&r.encode()).unwrap(), r);
+    }
+
+    #[test]
+    fn guard_tables_are_length_prefixed_and_bounded() {
+        let t = encode_guards([&b"ab"[..], &b""[..], &b"xyz"[..]].into_iter()).unwrap();
+        assert_eq!(t, [2, 0, b'a', b'b', 0, 0, 3, 0, b'x', b'y', b'z']);
+        let big = vec![7u8; GUARD_BYTES_MAX as usize];
+        assert_eq!(encode_guards(std::iter::once(&big[..])).unwrap().len(), big.len() + 2);
+        let huge = vec![7u8; GUARD_BYTES_MAX as usize + 1];
+        assert!(encode_guards([&b"ok"[..], &huge[..]].into_iter()).is_none());
+        let h = DataHeader {
+            op: DataOp::ReadGuardedV,
+            id: 1,
+            addr: 0,
+            len: 9,
+            ranges: 3,
+            idle_us: None,
+        };
+        assert_eq!(DataHeader::decode(&h.encode()).unwrap(), h);
+        assert!(h.op.is_pack() && !h.op.carries_note());
     }
 
     #[test]

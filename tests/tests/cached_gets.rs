@@ -124,3 +124,54 @@ async fn a_killed_node_fails_a_cached_get_within_the_timeout() {
     let r = tokio::time::timeout(Duration::from_secs(60), reader.get("k")).await;
     assert!(r.expect("no hang").is_err());
 }
+
+/// A batch of many cached objects on one node goes as guarded packs: every object read byte
+/// for byte, and after another client removes some and replaces others, the next batch
+/// never returns a removed or replaced object's old bytes (those are refused by the node and
+/// asked of the master), while the untouched ones still come from the cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_batches_read_as_packs_and_refuse_what_changed() {
+    let cluster = Cluster::start(ClusterOpts { nodes: 1, ..ClusterOpts::default() }).await;
+    let reader = tcp_client(&cluster).await;
+    let writer = tcp_client(&cluster).await;
+    const N: usize = 300; // more than one pack holds
+    let keys: Vec<String> = (0..N).map(|i| format!("batch/{i}")).collect();
+    let values: Vec<Vec<u8>> = (0..N).map(|i| content(i as u64, 4096 + i * 16)).collect();
+    let items: Vec<(&str, &[u8])> =
+        keys.iter().zip(&values).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    for r in writer.put_batch(&items, &PutOptions::default()).await {
+        r.unwrap();
+    }
+    // The first batch asks the master and caches every location; the second reads them all
+    // from the node.
+    for round in 0..2 {
+        let got = reader.get_batch(&keys).await;
+        for (i, r) in got.into_iter().enumerate() {
+            assert_eq!(r.unwrap(), values[i], "round {round} item {i}");
+        }
+    }
+    assert_eq!(reader.location_cache_stats(), (N as u64, 0));
+
+    // Remove every tenth object, replace every tenth-plus-five with new bytes.
+    let mut expect: Vec<Option<Vec<u8>>> = values.iter().cloned().map(Some).collect();
+    for i in (0..N).step_by(10) {
+        writer.remove(&keys[i], true).await.unwrap();
+        expect[i] = None;
+    }
+    for i in (5..N).step_by(10) {
+        writer.remove(&keys[i], true).await.unwrap();
+        let v = content(10_000 + i as u64, 4096 + i * 16);
+        writer.put(&keys[i], &v, &PutOptions::default()).await.unwrap();
+        expect[i] = Some(v);
+    }
+    let got = reader.get_batch(&keys).await;
+    for (i, r) in got.into_iter().enumerate() {
+        match &expect[i] {
+            Some(v) => assert_eq!(&r.unwrap(), v, "item {i}"),
+            None => assert_eq!(r.unwrap_err().kind(), ErrorKind::NotFound, "item {i}"),
+        }
+    }
+    let (hits, stale) = reader.location_cache_stats();
+    assert_eq!(stale, (N / 5) as u64, "removed and replaced ones refused by the node");
+    assert_eq!(hits, (2 * N - N / 5) as u64, "the untouched ones read from the cache");
+}

@@ -263,6 +263,10 @@ struct Pack {
     items: (Vec<usize>, Vec<tcp::Range>, Vec<Hold>),
 }
 
+/// One range of a guarded pack: its batch index, range, guard and what keeps its local
+/// memory alive.
+type GuardedItem = (usize, tcp::Range, Arc<[u8]>, Hold);
+
 /// Most items in one pack, and the largest item that is packed (larger ones are sliced).
 pub(crate) const PACK_ITEMS_MAX: usize = 256;
 pub(crate) const PACK_ITEM_BYTES_MAX: u64 = 1 << 20;
@@ -937,6 +941,86 @@ impl Engine {
                 "guarded reads need the tcp transport",
             )),
         }
+    }
+
+    /// [`Engine::read_guarded`] of many ranges of one segment: `(local_addr, remote_addr,
+    /// len, guard)` each. Over tcp the reads go as packs (`ReadGuardedV`: at most
+    /// `PACK_ITEMS_MAX` ranges and `PACK_BYTES_MAX` bytes a request, one guard per range,
+    /// checked range by range by the owner), spread over the peer's connections; a range
+    /// larger than a pack item goes alone. One result per item, in order: `Stale` where the
+    /// owner refuses the guard, the item's own error where it is malformed.
+    pub async fn read_guarded_batch(
+        &self,
+        seg: &SegmentHandle,
+        items: &[(u64, u64, u64, Arc<[u8]>)],
+    ) -> Vec<Result<()>> {
+        let shared = &self.inner.shared;
+        let tcp = match &seg.0.kind {
+            PeerKind::Remote { tcp: Some(tcp), .. } => tcp,
+            _ => {
+                // Own memory (a check and a memcpy each) or no tcp (refused each).
+                let reads = items.iter().map(|(local, remote, len, guard)| {
+                    self.read_guarded(seg, *local, *remote, *len, guard.clone())
+                });
+                return futures_util::future::join_all(reads).await;
+            }
+        };
+        let deadline = Instant::now() + shared.cfg.op_timeout();
+        let mut out: Vec<Result<()>> = Vec::with_capacity(items.len());
+        // Packs of (item index, range, guard, hold), and items too large for a pack.
+        let mut packs: Vec<Vec<GuardedItem>> = Vec::new();
+        let mut alone = Vec::new();
+        let mut bytes = 0;
+        for (k, (local, remote, len, guard)) in items.iter().enumerate() {
+            let region = match checked_item(shared, "guarded read", *local, *remote, *len) {
+                Ok(r) => r,
+                Err(e) => {
+                    out.push(Err(e));
+                    continue;
+                }
+            };
+            out.push(Ok(()));
+            if *len > PACK_ITEM_BYTES_MAX {
+                alone.push(k);
+                continue;
+            }
+            let full = packs
+                .last()
+                .is_none_or(|p| p.len() >= PACK_ITEMS_MAX || bytes + len > PACK_BYTES_MAX);
+            if full {
+                packs.push(Vec::new());
+                bytes = 0;
+            }
+            bytes += len;
+            let r = tcp::Range { remote: *remote, local: *local, len: *len };
+            packs.last_mut().expect("a pack").push((k, r, guard.clone(), region.hold()));
+        }
+        let packed = packs.into_iter().map(|p| async move {
+            let (ks, (ranges, (guards, holds))): (Vec<usize>, (Vec<_>, (Vec<_>, Vec<_>))) =
+                p.into_iter().map(|(k, r, g, h)| (k, (r, (g, h)))).unzip();
+            let done = if ks.len() == 1 {
+                let r = ranges[0];
+                let hold = holds.into_iter().next().expect("one hold");
+                let guard = guards.into_iter().next().expect("one guard");
+                vec![tcp.read_guarded(r.remote, r.local, r.len, guard, hold, deadline).await]
+            } else {
+                tcp.read_guarded_pack(ranges, &guards, holds, deadline).await
+            };
+            ks.into_iter().zip(done).collect::<Vec<_>>()
+        });
+        let single = alone.into_iter().map(|k| async move {
+            let (local, remote, len, guard) = &items[k];
+            (k, self.read_guarded(seg, *local, *remote, *len, guard.clone()).await)
+        });
+        let (packed, single) = futures_util::future::join(
+            futures_util::future::join_all(packed),
+            futures_util::future::join_all(single),
+        )
+        .await;
+        for (k, r) in packed.into_iter().flatten().chain(single) {
+            out[k] = r;
+        }
+        out
     }
 
     /// Writes local memory to `[remote_addr, remote_addr+len)` of `seg` and hands `note` to

@@ -67,7 +67,7 @@ use kvfs_proto::plain::{Inbound, PlainStream, ServeSpin};
 use kvfs_proto::transfer::{
     DataHeader, DataOp, DataReply, DataStatus, GUARD_BYTES_MAX, HANDSHAKE_FRAME_MAX, Hello,
     RANGE_ENTRY_BYTES, RANGES_PER_REQUEST_MAX, TE_PROTOCOL_VERSION, Welcome, decode_ranges,
-    encode_ranges,
+    encode_guards, encode_ranges,
 };
 use kvfs_proto::{read_msg, write_msg};
 use tokio::io::AsyncWriteExt;
@@ -109,7 +109,8 @@ enum Outcome {
 /// One slice or pack, queued on one connection.
 struct Job {
     op: DataOp,
-    /// The guard of a `ReadGuarded` (empty otherwise).
+    /// The guard of a `ReadGuarded`, the encoded guard table of a `ReadGuardedV` (empty
+    /// otherwise).
     guard: Arc<[u8]>,
     ranges: Vec<Range>,
     deadline: Instant,
@@ -315,7 +316,7 @@ fn request_head(job: &Job, id: u64) -> Vec<u8> {
 }
 
 /// A request's header, then its range table (packs) or its guard or note (`ReadGuarded`,
-/// `WriteNoted`).
+/// `WriteNoted`); a `ReadGuardedV`'s guard table follows its range table.
 fn encode_head(
     op: DataOp,
     id: u64,
@@ -323,7 +324,7 @@ fn encode_head(
     guard: &[u8],
     idle_us: Option<u32>,
 ) -> Vec<u8> {
-    let packed = matches!(op, DataOp::ReadV | DataOp::WriteV);
+    let packed = op.is_pack();
     let total: u64 = ranges.iter().map(|r| r.len).sum();
     let first = ranges.first().copied().unwrap_or(Range { remote: 0, local: 0, len: 0 });
     let hdr = DataHeader {
@@ -344,7 +345,7 @@ fn encode_head(
     if packed {
         head.extend(encode_ranges(ranges.iter().map(|r| (r.remote, r.len))));
     }
-    if op.carries_note() {
+    if op.carries_note() || op == DataOp::ReadGuardedV {
         head.extend_from_slice(guard);
     }
     head
@@ -519,7 +520,7 @@ async fn receive_reply(
             rd.read_exact(dst).await.map_err(|e| Error::io("tcp receive", e))?;
             Ok(Ok(Outcome::Done))
         }
-        DataOp::ReadV | DataOp::WriteV => {
+        DataOp::ReadV | DataOp::WriteV | DataOp::ReadGuardedV => {
             let mut codes = vec![0u8; ranges.len()];
             rd.read_exact(&mut codes).await.map_err(|e| Error::io("tcp receive", e))?;
             let statuses: Vec<DataStatus> = codes
@@ -529,7 +530,7 @@ async fn receive_reply(
                         .ok_or_else(|| bad(format!("unknown range status {c}")))
                 })
                 .collect::<Result<_>>()?;
-            if op == DataOp::ReadV {
+            if op != DataOp::WriteV {
                 let ok = ranges.iter().zip(&statuses).filter(|(_, s)| **s == DataStatus::Ok);
                 let expect: u64 = ok.clone().map(|(r, _)| r.len).sum();
                 if reply.len != expect {
@@ -578,7 +579,7 @@ async fn watchdog(st: Weak<ConnState>, tick: Duration) {
 /// What a request of `op` is, for its errors.
 fn status_what(op: DataOp) -> &'static str {
     match op {
-        DataOp::Read | DataOp::ReadV | DataOp::ReadGuarded => "remote read",
+        DataOp::Read | DataOp::ReadV | DataOp::ReadGuarded | DataOp::ReadGuardedV => "remote read",
         DataOp::Write | DataOp::WriteV | DataOp::WriteNoted => "remote write",
         DataOp::Notify => "notify",
         DataOp::Ping => "ping",
@@ -1070,6 +1071,27 @@ impl TcpPeer {
         range_results(done, n, op, true)
     }
 
+    /// Runs many guarded reads as one pack (`ReadGuardedV`): one guard per range, checked by
+    /// the acceptor's owner range by range; one result per range, in order, `Stale` for a
+    /// range it no longer vouches for.
+    pub async fn read_guarded_pack(
+        &self,
+        ranges: Vec<Range>,
+        guards: &[Arc<[u8]>],
+        holds: Vec<Hold>,
+        deadline: Instant,
+    ) -> Vec<Result<()>> {
+        let n = ranges.len();
+        let Some(table) = encode_guards(guards.iter().map(|g| &g[..])) else {
+            let detail = format!("a guard is over the limit of {GUARD_BYTES_MAX} bytes");
+            return vec![Err(Error::new(ErrorKind::InvalidArgument, "guarded read", detail)); n];
+        };
+        let _busy = BusyGuard::new(&self.busy);
+        let op = DataOp::ReadGuardedV;
+        let done = self.with_retries(op, &table.into(), &ranges, &holds, deadline, None).await;
+        range_results(done, n, op, true)
+    }
+
     async fn single(&self, op: DataOp, r: Range, hold: &Hold, deadline: Instant) -> Result<()> {
         self.on_slot(op, r, hold, deadline, None).await
     }
@@ -1436,7 +1458,9 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
                 }
                 out.push(&DataReply { status, id: hdr.id, len: 0 }.encode()).await?;
             }
-            DataOp::ReadV => serve_read_pack(&mut rd, &mut out, shared, &hdr).await?,
+            DataOp::ReadV | DataOp::ReadGuardedV => {
+                serve_read_pack(&mut rd, &mut out, shared, &hdr).await?
+            }
             DataOp::WriteV => serve_write_pack(&mut rd, &mut out, shared, &hdr).await?,
             op => {
                 let status = match op {
@@ -1588,8 +1612,25 @@ async fn serve_read_pack(
     hdr: &DataHeader,
 ) -> std::io::Result<()> {
     let ranges = read_table(rd, shared, hdr).await?;
-    let checked: Vec<(DataStatus, Option<Region>)> =
+    let mut checked: Vec<(DataStatus, Option<Region>)> =
         ranges.iter().map(|&(a, l)| range_status(shared, a, l)).collect();
+    if hdr.op == DataOp::ReadGuardedV {
+        // One guard per range; a range its owner no longer vouches for is `Stale`.
+        let mut guard = Vec::with_capacity(256);
+        for (&(addr, len), c) in ranges.iter().zip(checked.iter_mut()) {
+            let mut lb = [0u8; 2];
+            rd.read_exact(&mut lb).await?;
+            let glen = u16::from_le_bytes(lb) as u32;
+            if glen > GUARD_BYTES_MAX {
+                return Err(std::io::Error::other(format!("guard of {glen} bytes")));
+            }
+            guard.resize(glen as usize, 0);
+            rd.read_exact(&mut guard).await?;
+            if c.0 == DataStatus::Ok && !shared.vouches(addr, len, &guard) {
+                *c = (DataStatus::Stale, None);
+            }
+        }
+    }
     let ok_bytes: u64 =
         ranges.iter().zip(&checked).filter(|(_, c)| c.0 == DataStatus::Ok).map(|(r, _)| r.1).sum();
     let mut head =

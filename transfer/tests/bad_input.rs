@@ -332,6 +332,92 @@ async fn guarded_reads_are_served_only_while_the_owner_vouches() {
     assert!(a.guarded_is_direct(&seg, rb.addr(), 4096));
 }
 
+/// Guarded batch reads (`ReadGuardedV` packs): each range checked on its own guard, the
+/// vouched ones read byte for byte, the others `Stale`, malformed items their own typed
+/// error; more ranges than a pack holds and ranges too large for one go in several requests;
+/// the connection stays usable afterwards, and the engine's own memory answers the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarded_batch_reads_check_every_range_on_its_own_guard() {
+    use std::sync::Arc;
+    let (a, b) = pair(Transports::tcp_only()).await;
+    const N: usize = 600; // more than one pack's items
+    const ITEM: usize = 4096;
+    let la = a.alloc_buffer(8 << 20, &BufferOptions::default()).unwrap();
+    let rb = b.alloc_buffer(8 << 20, &BufferOptions::default()).unwrap();
+    let pattern = |i: usize| (0..ITEM).map(|j| (i * 31 + j * 7) as u8).collect::<Vec<u8>>();
+    // SAFETY: no transfer touches the buffer while it is filled.
+    let remote = unsafe { rb.as_mut_slice() };
+    for i in 0..N {
+        remote[i * ITEM..(i + 1) * ITEM].copy_from_slice(&pattern(i));
+    }
+    remote[N * ITEM..N * ITEM + (3 << 20)].fill(0xc3);
+    // The owner vouches for "ok:<offset>" at that offset only.
+    let base = rb.addr();
+    b.set_read_guard(Box::new(move |addr, _len, g| g == format!("ok:{}", addr - base).as_bytes()))
+        .unwrap();
+    let seg = a.open_segment(b.name()).await.unwrap();
+    let guard = |s: String| -> Arc<[u8]> { Arc::from(s.as_bytes()) };
+    let mut items: Vec<(u64, u64, u64, Arc<[u8]>)> = (0..N)
+        .map(|i| {
+            let off = (i * ITEM) as u64;
+            // Every seventh guard names the wrong offset: refused.
+            let g = if i % 7 == 3 { format!("ok:{}", off + 1) } else { format!("ok:{off}") };
+            (la.addr() + off, base + off, ITEM as u64, guard(g))
+        })
+        .collect();
+    // One range larger than a pack item (goes alone), vouched.
+    let big_off = (N * ITEM) as u64;
+    items.push((la.addr() + big_off, base + big_off, 3 << 20, guard(format!("ok:{big_off}"))));
+    // Malformed: zero length, unregistered local memory, outside the peer's memory, a guard
+    // over the limit.
+    let stray = vec![0u8; 4096];
+    items.push((la.addr(), base, 0, guard("ok:0".into())));
+    items.push((stray.as_ptr() as u64, base, 4096, guard("ok:0".into())));
+    items.push((la.addr(), base + (16 << 20), 4096, guard(format!("ok:{}", 16 << 20))));
+    let results = a.read_guarded_batch(&seg, &items).await;
+    assert_eq!(results.len(), N + 4);
+    // SAFETY: every read above has completed.
+    let local = unsafe { la.as_slice() };
+    for (i, r) in results[..N].iter().enumerate() {
+        if i % 7 == 3 {
+            assert_eq!(r.as_ref().unwrap_err().kind(), ErrorKind::Stale, "item {i}");
+        } else {
+            assert!(r.is_ok(), "item {i}: {r:?}");
+            assert_eq!(local[i * ITEM..(i + 1) * ITEM], pattern(i)[..], "item {i}");
+        }
+    }
+    assert!(results[N].is_ok(), "{:?}", results[N]);
+    assert!(local[N * ITEM..N * ITEM + (3 << 20)].iter().all(|&x| x == 0xc3));
+    let kinds: Vec<ErrorKind> =
+        results[N + 1..].iter().map(|r| r.as_ref().unwrap_err().kind()).collect();
+    assert_eq!(
+        kinds,
+        [ErrorKind::InvalidArgument, ErrorKind::NotRegistered, ErrorKind::OutOfRange]
+    );
+    let huge = guard("x".repeat(5000));
+    let two = [
+        (la.addr(), base, ITEM as u64, guard("ok:0".into())),
+        (la.addr() + 4096, base + 4096, ITEM as u64, huge),
+    ];
+    for r in a.read_guarded_batch(&seg, &two).await {
+        assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidArgument);
+    }
+    // The connections still serve.
+    a.read_guarded(&seg, la.addr(), base, 4096, guard("ok:0".into())).await.unwrap();
+    // The engine's own memory: the same checks, then a memcpy each.
+    let own = b.open_segment(b.name()).await.unwrap();
+    let lb = b.alloc_buffer(2 * ITEM, &BufferOptions::default()).unwrap();
+    let mine = [
+        (lb.addr(), base + ITEM as u64, ITEM as u64, guard(format!("ok:{ITEM}"))),
+        (lb.addr() + ITEM as u64, base, ITEM as u64, guard("ok:1".into())),
+    ];
+    let r = b.read_guarded_batch(&own, &mine).await;
+    assert!(r[0].is_ok(), "{:?}", r[0]);
+    assert_eq!(r[1].as_ref().unwrap_err().kind(), ErrorKind::Stale);
+    // SAFETY: the reads above have completed.
+    assert_eq!(unsafe { lb.as_slice() }[..ITEM], pattern(1)[..]);
+}
+
 /// Lone small requests go over the peer's direct connection, sent and received by the caller's
 /// own task: one cancelled at any point (here by a timeout too short for the round trip) must
 /// leave the next request exact, and concurrent ones (which find it in use and take the pooled
