@@ -771,6 +771,8 @@ impl Client {
         }
         let mut reqs = Vec::with_capacity(granted.len());
         let mut owner = Vec::with_capacity(granted.len());
+        // Copies into this process's own segment: (grant, replica address, bytes).
+        let mut own_copies: Vec<(usize, u64, &[u8])> = Vec::new();
         for (gi, (i, g)) in granted.iter().enumerate() {
             if status[gi].is_err() {
                 continue;
@@ -783,10 +785,7 @@ impl Client {
                     let data = unsafe {
                         std::slice::from_raw_parts(it.addr as *const u8, it.len as usize)
                     };
-                    if let Err(e) = engine.write_own(r.addr, data) {
-                        let error = Error::from_transfer("put", &e);
-                        status[gi] = Err(Failed { error, dead_segment: false });
-                    }
+                    own_copies.push((gi, r.addr, data));
                     continue;
                 }
                 match self.writable_segment(r).await {
@@ -801,6 +800,15 @@ impl Client {
                         owner.push((gi, r.endpoint.as_str()));
                     }
                     Err(e) => status[gi] = Err(e),
+                }
+            }
+        }
+        if !own_copies.is_empty() {
+            let copies: Vec<(u64, &[u8])> = own_copies.iter().map(|c| (c.1, c.2)).collect();
+            for ((gi, _, _), r) in own_copies.iter().zip(engine.write_own_batch(&copies)) {
+                if let Err(e) = r {
+                    let error = Error::from_transfer("put", &e);
+                    status[*gi] = Err(Failed { error, dead_segment: false });
                 }
             }
         }

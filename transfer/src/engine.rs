@@ -863,6 +863,20 @@ impl Engine {
         Ok(())
     }
 
+    /// [`Engine::write_own`] of many ranges: `(remote_addr, data)` each, one result per item in
+    /// order. From `shm_parallel_bytes_min` bytes in all, the items are split by bytes over
+    /// the copy threads (scoped threads, so the borrowed bytes outlive every copy), as one
+    /// large copy is: a batch of 1 MiB objects into this process's own segment then uses
+    /// every core, not one.
+    pub fn write_own_batch(&self, items: &[(u64, &[u8])]) -> Vec<Result<()>> {
+        let cfg = &self.inner.shared.cfg;
+        let parts = copy_threads(cfg.shm_copy_threads_max);
+        let len = |i: &(u64, &[u8])| i.1.len() as u64;
+        run_split(items, len, parts, cfg.shm_parallel_bytes_min, |(addr, data)| {
+            self.write_own(*addr, data)
+        })
+    }
+
     /// Installs the check of guarded reads of this engine's memory (once per engine): peers'
     /// [`Engine::read_guarded`] calls (and this engine's own, on its own segment) are served
     /// only while `guard(addr, len, guard)` says yes. The store's node passes a check that the
@@ -957,6 +971,15 @@ impl Engine {
         let shared = &self.inner.shared;
         let tcp = match &seg.0.kind {
             PeerKind::Remote { tcp: Some(tcp), .. } => tcp,
+            PeerKind::Local if items.iter().all(|i| host_range(shared, i.1, i.2)) => {
+                // Own host memory: checks and copies, split over the copy threads when large
+                // in all, as own writes are.
+                let parts = copy_threads(shared.cfg.shm_copy_threads_max);
+                let len = |i: &(u64, u64, u64, Arc<[u8]>)| i.2;
+                return run_split(items, len, parts, shared.cfg.shm_parallel_bytes_min, |i| {
+                    read_own_guarded(shared, i.0, i.1, i.2, &i.3)
+                });
+            }
             _ => {
                 // Own memory (a check and a memcpy each) or no tcp (refused each).
                 let reads = items.iter().map(|(local, remote, len, guard)| {
@@ -1278,6 +1301,83 @@ async fn local_copy(shared: &Shared, req: &TransferRequest) -> Result<()> {
     }
     let remote = Far { addr: req.remote_addr as usize, keep: remote.hold() };
     parallel_copy(shared, req.op, req.local_addr as usize, remote, req.len as usize).await
+}
+
+/// Whether `[addr, addr+len)` lies in one remotely accessible host (not device) region of
+/// this engine.
+fn host_range(shared: &Shared, addr: u64, len: u64) -> bool {
+    remote_region(shared, addr, len).is_ok_and(|r| r.device.is_none())
+}
+
+/// A guarded read of this engine's own host memory, on the calling thread: the local range
+/// checked, the owner's check, one copy.
+fn read_own_guarded(
+    shared: &Shared,
+    local: u64,
+    remote: u64,
+    len: u64,
+    guard: &[u8],
+) -> Result<()> {
+    let local_region = checked_item(shared, "guarded read", local, remote, len)?;
+    if !shared.vouches(remote, len, guard) {
+        return Err(Error::new(
+            ErrorKind::Stale,
+            "guarded read",
+            "this engine's owner no longer holds what the guard names there",
+        ));
+    }
+    let remote_region = remote_region(shared, remote, len)?;
+    host_side(&remote_region, "guarded read")?;
+    // Both regions (holding their owners) stay alive while the bytes move.
+    let _keep = (local_region, remote_region);
+    copy(TransferOp::Read, local as *mut u8, remote as *mut u8, len as usize);
+    Ok(())
+}
+
+/// Runs `f` on every item, one result per item in order: on this thread, or, from `min_total`
+/// bytes in all (`len` of each item) and with at least two items, in contiguous groups of
+/// about equal bytes over `parts` scoped threads, this one included (scoped: whatever the
+/// items borrow outlives every call).
+fn run_split<T: Sync, R: Send>(
+    items: &[T],
+    len: impl Fn(&T) -> u64,
+    parts: usize,
+    min_total: u64,
+    f: impl Fn(&T) -> R + Sync,
+) -> Vec<R> {
+    let total: u64 = items.iter().map(&len).sum();
+    let parts = parts.min(items.len());
+    if total < min_total || parts < 2 {
+        return items.iter().map(f).collect();
+    }
+    let per = total.div_ceil(parts as u64);
+    let mut groups: Vec<&[T]> = Vec::with_capacity(parts);
+    let (mut start, mut bytes) = (0, 0u64);
+    for (i, it) in items.iter().enumerate() {
+        bytes += len(it);
+        if bytes >= per && groups.len() + 1 < parts {
+            groups.push(&items[start..=i]);
+            (start, bytes) = (i + 1, 0);
+        }
+    }
+    if start < items.len() {
+        groups.push(&items[start..]);
+    }
+    let f = &f;
+    std::thread::scope(|s| {
+        let helpers: Vec<_> = groups[1..]
+            .iter()
+            .map(|g| s.spawn(move || g.iter().map(f).collect::<Vec<R>>()))
+            .collect();
+        let mut out: Vec<R> = groups[0].iter().map(f).collect();
+        for h in helpers {
+            match h.join() {
+                Ok(r) => out.extend(r),
+                Err(p) => std::panic::resume_unwind(p),
+            }
+        }
+        out
+    })
 }
 
 /// The remotely accessible region of this engine that holds `[addr, addr+len)`.

@@ -167,6 +167,38 @@ async fn writes_into_the_own_memory_are_checked_copies() {
     assert_eq!(kind(a.write_own(buf.addr(), b"x")), ErrorKind::OutOfRange);
 }
 
+/// A batch of copies into the engine's own memory, small (on the calling thread) and large in
+/// all (split over the copy threads): every byte lands, each bad item is its own typed error
+/// in its place, and the others are written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_of_own_copies_land_whole_and_fail_item_by_item() {
+    let (a, _) = pair(Transports::default()).await;
+    let buf = a.alloc_buffer(16 << 20, &BufferOptions::default()).unwrap();
+    for (n, len) in [(3usize, 1000usize), (12, 1 << 20), (5, 3 << 20)] {
+        let data: Vec<Vec<u8>> =
+            (0..n).map(|i| (0..len).map(|j| (i * 13 + j * 7 + len) as u8).collect()).collect();
+        let mut items: Vec<(u64, &[u8])> = Vec::new();
+        for (i, d) in data.iter().enumerate() {
+            items.push((buf.addr() + (i * len) as u64, d));
+        }
+        // Past the end, and empty, in the middle of the batch.
+        items.insert(1, (buf.addr() + (16 << 20), &data[0][..]));
+        items.insert(2, (buf.addr(), &[]));
+        let r = a.write_own_batch(&items);
+        assert_eq!(r.len(), n + 2);
+        assert_eq!(r[1].as_ref().unwrap_err().kind(), ErrorKind::OutOfRange);
+        assert_eq!(r[2].as_ref().unwrap_err().kind(), ErrorKind::InvalidArgument);
+        for (k, res) in r.iter().enumerate().filter(|(k, _)| *k != 1 && *k != 2) {
+            assert!(res.is_ok(), "{n} x {len}: item {k}: {res:?}");
+        }
+        for (i, d) in data.iter().enumerate() {
+            let mut got = vec![0u8; len];
+            buf.read_at(i * len, &mut got).unwrap();
+            assert!(got == *d, "{n} x {len}: object {i}");
+        }
+    }
+}
+
 /// Large transfers within the engine's own memory are spread over the copy threads; every byte
 /// lands, in both directions, and overlapping ranges still copy as one memmove.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -416,6 +448,26 @@ async fn guarded_batch_reads_check_every_range_on_its_own_guard() {
     assert_eq!(r[1].as_ref().unwrap_err().kind(), ErrorKind::Stale);
     // SAFETY: the reads above have completed.
     assert_eq!(unsafe { lb.as_slice() }[..ITEM], pattern(1)[..]);
+    // Many items, megabytes in all: split over the copy threads, each still checked.
+    let lb = b.alloc_buffer(N * ITEM, &BufferOptions::default()).unwrap();
+    let mine: Vec<(u64, u64, u64, Arc<[u8]>)> = (0..N)
+        .map(|i| {
+            let off = (i * ITEM) as u64;
+            let g = if i % 5 == 2 { format!("ok:{}", off + 1) } else { format!("ok:{off}") };
+            (lb.addr() + off, base + off, ITEM as u64, guard(g))
+        })
+        .collect();
+    let r = b.read_guarded_batch(&own, &mine).await;
+    // SAFETY: the reads above have completed.
+    let got = unsafe { lb.as_slice() };
+    for (i, r) in r.iter().enumerate() {
+        if i % 5 == 2 {
+            assert_eq!(r.as_ref().unwrap_err().kind(), ErrorKind::Stale, "own item {i}");
+        } else {
+            assert!(r.is_ok(), "own item {i}: {r:?}");
+            assert_eq!(got[i * ITEM..(i + 1) * ITEM], pattern(i)[..], "own item {i}");
+        }
+    }
 }
 
 /// Lone small requests go over the peer's direct connection, sent and received by the caller's
