@@ -771,8 +771,8 @@ impl Client {
         }
         let mut reqs = Vec::with_capacity(granted.len());
         let mut owner = Vec::with_capacity(granted.len());
-        // Copies into this process's own segment: (grant, replica address, bytes).
-        let mut own_copies: Vec<(usize, u64, &[u8])> = Vec::new();
+        // Copies into this process's own segment, `(replica address, bytes)`, and their grants.
+        let (mut own_copies, mut own_grants): (Vec<(u64, &[u8])>, Vec<usize>) = Default::default();
         for (gi, (i, g)) in granted.iter().enumerate() {
             if status[gi].is_err() {
                 continue;
@@ -785,7 +785,8 @@ impl Client {
                     let data = unsafe {
                         std::slice::from_raw_parts(it.addr as *const u8, it.len as usize)
                     };
-                    own_copies.push((gi, r.addr, data));
+                    own_copies.push((r.addr, data));
+                    own_grants.push(gi);
                     continue;
                 }
                 match self.writable_segment(r).await {
@@ -803,13 +804,10 @@ impl Client {
                 }
             }
         }
-        if !own_copies.is_empty() {
-            let copies: Vec<(u64, &[u8])> = own_copies.iter().map(|c| (c.1, c.2)).collect();
-            for ((gi, _, _), r) in own_copies.iter().zip(engine.write_own_batch(&copies)) {
-                if let Err(e) = r {
-                    let error = Error::from_transfer("put", &e);
-                    status[*gi] = Err(Failed { error, dead_segment: false });
-                }
+        for (gi, r) in own_grants.into_iter().zip(engine.write_own_batch(&own_copies)) {
+            if let Err(e) = r {
+                let error = Error::from_transfer("put", &e);
+                status[gi] = Err(Failed { error, dead_segment: false });
             }
         }
         let results = if reqs.is_empty() { Vec::new() } else { self.transfer(reqs).await };
@@ -1277,48 +1275,35 @@ impl Client {
     }
 
     /// Guarded reads of cached locations straight from their nodes, `(key, view, local
-    /// address)` each: one request for a lone object, packs (`Engine::read_guarded_batch`)
-    /// for many on one node. One result per item, in order.
+    /// address)` each, one `Engine::read_guarded_batch` per node (a lone object is one
+    /// request, many go as packs). One result per item, in order.
     async fn read_cached(&self, items: &[(&str, &ObjectView, u64)]) -> Vec<Result<()>> {
-        let no_replica = || Error::new(ErrorKind::Internal, "get", "no replica");
         let mut out: Vec<Result<()>> = Vec::with_capacity(items.len());
-        // Item indices by node, in first-seen order.
-        let mut nodes: Vec<(&str, Vec<usize>)> = Vec::new();
-        for (k, (_, v, _)) in items.iter().enumerate() {
+        // Per node, in first-seen order: item indices and their reads.
+        type Reads = (Vec<usize>, Vec<kvfs_transfer::GuardedRead>);
+        let mut nodes: Vec<(&str, Reads)> = Vec::new();
+        for (k, (key, v, local)) in items.iter().enumerate() {
             let Some(r) = v.replicas.first() else {
-                out.push(Err(no_replica()));
+                out.push(Err(Error::new(ErrorKind::Internal, "get", "no replica")));
                 continue;
             };
             out.push(Ok(()));
+            let read = (*local, r.addr, v.size, crate::read_guard::encode(key, v.version));
             match nodes.iter_mut().find(|(e, _)| *e == r.endpoint) {
-                Some((_, ks)) => ks.push(k),
-                None => nodes.push((r.endpoint.as_str(), vec![k])),
+                Some((_, (ks, reads))) => {
+                    ks.push(k);
+                    reads.push(read);
+                }
+                None => nodes.push((r.endpoint.as_str(), (vec![k], vec![read]))),
             }
         }
         let engine = &self.inner.engine;
-        let per_node = nodes.into_iter().map(|(endpoint, ks)| async move {
-            let seg = match engine.open_segment(endpoint).await {
-                Ok(s) => s,
-                Err(e) => {
-                    let e = Error::from_transfer("get", &e);
-                    return ks.into_iter().map(|k| (k, Err(e.clone()))).collect::<Vec<_>>();
-                }
+        let per_node = nodes.into_iter().map(|(endpoint, (ks, reads))| async move {
+            let done = match engine.open_segment(endpoint).await {
+                Ok(seg) => engine.read_guarded_batch(&seg, &reads).await,
+                Err(e) => vec![Err(e); ks.len()],
             };
-            let reads: Vec<(u64, u64, u64, Arc<[u8]>)> = ks
-                .iter()
-                .map(|&k| {
-                    let (key, v, local) = items[k];
-                    let addr = v.replicas.first().map_or(0, |r| r.addr);
-                    (local, addr, v.size, crate::read_guard::encode(key, v.version))
-                })
-                .collect();
-            let done = match &reads[..] {
-                [(local, addr, len, guard)] => {
-                    vec![engine.read_guarded(&seg, *local, *addr, *len, guard.clone()).await]
-                }
-                _ => engine.read_guarded_batch(&seg, &reads).await,
-            };
-            let mut dead_checked = false;
+            let mut forgotten = false;
             let mut res = Vec::with_capacity(ks.len());
             for (k, r) in ks.into_iter().zip(done) {
                 match r {
@@ -1327,8 +1312,8 @@ impl Client {
                         res.push((k, Ok(())));
                     }
                     Err(e) => {
-                        if !dead_checked {
-                            dead_checked = self.forget_if_dead(endpoint, &e).await;
+                        if !forgotten {
+                            forgotten = self.forget_if_dead(endpoint, &e).await;
                         }
                         res.push((k, Err(Error::from_transfer("get", &e))));
                     }

@@ -125,12 +125,14 @@ async fn a_killed_node_fails_a_cached_get_within_the_timeout() {
     assert!(r.expect("no hang").is_err());
 }
 
-/// A batch of many cached objects on one node goes as guarded packs: every object read byte
-/// for byte, and after another client removes some and replaces others, the next batch
-/// never returns a removed or replaced object's old bytes (those are refused by the node and
-/// asked of the master), while the untouched ones still come from the cache.
+/// A batch of many cached objects on one node (more than one guarded pack holds): every
+/// object read byte for byte from the cache, and after another client removes some and
+/// replaces others, the next batch never returns a removed or replaced object's old bytes
+/// (the node refuses those ranges one by one and the master is asked), while the untouched
+/// ones still come from the cache. (That they travel as packs is the Transfer Engine's: its
+/// request layout is tested in `kvfs-transfer`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cached_batches_read_as_packs_and_refuse_what_changed() {
+async fn cached_batches_read_from_the_node_and_refuse_what_changed() {
     let cluster = Cluster::start(ClusterOpts { nodes: 1, ..ClusterOpts::default() }).await;
     let reader = tcp_client(&cluster).await;
     let writer = tcp_client(&cluster).await;

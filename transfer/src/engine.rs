@@ -263,16 +263,30 @@ struct Pack {
     items: (Vec<usize>, Vec<tcp::Range>, Vec<Hold>),
 }
 
-/// One range of a guarded pack: its batch index, range, guard and what keeps its local
-/// memory alive.
-type GuardedItem = (usize, tcp::Range, Arc<[u8]>, Hold);
-
 /// Most items in one pack, and the largest item that is packed (larger ones are sliced).
 pub(crate) const PACK_ITEMS_MAX: usize = 256;
 pub(crate) const PACK_ITEM_BYTES_MAX: u64 = 1 << 20;
 /// Packs of 2 MiB beat 4 MiB ones on loopback (1 MiB items, paired against raw TCP in the
 /// same rounds: reads 0.88-0.91 against 0.79-0.84, writes 0.90-0.97 against 0.84-0.89).
 pub(crate) const PACK_BYTES_MAX: u64 = 2 << 20;
+
+/// Whether a pack of `items` ranges and `bytes` bytes has no room for one more of `len`.
+pub(crate) fn pack_is_full(items: usize, bytes: u64, len: u64) -> bool {
+    items >= PACK_ITEMS_MAX || bytes + len > PACK_BYTES_MAX
+}
+
+/// One read of [`Engine::read_guarded_batch`]: local address, remote address, length, guard.
+pub type GuardedRead = (u64, u64, u64, Arc<[u8]>);
+
+/// The guarded reads of one `ReadGuardedV` request: batch indices, ranges, guards and what
+/// keeps each local range alive, in the same order.
+#[derive(Default)]
+struct GuardedPack {
+    items: Vec<usize>,
+    ranges: Vec<tcp::Range>,
+    guards: Vec<Arc<[u8]>>,
+    holds: Vec<Hold>,
+}
 
 /// Splits a batch into items that run on their own and packs of small items that can share one
 /// tcp request: remote ranges reached only over tcp (outside the peer's shared buffers, no rdma
@@ -299,7 +313,7 @@ fn plan_batch(
             items: (Vec::new(), Vec::new(), Vec::new()),
         });
         let bytes: u64 = pack.items.1.iter().map(|r| r.len).sum();
-        if pack.items.0.len() >= PACK_ITEMS_MAX || bytes + req.len > PACK_BYTES_MAX {
+        if pack_is_full(pack.items.0.len(), bytes, req.len) {
             let full = std::mem::take(&mut pack.items);
             packs.push(Pack { segment: pack.segment.clone(), op: pack.op, items: full });
         }
@@ -930,11 +944,7 @@ impl Engine {
         match &seg.0.kind {
             PeerKind::Local => {
                 if !shared.vouches(remote_addr, len, &guard) {
-                    return Err(Error::new(
-                        ErrorKind::Stale,
-                        "guarded read",
-                        "this engine's owner no longer holds what the guard names there",
-                    ));
+                    return Err(not_vouched());
                 }
                 let req = TransferRequest {
                     op: TransferOp::Read,
@@ -966,32 +976,44 @@ impl Engine {
     pub async fn read_guarded_batch(
         &self,
         seg: &SegmentHandle,
-        items: &[(u64, u64, u64, Arc<[u8]>)],
+        items: &[GuardedRead],
     ) -> Vec<Result<()>> {
         let shared = &self.inner.shared;
         let tcp = match &seg.0.kind {
             PeerKind::Remote { tcp: Some(tcp), .. } => tcp,
-            PeerKind::Local if items.iter().all(|i| host_range(shared, i.1, i.2)) => {
+            PeerKind::Local => {
                 // Own host memory: checks and copies, split over the copy threads when large
-                // in all, as own writes are.
-                let parts = copy_threads(shared.cfg.shm_copy_threads_max);
-                let len = |i: &(u64, u64, u64, Arc<[u8]>)| i.2;
-                return run_split(items, len, parts, shared.cfg.shm_parallel_bytes_min, |i| {
-                    read_own_guarded(shared, i.0, i.1, i.2, &i.3)
-                });
-            }
-            _ => {
-                // Own memory (a check and a memcpy each) or no tcp (refused each).
+                // in all, as own writes are. A device range among them: each item on its own.
+                let host: Option<Vec<Region>> = items
+                    .iter()
+                    .map(|i| remote_region(shared, i.1, i.2).ok().filter(|r| r.device.is_none()))
+                    .collect();
+                if let Some(regions) = host {
+                    let reads: Vec<_> = items.iter().zip(regions).collect();
+                    let parts = copy_threads(shared.cfg.shm_copy_threads_max);
+                    let len = |(i, _): &(&GuardedRead, Region)| i.2;
+                    return run_split(&reads, len, parts, shared.cfg.shm_parallel_bytes_min, |r| {
+                        read_own_guarded(shared, r.0, &r.1)
+                    });
+                }
                 let reads = items.iter().map(|(local, remote, len, guard)| {
                     self.read_guarded(seg, *local, *remote, *len, guard.clone())
                 });
                 return futures_util::future::join_all(reads).await;
             }
+            PeerKind::Remote { tcp: None, .. } => {
+                let e = Error::new(
+                    ErrorKind::Unsupported,
+                    "guarded read",
+                    "guarded reads need the tcp transport",
+                );
+                return vec![Err(e); items.len()];
+            }
         };
         let deadline = Instant::now() + shared.cfg.op_timeout();
         let mut out: Vec<Result<()>> = Vec::with_capacity(items.len());
-        // Packs of (item index, range, guard, hold), and items too large for a pack.
-        let mut packs: Vec<Vec<GuardedItem>> = Vec::new();
+        // Packs, and the items too large for one.
+        let mut packs: Vec<GuardedPack> = Vec::new();
         let mut alone = Vec::new();
         let mut bytes = 0;
         for (k, (local, remote, len, guard)) in items.iter().enumerate() {
@@ -1007,29 +1029,27 @@ impl Engine {
                 alone.push(k);
                 continue;
             }
-            let full = packs
-                .last()
-                .is_none_or(|p| p.len() >= PACK_ITEMS_MAX || bytes + len > PACK_BYTES_MAX);
-            if full {
-                packs.push(Vec::new());
+            if packs.last().is_none_or(|p| pack_is_full(p.items.len(), bytes, *len)) {
+                packs.push(GuardedPack::default());
                 bytes = 0;
             }
             bytes += len;
-            let r = tcp::Range { remote: *remote, local: *local, len: *len };
-            packs.last_mut().expect("a pack").push((k, r, guard.clone(), region.hold()));
+            let p = packs.last_mut().expect("a pack");
+            p.items.push(k);
+            p.ranges.push(tcp::Range { remote: *remote, local: *local, len: *len });
+            p.guards.push(guard.clone());
+            p.holds.push(region.hold());
         }
         let packed = packs.into_iter().map(|p| async move {
-            let (ks, (ranges, (guards, holds))): (Vec<usize>, (Vec<_>, (Vec<_>, Vec<_>))) =
-                p.into_iter().map(|(k, r, g, h)| (k, (r, (g, h)))).unzip();
-            let done = if ks.len() == 1 {
-                let r = ranges[0];
-                let hold = holds.into_iter().next().expect("one hold");
-                let guard = guards.into_iter().next().expect("one guard");
+            let done = if let ([r], [guard], [hold]) = (&p.ranges[..], &p.guards[..], &p.holds[..])
+            {
+                // A pack of one is just a guarded read (the direct connection when free).
+                let (guard, hold) = (guard.clone(), hold.clone());
                 vec![tcp.read_guarded(r.remote, r.local, r.len, guard, hold, deadline).await]
             } else {
-                tcp.read_guarded_pack(ranges, &guards, holds, deadline).await
+                tcp.read_guarded_pack(p.ranges, &p.guards, p.holds, deadline).await
             };
-            ks.into_iter().zip(done).collect::<Vec<_>>()
+            p.items.into_iter().zip(done).collect::<Vec<_>>()
         });
         let single = alone.into_iter().map(|k| async move {
             let (local, remote, len, guard) = &items[k];
@@ -1303,35 +1323,29 @@ async fn local_copy(shared: &Shared, req: &TransferRequest) -> Result<()> {
     parallel_copy(shared, req.op, req.local_addr as usize, remote, req.len as usize).await
 }
 
-/// Whether `[addr, addr+len)` lies in one remotely accessible host (not device) region of
-/// this engine.
-fn host_range(shared: &Shared, addr: u64, len: u64) -> bool {
-    remote_region(shared, addr, len).is_ok_and(|r| r.device.is_none())
+/// A guarded read of this engine's own host memory, on the calling thread: `(local, remote,
+/// len, guard)` with `remote`'s region (host memory, found by the caller), the local range
+/// checked, the owner's check, one copy.
+fn read_own_guarded(shared: &Shared, item: &GuardedRead, remote_region: &Region) -> Result<()> {
+    let (local, remote, len, guard) = item;
+    // The local region (holding its owner) stays alive while the bytes move, as the remote
+    // one does in the caller's hands.
+    let _local_region = checked_item(shared, "guarded read", *local, *remote, *len)?;
+    if !shared.vouches(*remote, *len, guard) {
+        return Err(not_vouched());
+    }
+    debug_assert!(remote_region.device.is_none());
+    copy(TransferOp::Read, *local as *mut u8, *remote as *mut u8, *len as usize);
+    Ok(())
 }
 
-/// A guarded read of this engine's own host memory, on the calling thread: the local range
-/// checked, the owner's check, one copy.
-fn read_own_guarded(
-    shared: &Shared,
-    local: u64,
-    remote: u64,
-    len: u64,
-    guard: &[u8],
-) -> Result<()> {
-    let local_region = checked_item(shared, "guarded read", local, remote, len)?;
-    if !shared.vouches(remote, len, guard) {
-        return Err(Error::new(
-            ErrorKind::Stale,
-            "guarded read",
-            "this engine's owner no longer holds what the guard names there",
-        ));
-    }
-    let remote_region = remote_region(shared, remote, len)?;
-    host_side(&remote_region, "guarded read")?;
-    // Both regions (holding their owners) stay alive while the bytes move.
-    let _keep = (local_region, remote_region);
-    copy(TransferOp::Read, local as *mut u8, remote as *mut u8, len as usize);
-    Ok(())
+/// A guarded read of this engine's own memory that its owner no longer vouches for.
+fn not_vouched() -> Error {
+    Error::new(
+        ErrorKind::Stale,
+        "guarded read",
+        "this engine's owner no longer holds what the guard names there",
+    )
 }
 
 /// Runs `f` on every item, one result per item in order: on this thread, or, from `min_total`

@@ -36,8 +36,8 @@ pub mod testing;
 
 pub use config::{EngineConfig, Transports};
 pub use engine::{
-    Batch, BatchOptions, Engine, ItemStatus, Notification, RdmaStatus, ReadGuard, SegmentHandle,
-    SegmentStatus, TransferOp, TransferRequest, TransportKind, WriteNote,
+    Batch, BatchOptions, Engine, GuardedRead, ItemStatus, Notification, RdmaStatus, ReadGuard,
+    SegmentHandle, SegmentStatus, TransferOp, TransferRequest, TransportKind, WriteNote,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use hostid::host_id;

@@ -893,7 +893,7 @@ impl TcpPeer {
         lane: usize,
         deadline: Instant,
     ) -> Vec<Result<()>> {
-        use crate::engine::{PACK_BYTES_MAX, PACK_ITEM_BYTES_MAX, PACK_ITEMS_MAX};
+        use crate::engine::{PACK_ITEM_BYTES_MAX, pack_is_full};
         let _busy = BusyGuard::new(&self.busy);
         let n = reads.len();
         let conn = match self.conn(lane % self.slots.len(), deadline).await {
@@ -914,7 +914,7 @@ impl TcpPeer {
         let mut pack_bytes = 0;
         for (k, (r, hold)) in reads.into_iter().enumerate() {
             if r.len <= PACK_ITEM_BYTES_MAX {
-                if pack.ranges.len() >= PACK_ITEMS_MAX || pack_bytes + r.len > PACK_BYTES_MAX {
+                if pack_is_full(pack.ranges.len(), pack_bytes, r.len) {
                     close(&mut pack, &mut jobs);
                     pack_bytes = 0;
                 }
@@ -1887,4 +1887,37 @@ async fn drain(rd: &mut Inbound, len: u64, max: u64) -> std::io::Result<()> {
         left -= n;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `ReadGuardedV` request is its header (ranges = the range count, len = their sum), the
+    /// range table, then one u16-prefixed guard per range in table order: the layout
+    /// `serve_read_pack` reads.
+    #[test]
+    fn guarded_packs_carry_the_range_table_then_one_guard_per_range() {
+        let ranges = [
+            Range { remote: 0x1000, local: 0x9000, len: 4096 },
+            Range { remote: 0x8000, local: 0xa000, len: 100 },
+            Range { remote: 0x20000, local: 0xb000, len: 65536 },
+        ];
+        let guards: [&[u8]; 3] = [b"v1key-a", b"", b"v9key-c"];
+        let table = encode_guards(guards.iter().copied()).unwrap();
+        let head = encode_head(DataOp::ReadGuardedV, 7, &ranges, &table, None);
+        let hb: [u8; DataHeader::SIZE] = head[..DataHeader::SIZE].try_into().unwrap();
+        let hdr = DataHeader::decode(&hb).unwrap();
+        assert_eq!((hdr.op, hdr.id, hdr.ranges, hdr.len), (DataOp::ReadGuardedV, 7, 3, 69732));
+        let rest = &head[DataHeader::SIZE..];
+        let (t, mut g) = rest.split_at(3 * RANGE_ENTRY_BYTES);
+        let want: Vec<(u64, u64)> = ranges.iter().map(|r| (r.remote, r.len)).collect();
+        assert_eq!(decode_ranges(t).unwrap(), want);
+        for expect in guards {
+            let n = u16::from_le_bytes([g[0], g[1]]) as usize;
+            assert_eq!(&g[2..2 + n], expect);
+            g = &g[2 + n..];
+        }
+        assert!(g.is_empty(), "nothing after the last guard");
+    }
 }
