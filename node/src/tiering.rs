@@ -858,6 +858,7 @@ impl Inner {
             hbm_used_bytes: lock(&self.index).hbm_bytes,
             hbm_demotions: load(&c.hbm_demotions),
             hbm_promotions: load(&c.hbm_promotions),
+            te_requests: self.engine.requests_served(),
         }
     }
 

@@ -38,6 +38,9 @@
 //! into HBM is hot again); the master allocates the range and sends a `Load` whose source is
 //! the node's other memory copy.
 //!
+//! Protocol 12: a node's heartbeat stats carry the requests its Transfer Engine served over
+//! tcp, by op ([`NodeStats::te_requests`]).
+//!
 //! Protocol 7: high availability. [`MasterResponse::Hello`] carries the master's leadership
 //! term; a standby master or a leader whose lease lapsed refuses every request with
 //! [`ErrorCode::NotLeader`].
@@ -45,7 +48,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Version of the store protocol; a master refuses a client or node that speaks another one.
-pub const STORE_PROTOCOL_VERSION: u32 = 11;
+pub const STORE_PROTOCOL_VERSION: u32 = 12;
 
 /// Storage medium of a segment or replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -783,6 +786,8 @@ pub struct NodeStats {
     /// Objects the tier manager moved HBM -> DRAM and DRAM -> HBM.
     pub hbm_demotions: u64,
     pub hbm_promotions: u64,
+    /// Requests the node's Transfer Engine served over tcp, by op.
+    pub te_requests: crate::transfer::ServedRequests,
 }
 
 /// The master's answer to a heartbeat: reads it granted of objects this node holds since the

@@ -240,6 +240,34 @@ impl DataOp {
         matches!(self, DataOp::ReadGuarded | DataOp::WriteNoted)
     }
 
+    /// Every op, in wire-code order.
+    pub const ALL: [DataOp; 9] = [
+        DataOp::Write,
+        DataOp::Read,
+        DataOp::Notify,
+        DataOp::Ping,
+        DataOp::ReadV,
+        DataOp::WriteV,
+        DataOp::ReadGuarded,
+        DataOp::WriteNoted,
+        DataOp::ReadGuardedV,
+    ];
+
+    /// The op's name in metrics labels (`read_guarded_v`).
+    pub fn label(self) -> &'static str {
+        match self {
+            DataOp::Write => "write",
+            DataOp::Read => "read",
+            DataOp::Notify => "notify",
+            DataOp::Ping => "ping",
+            DataOp::ReadV => "read_v",
+            DataOp::WriteV => "write_v",
+            DataOp::ReadGuarded => "read_guarded",
+            DataOp::WriteNoted => "write_noted",
+            DataOp::ReadGuardedV => "read_guarded_v",
+        }
+    }
+
     fn from_u8(v: u8) -> Option<DataOp> {
         Some(match v {
             1 => DataOp::Write,
@@ -253,6 +281,27 @@ impl DataOp {
             9 => DataOp::ReadGuardedV,
             _ => return None,
         })
+    }
+}
+
+/// Requests a Transfer Engine served over tcp since it started, by op: what an operator
+/// reads to see how peers use a node (a batch get of cached objects arrives as a few
+/// `read_guarded_v` packs, not one `read_guarded` per object). Reads and writes over shm and
+/// rdma reach the memory without a request and are not counted. A node sends them with its
+/// heartbeats; the master shows them in /metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ServedRequests {
+    /// Indexed by wire code - 1 (the order of [`DataOp::ALL`]).
+    by_op: [u64; 9],
+}
+
+impl ServedRequests {
+    pub fn new(by_op: [u64; 9]) -> ServedRequests {
+        ServedRequests { by_op }
+    }
+
+    pub fn get(&self, op: DataOp) -> u64 {
+        self.by_op[op as usize - 1]
     }
 }
 

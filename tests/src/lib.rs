@@ -43,6 +43,32 @@ pub fn free_port() -> u16 {
         .expect("free port")
 }
 
+/// The /metrics text of an admin endpoint (the master's `--admin`).
+pub fn admin_metrics(admin: &str) -> String {
+    use std::io::{Read, Write};
+    let mut t = std::net::TcpStream::connect(admin).expect("admin http");
+    t.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    t.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// The value of `series` (a metric's name, with its labels where it has any) in a /metrics
+/// text.
+pub fn metric(text: &str, series: &str) -> Option<u64> {
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// The sum of the series of metric `name` whose labels include `label` (`op="read"`).
+pub fn metric_sum(text: &str, name: &str, label: &str) -> u64 {
+    text.lines()
+        .filter_map(|l| {
+            let (labels, value) = l.strip_prefix(name)?.strip_prefix('{')?.split_once("} ")?;
+            labels.split(',').any(|x| x == label).then(|| value.trim().parse::<u64>().ok())?
+        })
+        .sum()
+}
+
 /// One kvfs process; killed (SIGKILL) when dropped.
 pub struct Proc {
     child: Child,

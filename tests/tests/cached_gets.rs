@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use kvfs_client::{Client, ErrorKind, GetInto, PutOptions, RenameMode};
-use kvfs_tests::{Cluster, ClusterOpts, content};
+use kvfs_tests::{Cluster, ClusterOpts, admin_metrics, content, free_port, metric_sum};
 use kvfs_transfer::{BufferOptions, EngineConfig, Transports};
 
 /// A client whose engine uses tcp only (a same-host client would read the node's segment over
@@ -129,11 +129,15 @@ async fn a_killed_node_fails_a_cached_get_within_the_timeout() {
 /// object read byte for byte from the cache, and after another client removes some and
 /// replaces others, the next batch never returns a removed or replaced object's old bytes
 /// (the node refuses those ranges one by one and the master is asked), while the untouched
-/// ones still come from the cache. (That they travel as packs is the Transfer Engine's: its
-/// request layout is tested in `kvfs-transfer`.)
+/// ones still come from the cache. The cached round reaches the node as two guarded packs
+/// (the node's request counters, through the master's /metrics; the packs' layout is tested
+/// in `kvfs-transfer`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cached_batches_read_from_the_node_and_refuse_what_changed() {
-    let cluster = Cluster::start(ClusterOpts { nodes: 1, ..ClusterOpts::default() }).await;
+    let admin = format!("127.0.0.1:{}", free_port());
+    let cluster =
+        Cluster::start(ClusterOpts { nodes: 1, admin: admin.clone(), ..ClusterOpts::default() })
+            .await;
     let reader = tcp_client(&cluster).await;
     let writer = tcp_client(&cluster).await;
     const N: usize = 300; // more than one pack holds
@@ -153,6 +157,19 @@ async fn cached_batches_read_from_the_node_and_refuse_what_changed() {
         }
     }
     assert_eq!(reader.location_cache_stats(), (N as u64, 0));
+    // The node served the cached round as two guarded packs (256 objects, then 44), not one
+    // guarded read per object; its heartbeats bring the counts to the master's /metrics.
+    let served = |op: &str| {
+        let text = admin_metrics(&admin);
+        metric_sum(&text, "kvfs_node_te_requests_total", &format!("op=\"{op}\""))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while served("read_guarded_v") < 2 {
+        assert!(std::time::Instant::now() < deadline, "{}", admin_metrics(&admin));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(served("read_guarded_v"), 2);
+    assert_eq!(served("read_guarded"), 0);
 
     // Remove every tenth object, replace every tenth-plus-five with new bytes.
     let mut expect: Vec<Option<Vec<u8>>> = values.iter().cloned().map(Some).collect();

@@ -5,14 +5,13 @@
 //! then tells an engine instance that the pool holds those blocks in memory, and (3) a
 //! subscriber that comes late, through the replay endpoint.
 
-use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvfs_client::PutOptions;
 use kvfs_conductor::index::{ContextKey, OwnerKey};
 use kvfs_conductor::service::{Config, Registration, Shared};
-use kvfs_tests::{Cluster, ClusterOpts, content, free_port};
+use kvfs_tests::{Cluster, ClusterOpts, admin_metrics, content, free_port, metric};
 use rmpv::Value;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -98,18 +97,6 @@ fn expected() -> Vec<Value> {
     ]
 }
 
-fn metrics(admin: &str) -> String {
-    let mut t = std::net::TcpStream::connect(admin).expect("admin http");
-    t.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-    let mut out = String::new();
-    t.read_to_string(&mut out).unwrap();
-    out
-}
-
-fn metric(text: &str, name: &str) -> Option<u64> {
-    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pool_events_reach_a_subscriber_and_the_conductor() {
     let (cluster, ep) = cluster().await;
@@ -191,7 +178,7 @@ async fn pool_events_reach_a_subscriber_and_the_conductor() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    let text = metrics(&ep.admin);
+    let text = admin_metrics(&ep.admin);
     assert_eq!(metric(&text, "kvfs_master_kv_events_published_total"), Some(4), "{text}");
     assert_eq!(metric(&text, "kvfs_master_kv_events_dropped_total"), Some(0), "{text}");
 }
@@ -202,7 +189,7 @@ async fn a_late_subscriber_recovers_earlier_batches_by_replay() {
     put_and_remove(&cluster).await;
     // Published to nobody; wait until the master has numbered them all.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while metric(&metrics(&ep.admin), "kvfs_master_kv_events_published_total") != Some(4) {
+    while metric(&admin_metrics(&ep.admin), "kvfs_master_kv_events_published_total") != Some(4) {
         assert!(Instant::now() < deadline, "the master never published 4 events");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -230,7 +217,7 @@ async fn a_late_subscriber_recovers_earlier_batches_by_replay() {
         events.extend(evs);
     }
     assert_eq!(events, expected());
-    let text = metrics(&ep.admin);
+    let text = admin_metrics(&ep.admin);
     assert_eq!(metric(&text, "kvfs_master_kv_events_replay_requests_total"), Some(1), "{text}");
 
     // From the middle: only the batches from that sequence on.

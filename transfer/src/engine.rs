@@ -17,10 +17,10 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use kvfs_proto::transfer::DataOp;
+use kvfs_proto::transfer::{DataOp, ServedRequests};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, mpsc};
 use tokio::task::{JoinHandle, JoinSet};
@@ -97,6 +97,8 @@ pub(crate) struct Shared {
     read_guard: std::sync::OnceLock<ReadGuard>,
     /// The owner's hook for noted writes (`Engine::set_write_note`); none: refuse every note.
     write_note: std::sync::OnceLock<WriteNote>,
+    /// Requests served over tcp, by wire code - 1 (`Engine::requests_served`).
+    served: [AtomicU64; 9],
 }
 
 /// Says whether `[addr, addr+len)` of this engine's memory still holds what `guard` names
@@ -118,6 +120,11 @@ impl Shared {
     /// Whether the owner accepts a noted write's note; never without a hook installed.
     pub fn noted(&self, addr: u64, len: u64, note: &[u8]) -> bool {
         self.write_note.get().is_some_and(|h| h(addr, len, note))
+    }
+
+    /// Counts one request served over tcp.
+    pub fn count_served(&self, op: DataOp) {
+        self.served[op as usize - 1].fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn deliver_notification(&self, from: &str, msg: Vec<u8>) -> Result<()> {
@@ -478,6 +485,7 @@ impl Engine {
             notify_tx,
             read_guard: std::sync::OnceLock::new(),
             write_note: std::sync::OnceLock::new(),
+            served: Default::default(),
         });
         let mut tasks = vec![tokio::spawn(accept_loop(listener, shared.clone()))];
         if let Some(l) = shm_listener {
@@ -889,6 +897,13 @@ impl Engine {
         run_split(items, len, parts, cfg.shm_parallel_bytes_min, |(addr, data)| {
             self.write_own(*addr, data)
         })
+    }
+
+    /// Requests this engine served over tcp since it started, by op (see
+    /// [`ServedRequests`]).
+    pub fn requests_served(&self) -> ServedRequests {
+        let served = &self.inner.shared.served;
+        ServedRequests::new(std::array::from_fn(|i| served[i].load(Ordering::Relaxed)))
     }
 
     /// Installs the check of guarded reads of this engine's memory (once per engine): peers'

@@ -42,4 +42,5 @@ pub use engine::{
 pub use error::{Error, ErrorKind, Result};
 pub use hostid::host_id;
 pub use kvfs_proto::auth::ClusterSecret;
+pub use kvfs_proto::transfer::{DataOp, ServedRequests};
 pub use memory::{Buffer, BufferOptions, DEVICE_CHUNK_BYTES, DeviceMemory, PageKind};

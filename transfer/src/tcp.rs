@@ -1417,6 +1417,7 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
             return Ok(());
         }
         let hdr = DataHeader::decode(&hb).map_err(std::io::Error::other)?;
+        shared.count_served(hdr.op);
         spin.heard(hdr.idle_us);
         spin.lone = matches!(
             hdr.op,

@@ -1,7 +1,8 @@
 //! Bad inputs get typed errors, and a refused request leaves the connection usable.
 
 use kvfs_transfer::{
-    Buffer, BufferOptions, Engine, EngineConfig, ErrorKind, TransferOp, TransferRequest, Transports,
+    Buffer, BufferOptions, DataOp, Engine, EngineConfig, ErrorKind, TransferOp, TransferRequest,
+    Transports,
 };
 
 async fn pair(transports: Transports) -> (Engine, Engine) {
@@ -426,6 +427,11 @@ async fn guarded_batch_reads_check_every_range_on_its_own_guard() {
         kinds,
         [ErrorKind::InvalidArgument, ErrorKind::NotRegistered, ErrorKind::OutOfRange]
     );
+    // The owner served the 600 small ranges (and the out-of-range one) as three packs, and
+    // the 3 MiB range alone.
+    let served = b.requests_served();
+    let (packs, lone) = (served.get(DataOp::ReadGuardedV), served.get(DataOp::ReadGuarded));
+    assert_eq!((packs, lone), (3, 1), "{served:?}");
     let huge = guard("x".repeat(5000));
     let two = [
         (la.addr(), base, ITEM as u64, guard("ok:0".into())),

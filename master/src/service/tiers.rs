@@ -901,6 +901,17 @@ pub(crate) fn render(state: &State, o: &mut String) {
             let _ = writeln!(o, "{name}{{node=\"{node}\"}} {}", f(s));
         }
     }
+    let name = "kvfs_node_te_requests_total";
+    let _ = writeln!(
+        o,
+        "# HELP {name} Requests the node's Transfer Engine served over tcp, by op.\n# TYPE {name} counter"
+    );
+    for (node, s) in &stats {
+        for op in kvfs_proto::transfer::DataOp::ALL {
+            let (label, n) = (op.label(), s.te_requests.get(op));
+            let _ = writeln!(o, "{name}{{node=\"{node}\",op=\"{label}\"}} {n}");
+        }
+    }
     let name = "kvfs_node_corrupt_reads_total";
     let _ = writeln!(
         o,
