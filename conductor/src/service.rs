@@ -46,7 +46,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
 
-use crate::hash::{Algorithm, BlockHasher, Extra, HashProfile, LoraKey, project_low64_be};
+use crate::hash::{
+    Algorithm, BlockDigest, BlockHasher, Extra, HashProfile, LoraKey, project_low64_be,
+};
 use crate::index::{ContextKey, Index, OwnerKey, RawMatch};
 use crate::memo::{ChainMemo, Hit, Parent, RUN};
 use crate::route::{
@@ -760,7 +762,7 @@ impl Query<'_> {
                     Some(hit) => {
                         out.extend_from_slice(hit.projections());
                         if let Some(d) = hit.digest() {
-                            known = Some((i + RUN - 1, Known::Computed(d.to_vec())));
+                            known = Some((i + RUN - 1, Known::Computed(BlockDigest::new(d))));
                         }
                         i += RUN;
                         ran = true;
@@ -789,7 +791,7 @@ impl Query<'_> {
                         // of a query is hashed twice.
                         let (mut at, mut full) = match known.take() {
                             Some((k, Known::Computed(d))) => (k + 1, Some(d)),
-                            Some((k, Known::Held(h))) => (k + 1, h.digest().map(<[u8]>::to_vec)),
+                            Some((k, Known::Held(h))) => (k + 1, h.digest().map(BlockDigest::new)),
                             None => (0, None),
                         };
                         let d = loop {
@@ -809,7 +811,7 @@ impl Query<'_> {
                         };
                         let projection = project_low64_be(&d);
                         if let Some(k) = key {
-                            computed.push((k, projection, d.clone()));
+                            computed.push((k, projection, d));
                         }
                         out.push(projection);
                         known = Some((i, Known::Computed(d)));
@@ -853,7 +855,7 @@ impl Query<'_> {
 /// Where a token chain's last known full digest is: computed by the query, or held by a memo
 /// hit (copied out only when a miss needs it).
 enum Known {
-    Computed(Vec<u8>),
+    Computed(BlockDigest),
     Held(Hit),
 }
 
