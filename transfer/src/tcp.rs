@@ -315,8 +315,8 @@ fn request_head(job: &Job, id: u64) -> Vec<u8> {
     encode_head(job.op, id, &job.ranges, &job.guard, None)
 }
 
-/// A request's header, then its range table (packs) or its guard or note (`ReadGuarded`,
-/// `WriteNoted`); a `ReadGuardedV`'s guard table follows its range table.
+/// A request's header, then its range table (packs), then `guard`: a `ReadGuarded`'s guard, a
+/// `WriteNoted`'s note, a `ReadGuardedV`'s guard table; every other op's is empty.
 fn encode_head(
     op: DataOp,
     id: u64,
@@ -345,9 +345,8 @@ fn encode_head(
     if packed {
         head.extend(encode_ranges(ranges.iter().map(|r| (r.remote, r.len))));
     }
-    if op.carries_note() || op == DataOp::ReadGuardedV {
-        head.extend_from_slice(guard);
-    }
+    debug_assert!(guard.is_empty() || op.carries_note() || op == DataOp::ReadGuardedV);
+    head.extend_from_slice(guard);
     head
 }
 
