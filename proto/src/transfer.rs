@@ -240,8 +240,11 @@ impl DataOp {
         matches!(self, DataOp::ReadGuarded | DataOp::WriteNoted)
     }
 
+    /// How many ops there are.
+    pub const COUNT: usize = 9;
+
     /// Every op, in wire-code order.
-    pub const ALL: [DataOp; 9] = [
+    pub const ALL: [DataOp; DataOp::COUNT] = [
         DataOp::Write,
         DataOp::Read,
         DataOp::Notify,
@@ -252,6 +255,11 @@ impl DataOp {
         DataOp::WriteNoted,
         DataOp::ReadGuardedV,
     ];
+
+    /// The op's place in [`DataOp::ALL`] (its wire code - 1), for tables kept per op.
+    pub fn index(self) -> usize {
+        self as usize - 1
+    }
 
     /// The op's name in metrics labels (`read_guarded_v`).
     pub fn label(self) -> &'static str {
@@ -269,18 +277,8 @@ impl DataOp {
     }
 
     fn from_u8(v: u8) -> Option<DataOp> {
-        Some(match v {
-            1 => DataOp::Write,
-            2 => DataOp::Read,
-            3 => DataOp::Notify,
-            4 => DataOp::Ping,
-            5 => DataOp::ReadV,
-            6 => DataOp::WriteV,
-            7 => DataOp::ReadGuarded,
-            8 => DataOp::WriteNoted,
-            9 => DataOp::ReadGuardedV,
-            _ => return None,
-        })
+        // Wire codes run from 1 in the order of `ALL`.
+        DataOp::ALL.get(usize::from(v).checked_sub(1)?).copied()
     }
 }
 
@@ -291,17 +289,17 @@ impl DataOp {
 /// heartbeats; the master shows them in /metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ServedRequests {
-    /// Indexed by wire code - 1 (the order of [`DataOp::ALL`]).
-    by_op: [u64; 9],
+    /// Indexed by [`DataOp::index`].
+    by_op: [u64; DataOp::COUNT],
 }
 
 impl ServedRequests {
-    pub fn new(by_op: [u64; 9]) -> ServedRequests {
+    pub fn new(by_op: [u64; DataOp::COUNT]) -> ServedRequests {
         ServedRequests { by_op }
     }
 
     pub fn get(&self, op: DataOp) -> u64 {
-        self.by_op[op as usize - 1]
+        self.by_op[op.index()]
     }
 }
 
@@ -487,6 +485,16 @@ mod tests {
         assert_eq!(DataHeader::decode(&b).unwrap().idle_us, None);
         let r = DataReply { status: DataStatus::OutOfRange, id: 9, len: 0 };
         assert_eq!(DataReply::decode(&r.encode()).unwrap(), r);
+    }
+
+    #[test]
+    fn ops_decode_from_their_wire_codes_only() {
+        for (i, op) in DataOp::ALL.into_iter().enumerate() {
+            assert_eq!((op as usize, op.index()), (i + 1, i));
+            assert_eq!(DataOp::from_u8(op as u8), Some(op));
+        }
+        assert_eq!(DataOp::from_u8(0), None);
+        assert_eq!(DataOp::from_u8(DataOp::COUNT as u8 + 1), None);
     }
 
     #[test]

@@ -97,8 +97,8 @@ pub(crate) struct Shared {
     read_guard: std::sync::OnceLock<ReadGuard>,
     /// The owner's hook for noted writes (`Engine::set_write_note`); none: refuse every note.
     write_note: std::sync::OnceLock<WriteNote>,
-    /// Requests served over tcp, by wire code - 1 (`Engine::requests_served`).
-    served: [AtomicU64; 9],
+    /// Requests served over tcp, by [`DataOp::index`] (`Engine::requests_served`).
+    served: [AtomicU64; DataOp::COUNT],
 }
 
 /// Says whether `[addr, addr+len)` of this engine's memory still holds what `guard` names
@@ -124,7 +124,7 @@ impl Shared {
 
     /// Counts one request served over tcp.
     pub fn count_served(&self, op: DataOp) {
-        self.served[op as usize - 1].fetch_add(1, Ordering::Relaxed);
+        self.served[op.index()].fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn deliver_notification(&self, from: &str, msg: Vec<u8>) -> Result<()> {
