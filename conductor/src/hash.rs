@@ -209,7 +209,7 @@ pub struct BlockDigest {
 }
 
 impl BlockDigest {
-    /// The digest `d` (at most 32 bytes).
+    /// The digest `d`. Panics when `d` is longer than 32 bytes (no algorithm makes one).
     pub fn new(d: &[u8]) -> BlockDigest {
         let mut bytes = [0u8; 32];
         bytes[..d.len()].copy_from_slice(d);
