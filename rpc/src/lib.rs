@@ -45,14 +45,12 @@ use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{Notify, oneshot};
 
 pub use kvfs_proto::auth::ClusterSecret;
 use kvfs_proto::auth::{self, AuthError};
-use kvfs_proto::plain::{Inbound, PlainStream, ServeSpin};
+use kvfs_proto::plain::{PlainStream, ServeSpin};
 
 const KIND_REQUEST: u8 = 1;
 const KIND_RESPONSE: u8 = 2;
@@ -193,7 +191,7 @@ pub fn no_handler() -> Arc<dyn Handler> {
 type Reply = (u8, Vec<u8>);
 
 struct Inner {
-    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    writer: tokio::sync::Mutex<PlainStream>,
     pending: Mutex<HashMap<u64, oneshot::Sender<Reply>>>,
     next_id: AtomicU64,
     closed: AtomicBool,
@@ -262,13 +260,22 @@ impl RpcConn {
     pub fn start(stream: TcpStream, handler: Arc<dyn Handler>, opts: RpcOptions) -> RpcConn {
         kvfs_proto::sock::tune(&stream, 0);
         let peer = stream.peer_addr().map(|a: SocketAddr| a.to_string()).unwrap_or_default();
-        let (rd, wr) = stream.into_split();
+        // Off the runtime's reactor, both ways (see `PlainStream`): registered, every frame
+        // arriving woke the runtime's parked thread though the reader was polling for it, and
+        // the sender's write paid that wake-up. A wait registers for itself.
+        let (rd, wr, closed) = match PlainStream::split(stream) {
+            Ok((rd, wr)) => (rd, wr, false),
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "rpc connection could not be taken off the runtime");
+                (PlainStream::closed(), PlainStream::closed(), true)
+            }
+        };
         let conn = RpcConn {
             inner: Arc::new(Inner {
                 writer: tokio::sync::Mutex::new(wr),
                 pending: Mutex::new(HashMap::new()),
                 next_id: AtomicU64::new(1),
-                closed: AtomicBool::new(false),
+                closed: AtomicBool::new(closed),
                 closed_notify: Notify::new(),
                 refused: Mutex::new(None),
                 peer,
@@ -292,7 +299,7 @@ impl RpcConn {
         self.inner.close();
         let inner = self.inner.clone();
         tokio::spawn(async move {
-            let _ = inner.writer.lock().await.shutdown().await;
+            let _ = inner.writer.lock().await.shutdown_write();
         });
     }
 
@@ -386,9 +393,8 @@ fn frame_bytes(kind: u8, id: u64, body: &[u8]) -> Vec<u8> {
 /// before it parks (see [`ServeSpin`]).
 const SERVE_SPIN: Duration = Duration::from_micros(50);
 
-async fn read_loop(rd: OwnedReadHalf, conn: RpcConn, handler: Arc<dyn Handler>) {
+async fn read_loop(mut rd: PlainStream, conn: RpcConn, handler: Arc<dyn Handler>) {
     let max = conn.inner.opts.frame_bytes_max;
-    let mut rd = Inbound::new(rd, DIRECT_BUFFER_BYTES);
     // Lone requests here are the ones answered inline (the master's in-memory calls). Each
     // empty poll yields the CPU: a thread woken on this CPU (with two cores, the very peer
     // this call waits for) runs instead of spinning against it. Frames carry no idle time, so
@@ -431,7 +437,7 @@ async fn read_loop(rd: OwnedReadHalf, conn: RpcConn, handler: Arc<dyn Handler>) 
     conn.inner.close();
 }
 
-async fn read_frame(rd: &mut Inbound, max: usize) -> std::io::Result<(u8, u64, Vec<u8>)> {
+async fn read_frame(rd: &mut PlainStream, max: usize) -> std::io::Result<(u8, u64, Vec<u8>)> {
     let mut hdr = [0u8; HEADER];
     rd.read_exact(&mut hdr).await?;
     if let Some(why) = refused_frame(&hdr) {
@@ -477,10 +483,6 @@ async fn respond(conn: &RpcConn, id: u64, result: Result<Vec<u8>, String>) {
     };
     conn.send(&frame).await;
 }
-
-/// Bytes a connection's [`Inbound`] reads ahead at most (a small frame comes in with one system
-/// call).
-const DIRECT_BUFFER_BYTES: usize = 16 << 10;
 
 /// A connection whose caller reads its own replies (see the module notes): one call at a time
 /// (`&mut self`). A call that fails, times out or is dropped midway leaves the stream in the

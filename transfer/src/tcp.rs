@@ -433,24 +433,6 @@ async fn write_all_vectored(
     Ok(())
 }
 
-/// Fills every byte of `bufs` from the socket, in as few system calls as the data allows.
-async fn read_exact_vectored(
-    r: &OwnedReadHalf,
-    mut bufs: &mut [IoSliceMut<'_>],
-) -> std::io::Result<()> {
-    IoSliceMut::advance_slices(&mut bufs, 0);
-    while !bufs.is_empty() {
-        r.readable().await?;
-        match r.try_read_vectored(bufs) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
 async fn reader(rd: OwnedReadHalf, st: Arc<ConnState>) {
     // Small replies (header and payload) come in with one system call.
     let mut rd = Inbound::new(rd, INBOUND_BUFFER_BYTES);
@@ -545,9 +527,7 @@ async fn receive_reply(
                         })
                     })
                     .collect();
-                read_exact_vectored_buffered(rd, &mut dsts)
-                    .await
-                    .map_err(|e| Error::io("tcp receive", e))?;
+                rd.read_exact_vectored(&mut dsts).await.map_err(|e| Error::io("tcp receive", e))?;
             }
             Ok(Ok(Outcome::Ranges(statuses)))
         }
@@ -1308,7 +1288,7 @@ pub(crate) async fn serve_conn(mut stream: TcpStream, shared: Arc<Shared>) {
 /// write (many replies, many payloads, one system call); the connection's owner flushes before
 /// it waits for the next request, so nothing is held while the peer waits.
 struct Replies {
-    wr: OwnedWriteHalf,
+    wr: PlainStream,
     /// Reply bytes not yet placed in `segs`.
     small: Vec<u8>,
     segs: Vec<Seg>,
@@ -1330,7 +1310,7 @@ enum Seg {
 const REPLY_GATHER_BYTES_MAX: usize = 8 << 20;
 
 impl Replies {
-    fn new(wr: OwnedWriteHalf) -> Replies {
+    fn new(wr: PlainStream) -> Replies {
         Replies {
             wr,
             small: Vec::with_capacity(4096),
@@ -1394,7 +1374,7 @@ impl Replies {
                 }
             })
             .collect();
-        write_all_vectored(&mut self.wr, &mut slices).await?;
+        self.wr.write_all_vectored(&mut slices).await?;
         drop(slices);
         self.segs.clear();
         self.holds.clear();
@@ -1404,8 +1384,10 @@ impl Replies {
 }
 
 async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::io::Result<()> {
-    let (rd, wr) = stream.into_split();
-    let mut rd = Inbound::new(rd, INBOUND_BUFFER_BYTES);
+    // Off the runtime's reactor, as the caller's direct connection is (see `PlainStream`):
+    // registered, every request arriving woke the runtime's parked thread though this task
+    // was polling for it, and the caller's send paid that wake-up.
+    let (mut rd, wr) = PlainStream::split(stream)?;
     let mut out = Replies::new(wr);
     let mut hb = [0u8; DataHeader::SIZE];
     // After a lone small request (the pattern of a peer's direct connection), whose caller
@@ -1479,7 +1461,7 @@ async fn serve_requests(stream: TcpStream, shared: &Shared, from: &str) -> std::
 /// waiting for more without answering would only add latency) and polling the socket as
 /// `spin` says. `false` at a clean end of stream.
 async fn next_header(
-    rd: &mut Inbound,
+    rd: &mut PlainStream,
     out: &mut Replies,
     hb: &mut [u8; DataHeader::SIZE],
     spin: &mut ServeSpin,
@@ -1501,27 +1483,8 @@ async fn next_header(
     Ok(true)
 }
 
-/// Bytes a served connection reads ahead at most.
+/// Bytes a pooled connection's reply reader reads ahead at most.
 const INBOUND_BUFFER_BYTES: usize = 16 << 10;
-
-/// Fills every byte of `bufs` from `rd`: the bytes [`Inbound`] has buffered first, the rest
-/// straight from the socket.
-async fn read_exact_vectored_buffered(
-    rd: &mut Inbound,
-    bufs: &mut [IoSliceMut<'_>],
-) -> std::io::Result<()> {
-    let mut taken = 0;
-    for b in bufs.iter_mut() {
-        let n = rd.take_buffered(b);
-        taken += n;
-        if n < b.len() {
-            break;
-        }
-    }
-    let mut rest = bufs;
-    IoSliceMut::advance_slices(&mut rest, taken);
-    read_exact_vectored(rd.get_ref(), rest).await
-}
 
 /// The region holding a remotely accessible range, if any.
 fn remote_region(shared: &Shared, addr: u64, len: u64) -> Option<Region> {
@@ -1529,7 +1492,7 @@ fn remote_region(shared: &Shared, addr: u64, len: u64) -> Option<Region> {
 }
 
 async fn serve_write(
-    rd: &mut Inbound,
+    rd: &mut PlainStream,
     shared: &Shared,
     stage: &mut Staging,
     hdr: &DataHeader,
@@ -1572,7 +1535,7 @@ async fn serve_read(out: &mut Replies, shared: &Shared, hdr: &DataHeader) -> std
 
 /// Reads and checks a pack's range table; `Err` (closing the connection) when it is malformed.
 async fn read_table(
-    rd: &mut Inbound,
+    rd: &mut PlainStream,
     shared: &Shared,
     hdr: &DataHeader,
 ) -> std::io::Result<Vec<(u64, u64)>> {
@@ -1606,7 +1569,7 @@ fn range_status(shared: &Shared, addr: u64, len: u64) -> (DataStatus, Option<Reg
 }
 
 async fn serve_read_pack(
-    rd: &mut Inbound,
+    rd: &mut PlainStream,
     out: &mut Replies,
     shared: &Shared,
     hdr: &DataHeader,
@@ -1646,7 +1609,7 @@ async fn serve_read_pack(
 }
 
 async fn serve_write_pack(
-    rd: &mut Inbound,
+    rd: &mut PlainStream,
     out: &mut Replies,
     shared: &Shared,
     hdr: &DataHeader,
@@ -1685,7 +1648,7 @@ async fn serve_write_pack(
                 })
             })
             .collect();
-        read_exact_vectored_buffered(rd, &mut dsts).await?;
+        rd.read_exact_vectored(&mut dsts).await?;
     }
     let mut reply = DataReply { status: DataStatus::Ok, id: hdr.id, len: ranges.len() as u64 }
         .encode()
@@ -1696,7 +1659,7 @@ async fn serve_write_pack(
 }
 
 async fn serve_notify(
-    rd: &mut Inbound,
+    rd: &mut PlainStream,
     shared: &Shared,
     hdr: &DataHeader,
     from: &str,
@@ -1792,7 +1755,7 @@ async fn device_read(
 /// while piece k is written to the socket. An error closes the connection (the reply header
 /// already promised the bytes).
 async fn send_device(
-    wr: &mut OwnedWriteHalf,
+    wr: &mut PlainStream,
     stage: &mut Staging,
     dev: Arc<dyn DeviceMemory>,
     offset: u64,
@@ -1831,7 +1794,7 @@ async fn send_device(
 /// Receives `len` bytes into device memory at `addr` (inside `region`): piece k is copied into
 /// the device on a blocking thread while piece k+1 arrives.
 async fn receive_device(
-    rd: &mut Inbound,
+    rd: &mut PlainStream,
     stage: &mut Staging,
     region: &Region,
     addr: u64,
@@ -1873,7 +1836,7 @@ async fn receive_device(
 
 /// Reads and discards `len` bytes, or fails when that is more than `max` (the stream is then
 /// closed by the caller: resynchronising would cost more than reconnecting).
-async fn drain(rd: &mut Inbound, len: u64, max: u64) -> std::io::Result<()> {
+async fn drain(rd: &mut PlainStream, len: u64, max: u64) -> std::io::Result<()> {
     if len > max {
         return Err(std::io::Error::other(format!(
             "refused payload of {len} bytes is too large to drain"
