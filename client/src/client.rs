@@ -1165,6 +1165,11 @@ impl Client {
                 &scoped[..]
             }
         };
+        if let [key] = keys
+            && let Some(done) = self.get_one_cached(key, &mut dst).await
+        {
+            return vec![done];
+        }
         let n = keys.len();
         let mut out: Vec<Option<Result<(u64, u64, T)>>> = (0..n).map(|_| None).collect();
         let mut todo: Vec<usize> = (0..n).collect();
@@ -1241,6 +1246,48 @@ impl Client {
         out.into_iter()
             .map(|o| o.unwrap_or_else(|| Err(Error::new(ErrorKind::Internal, "get", "no result"))))
             .collect()
+    }
+
+    /// [`Client::get_items`] for one object whose location is cached, with none of a batch's
+    /// bookkeeping (a 4 KiB get's own work is a fifth of its time). `None`: no live location,
+    /// or the cached one no longer serves (forgotten here, as the batch path forgets it); the
+    /// caller then asks the master, as for any miss.
+    async fn get_one_cached<T, F>(&self, key: &str, dst: &mut F) -> Option<Result<(u64, u64, T)>>
+    where
+        F: FnMut(usize, &ObjectView) -> Result<((u64, u64), T)>,
+    {
+        let loc = self.inner.locations.get(key, Instant::now())?;
+        let (endpoint, addr, version) = (loc.endpoint.clone(), loc.addr, loc.version);
+        let view = Source::cached(loc).view;
+        let (d, t) = match dst(0, &view) {
+            Ok(got) => got,
+            Err(e) => return Some(Err(e.with_key(key))),
+        };
+        if view.size > d.1 {
+            // The cached size may be a replaced version's: ask the master.
+            drop(t);
+            self.inner.locations.forget(key);
+            return None;
+        }
+        let engine = &self.inner.engine;
+        let guard = crate::read_guard::encode(key, version);
+        let read = match engine.open_segment(&endpoint).await {
+            Ok(seg) => engine.read_guarded(&seg, d.0, addr, view.size, guard).await,
+            Err(e) => Err(e),
+        };
+        match read {
+            Ok(()) => {
+                self.inner.cache_hits.fetch_add(1, Ordering::Relaxed);
+                Some(Ok((view.size, view.version, t)))
+            }
+            Err(e) => {
+                drop(t);
+                self.forget_if_dead(&endpoint, &e).await;
+                self.inner.locations.forget(key);
+                self.inner.cache_misses.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
     }
 
     /// Where to read each key: its cached location (when `cached` and live), else what the
