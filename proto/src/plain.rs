@@ -109,8 +109,8 @@ const BUFFER_BYTES: usize = 16 << 10;
 /// Runs `attempt` (one system call on the socket; `Ok(true)` once the whole operation is
 /// done) until it is done. While attempts make progress the socket stays off the reactor; at
 /// the first `WouldBlock` it is registered, and stays so for the rest of this operation only:
-/// a payload larger than the socket's buffers waits many times and registers once (two
-/// `epoll_ctl` calls a wait cost a bulk transfer a few percent).
+/// a payload larger than the socket's buffers waits many times and registers once, not two
+/// `epoll_ctl` calls a wait.
 async fn drive(
     slot: &mut Option<std::net::TcpStream>,
     interest: Interest,
