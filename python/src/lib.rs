@@ -46,6 +46,8 @@ fn init_logging() {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     kvfs_client::keep_freed_buffers();
+    // An embedded node serves connections with two descriptors each (see the crate's note).
+    let _ = kvfs_transfer::raise_open_files_limit();
     m.add_class::<client::PyClient>()?;
     m.add_class::<store::MooncakeCore>()?;
     m.add_class::<memory::BufferHandle>()?;

@@ -407,6 +407,11 @@ fn run() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    // Served connections hold two descriptors each: room for many peers where the hard limit
+    // allows it.
+    if kvfs_transfer::raise_open_files_limit().is_none() {
+        tracing::debug!("the open files limit could not be read");
+    }
     let cli = Cli::parse_from(cmd::mooncake_flags::translate(std::env::args_os().collect())?);
     if let Cmd::Bench(BenchCmd::ReshardRank { args }) = &cli.cmd {
         // It runs its own runtime (two workers, as the test ranks do).

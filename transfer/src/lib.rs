@@ -24,6 +24,7 @@ mod config;
 mod engine;
 mod error;
 mod hostid;
+mod limits;
 mod memory;
 #[cfg(feature = "rdma")]
 mod rdma;
@@ -43,4 +44,5 @@ pub use error::{Error, ErrorKind, Result};
 pub use hostid::host_id;
 pub use kvfs_proto::auth::ClusterSecret;
 pub use kvfs_proto::transfer::{DataOp, ServedRequests};
+pub use limits::raise_open_files_limit;
 pub use memory::{Buffer, BufferOptions, DEVICE_CHUNK_BYTES, DeviceMemory, PageKind};
