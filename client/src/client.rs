@@ -1256,9 +1256,7 @@ impl Client {
     where
         F: FnMut(usize, &ObjectView) -> Result<((u64, u64), T)>,
     {
-        let loc = self.inner.locations.get(key, Instant::now())?;
-        let (endpoint, addr, version) = (loc.endpoint.clone(), loc.addr, loc.version);
-        let view = Source::cached(loc).view;
+        let view = Source::cached(self.inner.locations.get(key, Instant::now())?).view;
         let (d, t) = match dst(0, &view) {
             Ok(got) => got,
             Err(e) => return Some(Err(e.with_key(key))),
@@ -1269,10 +1267,11 @@ impl Client {
             self.inner.locations.forget(key);
             return None;
         }
-        let engine = &self.inner.engine;
-        let guard = crate::read_guard::encode(key, version);
-        let read = match engine.open_segment(&endpoint).await {
-            Ok(seg) => engine.read_guarded(&seg, d.0, addr, view.size, guard).await,
+        let (engine, replica) = (&self.inner.engine, &view.replicas[0]);
+        let endpoint = replica.endpoint.as_str();
+        let guard = crate::read_guard::encode(key, view.version);
+        let read = match engine.open_segment(endpoint).await {
+            Ok(seg) => engine.read_guarded(&seg, d.0, replica.addr, view.size, guard).await,
             Err(e) => Err(e),
         };
         match read {
@@ -1282,7 +1281,7 @@ impl Client {
             }
             Err(e) => {
                 drop(t);
-                self.forget_if_dead(&endpoint, &e).await;
+                self.forget_if_dead(endpoint, &e).await;
                 self.inner.locations.forget(key);
                 self.inner.cache_misses.fetch_add(1, Ordering::Relaxed);
                 None
