@@ -159,25 +159,33 @@ async fn drive(
     let sock = slot.take().ok_or_else(gone)?;
     let parked = matches!(sock, Sock::Parked(_));
     let registered = sock.registered()?;
-    let done = loop {
-        if let Err(e) = registered.ready(interest).await {
-            break Err(e);
-        }
+    let done = attempt_when_ready(&registered, interest, attempt).await;
+    *slot =
+        Some(if parked { Sock::Parked(registered) } else { Sock::Plain(registered.into_std()?) });
+    done
+}
+
+/// Waits until `registered` is ready for `interest` and runs `attempt` on it, again and again,
+/// until the attempt is done.
+async fn attempt_when_ready(
+    registered: &tokio::net::TcpStream,
+    interest: Interest,
+    mut attempt: impl FnMut(&socket2::Socket) -> std::io::Result<bool>,
+) -> std::io::Result<()> {
+    loop {
+        registered.ready(interest).await?;
         // `try_io` clears the readiness an attempt finds stale (`WouldBlock`).
-        match registered.try_io(interest, || attempt(&socket2::SockRef::from(&registered))) {
-            Ok(true) => break Ok(()),
+        match registered.try_io(interest, || attempt(&socket2::SockRef::from(registered))) {
+            Ok(true) => return Ok(()),
             Ok(false) => {}
             Err(e)
                 if matches!(
                     e.kind(),
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
                 ) => {}
-            Err(e) => break Err(e),
+            Err(e) => return Err(e),
         }
-    };
-    *slot =
-        Some(if parked { Sock::Parked(registered) } else { Sock::Plain(registered.into_std()?) });
-    done
+    }
 }
 
 pub struct PlainStream {
@@ -245,26 +253,14 @@ impl PlainStream {
             // Nothing to receive into (a writer's stream): readiness is all there is.
             registered.ready(Interest::READABLE).await.map(|_| ())
         } else {
-            loop {
-                // Receiving (not only waiting for readiness) clears a readiness left over from an
-                // earlier message, which would end this wait at once with nothing there.
-                let recv = || (&*socket2::SockRef::from(&registered)).read(ahead.room());
-                match registered.try_io(Interest::READABLE, recv) {
-                    Ok(n) => {
-                        ahead.filled(n);
-                        break Ok(());
-                    }
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                        ) => {}
-                    Err(e) => break Err(e),
-                }
-                if let Err(e) = registered.ready(Interest::READABLE).await {
-                    break Err(e);
-                }
-            }
+            // Receiving (not only waiting for readiness) clears a readiness left over from an
+            // earlier message, which would end this wait at once with nothing there.
+            attempt_when_ready(&registered, Interest::READABLE, |mut s| {
+                let n = s.read(ahead.room())?;
+                ahead.filled(n);
+                Ok(true)
+            })
+            .await
         };
         self.sock = Some(Sock::Parked(registered));
         got
