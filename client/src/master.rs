@@ -252,11 +252,26 @@ impl MasterLink {
         }
     }
 
-    /// The live connection, connecting (and saying hello) if there is none.
+    /// The live connection, connecting (and saying hello) if there is none. Through etcd, a
+    /// master that is not (or no longer, or not yet) serving as the leader, or a leader that
+    /// cannot be reached, is waited past as a call does: within the link's timeout, for the
+    /// next leader. (Without it a client that connected while a leader was being elected, or
+    /// while a dead leader's key was still in etcd, failed at once: "this master is a standby:
+    /// no leader is elected yet" from the winner's standby answerer, which answers until the
+    /// winner starts serving.)
     pub async fn conn(&self) -> Result<RpcConn> {
-        match self.conn_term().await {
-            Ok((c, _)) => Ok(c),
-            Err(r) => Err(r.into_error("connect to master")),
+        let started = Instant::now();
+        loop {
+            match self.conn_term().await {
+                Ok((c, _)) => return Ok(c),
+                Err(r @ (Refusal::NotLeader(_) | Refusal::Unreached(_))) => {
+                    if !self.next_leader(started).await {
+                        return Err(r.into_error("connect to master"));
+                    }
+                    tracing::debug!("no leader answered the connection; trying the leader again");
+                }
+                Err(r) => return Err(r.into_error("connect to master")),
+            }
         }
     }
 

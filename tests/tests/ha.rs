@@ -244,6 +244,22 @@ async fn a_killed_leader_is_replaced_and_every_acknowledged_object_survives() {
     assert_eq!(c.stats().await.expect("stats").nodes, 2);
 }
 
+/// A client that connects while the leader is dead and its key still names it in etcd waits
+/// for the next leader within its timeout, as its calls do, instead of failing on the dead
+/// address (or on the winner's standby answerer, which answers until the winner serves).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_connecting_while_the_leader_is_dead_waits_for_the_next_one() {
+    let mut ha = cluster(1).await;
+    let (old, old_term) = ha.leader().await.expect("a leader");
+    ha.master_proc(&old).take().expect("leader running").kill();
+    let c = ha.client().await;
+    put_retrying(&c, "dead/after", &content(7, 5000)).await;
+    assert_eq!(get_retrying(&c, "dead/after").await, content(7, 5000));
+    let (new, new_term) = ha.leader().await.expect("a leader");
+    assert_ne!(new, old);
+    assert!(new_term > old_term);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_leader_is_deposed_and_refuses_to_act_when_it_resumes() {
     let mut ha = cluster(1).await;
