@@ -249,19 +249,15 @@ impl PlainStream {
         }
         let registered = self.sock.take().ok_or_else(gone)?.registered()?;
         let ahead = &mut self.ahead;
-        let got = if ahead.buf.is_empty() {
-            // Nothing to receive into (a writer's stream): readiness is all there is.
-            registered.ready(Interest::READABLE).await.map(|_| ())
-        } else {
-            // Receiving (not only waiting for readiness) clears a readiness left over from an
-            // earlier message, which would end this wait at once with nothing there.
-            attempt_when_ready(&registered, Interest::READABLE, |mut s| {
-                let n = s.read(ahead.room())?;
-                ahead.filled(n);
-                Ok(true)
-            })
-            .await
-        };
+        // Receiving (not only waiting for readiness) clears a readiness left over from an
+        // earlier message, which would end this wait at once with nothing there. (A stream
+        // with no read-ahead room, a writer's, receives nothing: its wait ends once readable.)
+        let got = attempt_when_ready(&registered, Interest::READABLE, |mut s| {
+            let n = s.read(ahead.room())?;
+            ahead.filled(n);
+            Ok(true)
+        })
+        .await;
         self.sock = Some(Sock::Parked(registered));
         got
     }
@@ -545,10 +541,8 @@ mod tests {
         for (i, len) in [1usize, 9, 40_000, 3].into_iter().enumerate() {
             let msg: Vec<u8> = (0..len).map(|b| (b + i) as u8).collect();
             tx.send(msg.clone()).await.unwrap();
-            let t = std::time::Instant::now();
             p.wait_readable().await.unwrap();
             assert!(p.has_buffered(), "message {i}: the wait ended with nothing to read");
-            assert!(t.elapsed() >= Duration::from_millis(15), "message {i}: ended early");
             assert!(matches!(p.sock, Some(Sock::Parked(_))), "message {i}: not kept registered");
             let mut got = vec![0u8; len];
             p.read_exact(&mut got).await.unwrap();
