@@ -264,13 +264,7 @@ impl MasterLink {
         loop {
             match self.conn_term().await {
                 Ok((c, _)) => return Ok(c),
-                Err(r @ (Refusal::NotLeader(_) | Refusal::Unreached(_))) => {
-                    if !self.next_leader(started).await {
-                        return Err(r.into_error("connect to master"));
-                    }
-                    tracing::debug!("no leader answered the connection; trying the leader again");
-                }
-                Err(r) => return Err(r.into_error("connect to master")),
+                Err(r) => self.again_after(r, started, "connect to master").await?,
             }
         }
     }
@@ -461,15 +455,22 @@ impl MasterLink {
                 _ => self.call_once(op, req, timeout).await,
             };
             match r {
-                Err(r @ (Refusal::NotLeader(_) | Refusal::Unreached(_))) => {
-                    if !self.next_leader(started).await {
-                        return Err(r.into_error(op));
-                    }
-                    tracing::debug!(op, "no leader answered; trying the leader again");
-                }
-                Err(r) => return Err(r.into_error(op)),
                 Ok(resp) => return Ok(resp),
+                Err(r) => self.again_after(r, started, op).await?,
             }
+        }
+    }
+
+    /// After a refusal of `op` begun at `started`: `Ok` to try again once a next leader may
+    /// answer (`NotLeader` or an unreachable leader, within the link's timeout, through etcd);
+    /// else the refusal as `op`'s error.
+    async fn again_after(&self, r: Refusal, started: Instant, op: &'static str) -> Result<()> {
+        match r {
+            Refusal::NotLeader(_) | Refusal::Unreached(_) if self.next_leader(started).await => {
+                tracing::debug!(op, "no leader answered; trying the leader again");
+                Ok(())
+            }
+            r => Err(r.into_error(op)),
         }
     }
 
