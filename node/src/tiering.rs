@@ -27,21 +27,22 @@
 //!   pending DRAM range and put it into the object store with the object's header.
 //! - **Lazy persistence**: a committed `Lazy` object is enqueued (with its blake3, hashed now
 //!   if the writer sent none) in the crash-safe write-back queue; its `Persisted` event is
-//!   reported as an object-store copy. Objects a full queue (`Busy`) refused wait in a backlog
-//!   retried each round.
+//!   reported as an object-store copy (a report the master did not take is made again each
+//!   round; the copy counts as persisted once it is taken). Objects a full queue (`Busy`)
+//!   refused, or whose copy moved while it was hashed, wait in a backlog retried each round.
 //!
 //! The policy's access signal: the reads the master granted of this node's objects, handed
 //! back with each heartbeat (clients read node memory without the node's code seeing it).
 //!
 //! Limits: one tier move at a time (the round runs actions in order, at most
 //! `actions_per_round_max`), byte rates capped by the policy's token buckets, write-back queue
-//! bounded in entries and bytes, write-back retries re-enqueue at most 64 objects a round (the
-//! backlog itself is bounded by the objects the node holds).
+//! bounded in entries and bytes, write-back and report retries take at most 64 objects each a
+//! round (the backlog and the unreported set are bounded by the objects the node holds).
 //!
 //! Not handled: moving objects between nodes; demoting HBM objects straight to NVMe (they go
 //! through DRAM); demoting objects the policy never heard of (every commit and load tells it).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -94,6 +95,9 @@ pub(super) struct Tiers {
     events: Mutex<Option<mpsc::UnboundedReceiver<WritebackEvent>>>,
     /// Lazy objects whose enqueue the full queue refused, retried each round.
     backlog: Mutex<BTreeSet<String>>,
+    /// Write-backs done whose report the master did not take (unreachable, timed out, a
+    /// standby answering): key -> version, reported again each round.
+    unreported: Mutex<BTreeMap<String, u64>>,
     policy: Mutex<TierPolicy>,
     counters: Counters,
     hbm_available: bool,
@@ -177,6 +181,7 @@ impl Tiers {
             writeback,
             events: Mutex::new(events),
             backlog: Mutex::default(),
+            unreported: Mutex::default(),
             policy: Mutex::new(TierPolicy::new(t.policy)),
             counters: Counters::default(),
             hbm_available: p.hbm_available,
@@ -892,7 +897,13 @@ impl Inner {
                 Some(c) => c,
                 None => match self.hash_copy(&key, &h).await {
                     Some(c) => c,
-                    None => continue,
+                    // The copy moved while it was hashed (demoted: its NVMe copy has a
+                    // checksum) or was replaced (the new version's commit enqueues it):
+                    // the next round looks again.
+                    None => {
+                        lock(&self.tiers.backlog).insert(key);
+                        continue;
+                    }
                 },
             };
             let meta = ObjectMeta {
@@ -955,6 +966,44 @@ impl Inner {
         };
         if !keys.is_empty() {
             self.enqueue_writebacks(keys).await;
+        }
+    }
+
+    /// Reports of finished write-backs the master did not take: at most 64 a round, each
+    /// while the node still holds that version (a newer version has its own write-back).
+    async fn retry_reports(&self, link: &MasterLink) {
+        let items: Vec<(String, u64)> = {
+            let mut pending = lock(&self.tiers.unreported);
+            let take: Vec<(String, u64)> =
+                pending.iter().take(64).map(|(k, v)| (k.clone(), *v)).collect();
+            for (k, _) in &take {
+                pending.remove(k);
+            }
+            take
+        };
+        for (key, version) in items {
+            let held = lock(&self.index).objects.get(&key).is_some_and(|h| h.version == version);
+            if !held {
+                continue;
+            }
+            match self.report(link, persisted_report(&key, version)).await {
+                Ok(_) => {
+                    let h = {
+                        let mut idx = lock(&self.index);
+                        if let Some(h) = idx.objects.get_mut(&key).filter(|h| h.version == version)
+                        {
+                            h.persisted = true;
+                        }
+                        idx.objects.get(&key).cloned()
+                    };
+                    self.policy_sync(&key, h.as_ref());
+                }
+                Err(e) if e.kind() == ErrorKind::Unavailable => {
+                    tracing::debug!(key, error = %e, "write-back report failed again");
+                    lock(&self.tiers.unreported).insert(key, version);
+                }
+                Err(e) => tracing::debug!(key, error = %e, "write-back report refused on retry"),
+            }
         }
     }
 
@@ -1241,6 +1290,7 @@ impl Inner {
     /// One round of the tier manager.
     async fn round(&self, link: &MasterLink) {
         self.retry_writebacks().await;
+        self.retry_reports(link).await;
         if self.tiers.nvme.is_none() && self.hbm.is_none() {
             return;
         }
@@ -1288,6 +1338,17 @@ async fn rounds(inner: Arc<Inner>, link: Arc<MasterLink>) {
     }
 }
 
+/// The report of `key` at `version` written back to the object store.
+fn persisted_report(key: &str, version: u64) -> ReplicaReport {
+    ReplicaReport {
+        key: key.to_owned(),
+        version,
+        checksum: None,
+        add: Some(ReplicaLoc::ObjectStore),
+        remove: None,
+    }
+}
+
 /// Reports finished write-backs to the master.
 async fn writeback_events(
     inner: Arc<Inner>,
@@ -1298,26 +1359,20 @@ async fn writeback_events(
         match ev {
             WritebackEvent::Persisted { key, version, .. } => {
                 inner.tiers.counters.writeback_persisted.fetch_add(1, Ordering::Relaxed);
-                let item = ReplicaReport {
-                    key: key.clone(),
-                    version,
-                    checksum: None,
-                    add: Some(ReplicaLoc::ObjectStore),
-                    remove: None,
-                };
-                // The copy counts as persisted here only once the master has not refused it:
-                // a rename that arrives before the master took the report must still find
-                // the object unpersisted, so it queues a write-back under the new name (the
-                // master, not knowing the copy, does not move it, and the report then fails
-                // as the old name is gone). Lost reports are not retried: the registration
-                // carries `persisted`, and a restarted master finds the object in its scan.
-                let report = inner.report(&link, item).await;
+                // The copy counts as persisted here only once the master took the report: a
+                // rename that arrives before must still find the object unpersisted, so it
+                // queues a write-back under the new name (the master, not knowing the copy,
+                // does not move it, and the report then fails as the old name is gone). A
+                // report the master did not take (unreachable, timed out) is made again each
+                // round (`retry_reports`): until then a live master would not know the object
+                // is safe in the object store.
+                let report = inner.report(&link, persisted_report(&key, version)).await;
                 let refused = matches!(&report, Err(e) if e.kind() == ErrorKind::NotFound);
                 let h = {
                     let mut idx = lock(&inner.index);
                     if let Some(h) = idx.objects.get_mut(&key).filter(|h| h.version == version) {
                         h.queued = false;
-                        h.persisted |= !refused;
+                        h.persisted |= report.is_ok();
                     }
                     idx.objects.get(&key).cloned()
                 };
@@ -1334,7 +1389,13 @@ async fn writeback_events(
                             tracing::warn!(key, error = %e, "stale write-back not deleted");
                         }
                     }
-                    Err(e) => tracing::debug!(key, error = %e, "write-back report not accepted"),
+                    // Unreachable, timed out, no leader: made again each round.
+                    Err(e) if e.kind() == ErrorKind::Unavailable => {
+                        tracing::warn!(key, error = %e, "write-back report not taken; retried");
+                        lock(&inner.tiers.unreported).insert(key, version);
+                    }
+                    // Refused (another version now): the next version has its own write-back.
+                    Err(e) => tracing::debug!(key, error = %e, "write-back report refused"),
                     Ok(_) => {}
                 }
             }

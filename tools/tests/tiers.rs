@@ -277,6 +277,23 @@ impl Cluster {
         Ok(line.rsplit(' ').next().unwrap_or("").parse()?)
     }
 
+    /// The tail of every process log of the cluster on stderr (for a test that fails with an
+    /// error rather than a panic, which the processes' own drop does not see).
+    fn print_logs(&self) {
+        let Ok(dir) = std::fs::read_dir(self.dir.path()) else { return };
+        let mut logs: Vec<PathBuf> = dir
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "log"))
+            .collect();
+        logs.sort();
+        for log in logs {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = lines[lines.len().saturating_sub(60)..].join("\n");
+            eprintln!("----- {} -----\n{tail}", log.display());
+        }
+    }
+
     async fn wait_metric(&self, prefix: &str, at_least: f64) -> Result<()> {
         wait_for(&format!("{prefix} >= {at_least}"), || async {
             (self.metric(prefix).ok()? >= at_least).then_some(())
@@ -565,8 +582,11 @@ async fn a_lazy_queue_killed_loses_nothing_it_acknowledged() -> Result<()> {
     for r in c.put_batch(&items, &opts(Persistence::Lazy)).await {
         r?;
     }
-    let acknowledged: Vec<String> = wait_for("a few write-backs acknowledged", || async {
+    let last = std::sync::Mutex::new(String::new());
+    let acknowledged = wait_for("a few write-backs acknowledged", || async {
         let views = c.stat_batch(&keys).await;
+        let errors: Vec<String> =
+            views.iter().filter_map(|v| v.as_ref().err()).map(|e| e.to_string()).collect();
         let done: Vec<String> = views
             .iter()
             .zip(&keys)
@@ -575,9 +595,18 @@ async fn a_lazy_queue_killed_loses_nothing_it_acknowledged() -> Result<()> {
             })
             .map(|(_, k)| k.to_string())
             .collect();
+        *last.lock().unwrap() =
+            format!("{} persisted, {} stat errors {:?}", done.len(), errors.len(), errors.first());
         (done.len() >= 3).then_some(done)
     })
-    .await?;
+    .await;
+    let acknowledged = match acknowledged {
+        Ok(a) => a,
+        Err(e) => {
+            cl.print_logs();
+            bail!("{e} (last seen: {})", last.lock().unwrap());
+        }
+    };
     cl.kill_all();
     eprintln!(
         "{} of {} acknowledged as persisted before the kill",
