@@ -88,10 +88,13 @@ struct Entry {
     /// change (0: never held on GPU by a local owner, so empty).
     gpu_version: u64,
     /// The GPU owners that the block before it in the last query held and it does not (see
-    /// [`DropMemo`]); a query takes it out and puts it back.
-    drops: Cell<Option<Box<DropMemo>>>,
+    /// [`DropMemo`]), read with the entry's first line.
+    drops: Cell<DropMemo>,
     /// The fastest medium a shared holder has the block on (3: none), kept with `shared`.
     shared_best: u8,
+    /// The owners of a [`DropMemo`] of more than [`DROPS_INLINE`] (a query takes them out and
+    /// puts them back).
+    spilled: Cell<Option<Vec<OwnerId>>>,
     /// Sorted ids of the local owners holding the block, per medium.
     local: [OwnerSet; 3],
     /// Sorted ids of the shared holders holding the block, per medium.
@@ -106,23 +109,38 @@ struct Entry {
 /// both versions stand, the next query through the same two blocks drops these owners and
 /// reads neither set: a chain that owners hold as prefixes of different lengths changes by an
 /// owner or two a block, where the sets themselves are thousands of bits.
+///
+/// Kept in the entry itself (a walk reads it with the entry's first line, which the lookup
+/// brought in, and not through a pointer to another cache miss, which took a fifth of a walk
+/// of 8,192 blocks): the usual one or two owners inline, more in `Entry::spilled`. A fresh
+/// entry's memo (versions 0, nothing drops) is true of two blocks that never had GPU owners.
+#[derive(Clone, Copy, Default)]
 struct DropMemo {
     before_version: u64,
     version: u64,
-    /// `None`: more than [`DROPS_MAX`] owners drop here; the walk intersects the sets.
-    owners: Option<Vec<OwnerId>>,
+    /// How many owners drop: up to [`DROPS_INLINE`], listed in `owners`; up to [`DROPS_MAX`],
+    /// listed in `Entry::spilled`; [`DROPS_MANY`]: more, the walk intersects the sets.
+    count: u32,
+    owners: [OwnerId; DROPS_INLINE],
 }
+
+/// Owners a [`DropMemo`] lists in the entry.
+const DROPS_INLINE: usize = 2;
 
 /// The most owners a [`DropMemo`] lists (bounds its memory at a few hundred bytes a block).
 const DROPS_MAX: usize = 64;
+
+/// [`DropMemo::count`] of a block where more than [`DROPS_MAX`] owners drop.
+const DROPS_MANY: u32 = u32::MAX;
 
 impl Entry {
     fn new(queued: u64) -> Entry {
         Entry {
             stamp: Cell::new(0),
             gpu_version: 0,
-            drops: Cell::new(None),
+            drops: Cell::new(DropMemo::default()),
             shared_best: 3,
+            spilled: Cell::new(None),
             local: Default::default(),
             shared: Default::default(),
             queued,
@@ -517,37 +535,42 @@ impl GpuWalk {
         self.shrink();
     }
 
-    /// Block `i`, `here`, after `before`: the owners that drop are the ones the block's memo
-    /// lists (see [`DropMemo`]), else the bitset is ANDed with the block's GPU owners.
-    fn step(&mut self, before: &Entry, here: &Entry, i: usize) {
+    /// Block `i` of `found`, whose memo read in the lookups was `memo` and GPU versions
+    /// (this block's and the one before) `versions`: the owners that drop are the ones the
+    /// memo lists (see [`DropMemo`]), else the bitset is ANDed with the block's GPU owners.
+    fn step(&mut self, found: &[&Entry], i: usize, memo: DropMemo, versions: (u64, u64)) {
         if self.lo >= self.hi {
             return;
         }
-        let memo = match here.drops.take() {
-            Some(m) if m.before_version == before.gpu_version && m.version == here.gpu_version => m,
-            stale => {
-                let mut m = stale.unwrap_or_else(|| {
-                    Box::new(DropMemo { before_version: 0, version: 0, owners: None })
-                });
-                m.before_version = before.gpu_version;
-                m.version = here.gpu_version;
-                m.owners = drops_between(&before.local[0], &here.local[0], m.owners.take());
-                m
-            }
-        };
-        match &memo.owners {
-            // `alive` is within the owners of the block before, so taking out the ones that
-            // drop here is intersecting it with this block's owners.
-            Some(owners) => {
-                for &o in owners {
-                    let (w, bit) = (o as usize / 64, 1u64 << (o % 64));
-                    if self.alive[w] & bit != 0 {
-                        self.alive[w] &= !bit;
-                        self.gpu[o as usize] = i as u32;
-                    }
+        let (before_version, version) = versions;
+        let here = found[i];
+        let memo = if memo.before_version == before_version && memo.version == version {
+            memo
+        } else {
+            let spill = here.spilled.take();
+            let mut m = DropMemo { before_version, version, ..DropMemo::default() };
+            match drops_between(&found[i - 1].local[0], &here.local[0], spill) {
+                Some(owners) if owners.len() <= DROPS_INLINE => {
+                    m.count = owners.len() as u32;
+                    m.owners[..owners.len()].copy_from_slice(&owners);
                 }
+                Some(owners) => {
+                    m.count = owners.len() as u32;
+                    here.spilled.set(Some(owners));
+                }
+                None => m.count = DROPS_MANY,
             }
-            None => intersect(
+            here.drops.set(m);
+            m
+        };
+        match memo.count as usize {
+            n if n <= DROPS_INLINE => self.drop_owners(&memo.owners[..n], i),
+            n if n <= DROPS_MAX => {
+                let owners = here.spilled.take().unwrap_or_default();
+                self.drop_owners(&owners, i);
+                here.spilled.set(Some(owners));
+            }
+            _ => intersect(
                 &mut self.alive,
                 &mut self.next,
                 self.lo,
@@ -557,8 +580,19 @@ impl GpuWalk {
                 &mut self.gpu,
             ),
         }
-        here.drops.set(Some(memo));
         self.shrink();
+    }
+
+    /// `alive` is within the owners of the block before, so taking out the ones that drop at
+    /// block `i` is intersecting it with this block's owners.
+    fn drop_owners(&mut self, owners: &[OwnerId], i: usize) {
+        for &o in owners {
+            let (w, bit) = (o as usize / 64, 1u64 << (o % 64));
+            if self.alive[w] & bit != 0 {
+                self.alive[w] &= !bit;
+                self.gpu[o as usize] = i as u32;
+            }
+        }
     }
 
     fn shrink(&mut self) {
@@ -899,19 +933,24 @@ impl Index {
         // between them they measured 15% slower at 8,192 blocks); then the GPU phase, a walk
         // over a bitset of the owners still matching (an owner whose bit drops at block i
         // matched i blocks; see `GpuWalk`).
+        // What the walk reads of each entry is copied out in the lookups, from the line they
+        // brought in, so the walk reads entries again only where owners drop beyond a memo's
+        // inline room or memos are stale.
         let mut found: Vec<&Entry> = Vec::with_capacity(hashes.len());
         let mut best: Vec<u8> = Vec::with_capacity(hashes.len());
+        let mut memos: Vec<(DropMemo, u64)> = Vec::with_capacity(hashes.len());
         let mut walk = GpuWalk::new(self.owners.len());
         for h in hashes {
             let Some(e) = cx.blocks.get(h) else { break };
             e.stamp.set(now);
             best.push(e.shared_best);
+            memos.push((e.drops.get(), e.gpu_version));
             found.push(e);
         }
         for (i, e) in found.iter().enumerate() {
             match i {
                 0 => walk.start(&e.local[0]),
-                _ => walk.step(found[i - 1], e, i),
+                _ => walk.step(&found, i, memos[i].0, (memos[i - 1].1, memos[i].1)),
             }
         }
         let n = found.len();
