@@ -969,8 +969,9 @@ impl Inner {
         }
     }
 
-    /// Reports of finished write-backs the master did not take: at most 64 a round, each
-    /// while the node still holds that version (a newer version has its own write-back).
+    /// Reports of finished write-backs the master did not take: at most 64 a round, in one
+    /// call (a master still away costs the round one timeout), each while the node still holds
+    /// that version (a newer version has its own write-back).
     async fn retry_reports(&self, link: &MasterLink) {
         let items: Vec<(String, u64)> = {
             let mut pending = lock(&self.tiers.unreported);
@@ -979,14 +980,28 @@ impl Inner {
             for (k, _) in &take {
                 pending.remove(k);
             }
-            take
+            let idx = lock(&self.index);
+            take.into_iter()
+                .filter(|(k, v)| idx.objects.get(k).is_some_and(|h| h.version == *v))
+                .collect()
         };
-        for (key, version) in items {
-            let held = lock(&self.index).objects.get(&key).is_some_and(|h| h.version == version);
-            if !held {
-                continue;
+        if items.is_empty() {
+            return;
+        }
+        let req = MasterRequest::ReportReplicas {
+            node: self.id,
+            items: items.iter().map(|(k, v)| persisted_report(k, *v)).collect(),
+        };
+        let answers = match link.call("report", &req).await {
+            Ok(MasterResponse::ReportReplicas(v)) if v.len() == items.len() => v,
+            other => {
+                tracing::debug!(reports = items.len(), answer = ?other.err(), "write-back reports failed again");
+                lock(&self.tiers.unreported).extend(items);
+                return;
             }
-            match self.report(link, persisted_report(&key, version)).await {
+        };
+        for ((key, version), answer) in items.into_iter().zip(answers) {
+            match answer {
                 Ok(_) => {
                     let h = {
                         let mut idx = lock(&self.index);
@@ -998,11 +1013,9 @@ impl Inner {
                     };
                     self.policy_sync(&key, h.as_ref());
                 }
-                Err(e) if e.kind() == ErrorKind::Unavailable => {
-                    tracing::debug!(key, error = %e, "write-back report failed again");
-                    lock(&self.tiers.unreported).insert(key, version);
+                Err(e) => {
+                    tracing::debug!(key, error = %e.message, "write-back report refused on retry")
                 }
-                Err(e) => tracing::debug!(key, error = %e, "write-back report refused on retry"),
             }
         }
     }

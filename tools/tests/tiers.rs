@@ -143,6 +143,8 @@ struct Cluster {
     runs: usize,
     /// More flags for the master.
     master_args: Vec<String>,
+    /// The master's `--node-ttl-ms`.
+    node_ttl_ms: u64,
 }
 
 impl Cluster {
@@ -158,6 +160,7 @@ impl Cluster {
             nodes: Vec::new(),
             runs: 0,
             master_args: Vec::new(),
+            node_ttl_ms: 1500,
         })
     }
 
@@ -176,7 +179,7 @@ impl Cluster {
             "--heartbeat-ms",
             "100",
             "--node-ttl-ms",
-            "1500",
+            &self.node_ttl_ms.to_string(),
             "--lease-ttl-ms",
             "300",
             "--recovery-grace-ms",
@@ -621,6 +624,36 @@ async fn a_lazy_queue_killed_loses_nothing_it_acknowledged() -> Result<()> {
         let got = c.get(k).await.with_context(|| format!("acknowledged {k} after the kill"))?;
         ensure!(got == objects[k], "{k} read back different");
     }
+    Ok(())
+}
+
+/// A write-back that finishes while the master does not answer (stopped with SIGSTOP past the
+/// node's 5 s call timeout) is reported once it answers again: the master learns that the
+/// object is in the object store without a restart's scan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_back_report_the_master_missed_is_made_again() -> Result<()> {
+    let mut cl = Cluster::new(|d| Store::fs(&d.join("objects")))?;
+    // The node stays registered through the pause.
+    cl.node_ttl_ms = 60_000;
+    let roomy = NodeOpts { dram: "96MiB", ..NodeOpts::default() };
+    cl.start_master()?;
+    cl.start_node(0, 0, &roomy)?;
+    let c = cl.client().await?;
+    cl.ready(&c, 1).await?;
+    let data = pattern(24 * MIB, 7);
+    c.put("missed/report", &data, &opts(Persistence::Lazy)).await?;
+    // The write-back (24 MiB hashed and written) is under way; its report meets a stopped
+    // master.
+    let pid = cl.master.as_ref().context("master")?.child.id().to_string();
+    ensure!(Command::new("kill").args(["-STOP", &pid]).status()?.success(), "SIGSTOP");
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    ensure!(Command::new("kill").args(["-CONT", &pid]).status()?.success(), "SIGCONT");
+    let seen = wait_tiers(&c, "missed/report", &[Tier::Dram, Tier::ObjectStore]).await;
+    if seen.is_err() {
+        cl.print_logs();
+    }
+    seen?;
+    ensure!(c.get("missed/report").await? == data, "read back different");
     Ok(())
 }
 
