@@ -741,7 +741,7 @@ impl Query<'_> {
         // Runs looked up and missed (their first block, their key, and the full digest of
         // their last block once known), so the runs this query completes are remembered.
         let mut missed_runs: Vec<(usize, u128, Option<Vec<u8>>)> = Vec::new();
-        let mut scratch = Vec::new();
+        let mut scratch = crate::hash::ChainScratch::default();
         let (mut step, mut next_check) = (4, 4);
         // Held across a run of hits; let go to hash a miss and to ask the index.
         let mut memo = None;
