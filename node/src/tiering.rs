@@ -958,11 +958,7 @@ impl Inner {
     async fn retry_writebacks(&self) {
         let keys: Vec<String> = {
             let mut backlog = lock(&self.tiers.backlog);
-            let take: Vec<String> = backlog.iter().take(64).cloned().collect();
-            for k in &take {
-                backlog.remove(k);
-            }
-            take
+            std::iter::from_fn(|| backlog.pop_first()).take(64).collect()
         };
         if !keys.is_empty() {
             self.enqueue_writebacks(keys).await;
@@ -973,15 +969,14 @@ impl Inner {
     /// call (a master still away costs the round one timeout), each while the node still holds
     /// that version (a newer version has its own write-back).
     async fn retry_reports(&self, link: &MasterLink) {
-        let items: Vec<(String, u64)> = {
+        let taken: Vec<(String, u64)> = {
             let mut pending = lock(&self.tiers.unreported);
-            let take: Vec<(String, u64)> =
-                pending.iter().take(64).map(|(k, v)| (k.clone(), *v)).collect();
-            for (k, _) in &take {
-                pending.remove(k);
-            }
+            std::iter::from_fn(|| pending.pop_first()).take(64).collect()
+        };
+        let items: Vec<(String, u64)> = {
             let idx = lock(&self.index);
-            take.into_iter()
+            taken
+                .into_iter()
                 .filter(|(k, v)| idx.objects.get(k).is_some_and(|h| h.version == *v))
                 .collect()
         };
@@ -1002,22 +997,27 @@ impl Inner {
         };
         for ((key, version), answer) in items.into_iter().zip(answers) {
             match answer {
-                Ok(_) => {
-                    let h = {
-                        let mut idx = lock(&self.index);
-                        if let Some(h) = idx.objects.get_mut(&key).filter(|h| h.version == version)
-                        {
-                            h.persisted = true;
-                        }
-                        idx.objects.get(&key).cloned()
-                    };
-                    self.policy_sync(&key, h.as_ref());
-                }
+                Ok(_) => drop(self.writeback_settled(&key, version, true)),
                 Err(e) => {
                     tracing::debug!(key, error = %e.message, "write-back report refused on retry")
                 }
             }
         }
+    }
+
+    /// A write-back of `key` at `version` is over (no longer queued), its copy persisted if
+    /// the master took its report; the policy learns of it. Returns the entry now held.
+    fn writeback_settled(&self, key: &str, version: u64, persisted: bool) -> Option<Held> {
+        let h = {
+            let mut idx = lock(&self.index);
+            if let Some(h) = idx.objects.get_mut(key).filter(|h| h.version == version) {
+                h.queued = false;
+                h.persisted |= persisted;
+            }
+            idx.objects.get(key).cloned()
+        };
+        self.policy_sync(key, h.as_ref());
+        h
     }
 
     // ----- tier moves ---------------------------------------------------------------------
@@ -1381,15 +1381,7 @@ async fn writeback_events(
                 // is safe in the object store.
                 let report = inner.report(&link, persisted_report(&key, version)).await;
                 let refused = matches!(&report, Err(e) if e.kind() == ErrorKind::NotFound);
-                let h = {
-                    let mut idx = lock(&inner.index);
-                    if let Some(h) = idx.objects.get_mut(&key).filter(|h| h.version == version) {
-                        h.queued = false;
-                        h.persisted |= report.is_ok();
-                    }
-                    idx.objects.get(&key).cloned()
-                };
-                inner.policy_sync(&key, h.as_ref());
+                let h = inner.writeback_settled(&key, version, report.is_ok());
                 match report {
                     Err(_) if refused => {
                         // Removed or renamed while it was uploaded: the copy is nobody's, and
