@@ -71,19 +71,17 @@ impl Drop for Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
         if std::thread::panicking() {
-            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-            let tail: String = log
-                .lines()
-                .rev()
-                .take(40)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-                .collect::<Vec<_>>()
-                .join("\n");
-            eprintln!("----- {} -----\n{tail}", self.log.display());
+            print_tail(&self.log, 40);
         }
     }
+}
+
+/// The last `lines` lines of the log file `log` on stderr, under its name.
+fn print_tail(log: &Path, lines: usize) {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    let tail = all[all.len().saturating_sub(lines)..].join("\n");
+    eprintln!("----- {} -----\n{tail}", log.display());
 }
 
 /// Where persisted objects go, as command-line flags.
@@ -290,10 +288,7 @@ impl Cluster {
             .collect();
         logs.sort();
         for log in logs {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            let tail = lines[lines.len().saturating_sub(60)..].join("\n");
-            eprintln!("----- {} -----\n{tail}", log.display());
+            print_tail(&log, 60);
         }
     }
 
