@@ -931,12 +931,11 @@ impl Index {
         let cx = &self.contexts[c as usize];
         // The lookups first, alone in their loop so they overlap (with the walk's work
         // between them they measured 15% slower at 8,192 blocks, and with the memo inline
-        // still 311-318 us against 220-224); then the GPU phase, a walk
-        // over a bitset of the owners still matching (an owner whose bit drops at block i
-        // matched i blocks; see `GpuWalk`).
-        // What the walk reads of each entry is copied out in the lookups, from the line they
-        // brought in, so the walk reads entries again only where owners drop beyond a memo's
-        // inline room or memos are stale.
+        // still 311-318 us against 220-224); then the GPU phase, a walk over a bitset of the
+        // owners still matching (an owner whose bit drops at block i matched i blocks; see
+        // `GpuWalk`). What the walk reads of each entry is copied out in the lookups, from the
+        // line they brought in, so the walk reads entries again only where owners drop beyond
+        // a memo's inline room or memos are stale.
         let mut found: Vec<&Entry> = Vec::with_capacity(hashes.len());
         let mut best: Vec<u8> = Vec::with_capacity(hashes.len());
         let mut memos: Vec<(DropMemo, u64)> = Vec::with_capacity(hashes.len());
