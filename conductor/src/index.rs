@@ -23,9 +23,16 @@
 //! later phases use run lengths of the shared media (kept per entry); only an owner
 //! with its own CPU or disk blocks in the context walks those phases alone.
 //!
-//! Bounds. At most `entries_max` block entries; past it the least recently used entries (by
-//! store and query) are dropped, which only makes later answers shorter, never wrong about a
-//! block that is there. Events are idempotent (storing a held block or removing a missing one
+//! Bounds. At most `entries_max` block entries and `bytes_max` bytes of the index's own memory
+//! ([`Index::bytes`]: the block tables' allocations, the owner sets' and spilled memos'
+//! capacity, the LRU queue's); past either the least recently used entries (by store and
+//! query) are dropped, which only makes later answers shorter, never wrong about a block that
+//! is there. The count is kept as the memory changes (a set's capacity before and after each
+//! insert and removal), so checking the bound costs nothing per event. A block table past half
+//! full is counted at twice its allocation (hashbrown may double it at the next insert; see
+//! [`table_charge`]), and a store that would cross that line evicts first where the doubled
+//! table does not fit: a table is never doubled past the bound and then emptied to get back
+//! under it. Events are idempotent (storing a held block or removing a missing one
 //! changes nothing), so a replayed batch applied twice leaves the index as applied once.
 
 use std::cell::Cell;
@@ -151,6 +158,14 @@ impl Entry {
         self.local.iter().all(OwnerSet::is_empty) && self.shared.iter().all(OwnerSet::is_empty)
     }
 
+    /// The heap memory the entry owns: its owner sets and its spilled drop memo.
+    fn heap_bytes(&self) -> usize {
+        let spilled = self.spilled.take();
+        let memo = spilled.as_ref().map_or(0, |v| v.capacity() * size_of::<OwnerId>());
+        self.spilled.set(spilled);
+        self.local.iter().chain(&self.shared).map(OwnerSet::heap_bytes).sum::<usize>() + memo
+    }
+
     /// Sets `shared_best` from `shared` (after a change to it).
     fn shared_changed(&mut self) {
         self.shared_best = (0..3).find(|&m| !self.shared[m].is_empty()).unwrap_or(3) as u8;
@@ -160,6 +175,8 @@ impl Entry {
 struct Context {
     key: ContextKey,
     blocks: BlockMap,
+    /// `blocks.allocation_size()` as last counted in [`Index::bytes`].
+    table_bytes: usize,
     /// Owners that joined this context.
     owners: Members,
 }
@@ -250,10 +267,30 @@ pub struct IndexStats {
     pub owners: usize,
     pub entries: usize,
     pub evicted: u64,
+    /// [`Index::bytes`].
+    pub bytes: usize,
+    /// [`Bounds::bytes_max`].
+    pub bytes_max: usize,
+}
+
+/// How much an [`Index`] may hold; past either bound the least recently used entries go.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    pub entries_max: usize,
+    /// The index's own memory: its block tables, the entries' owner sets and memos, and the
+    /// LRU queue (see [`Index::bytes`]).
+    pub bytes_max: usize,
+}
+
+impl Bounds {
+    /// At most `entries_max` entries, in any amount of memory.
+    pub fn entries(entries_max: usize) -> Bounds {
+        Bounds { entries_max, bytes_max: usize::MAX }
+    }
 }
 
 pub struct Index {
-    entries_max: usize,
+    bounds: Bounds,
     contexts: Vec<Context>,
     context_ids: HashMap<ContextKey, CtxId>,
     owners: Vec<Option<Owner>>,
@@ -262,14 +299,42 @@ pub struct Index {
     instance_names: Vec<String>,
     instance_ids: HashMap<String, u32>,
     entries: usize,
+    /// The block tables' allocations, summed over contexts.
+    tables_bytes: usize,
+    /// The entries' heap memory ([`Entry::heap_bytes`]), summed.
+    heap_bytes: usize,
     clock: u64,
     /// (stamp, context, hash), one live record per entry, in the order they were made or last
     /// requeued (see `bound`); a record is stale when its entry's `queued` moved on.
-    lru: VecDeque<(u64, CtxId, u64)>,
+    lru: VecDeque<LruRecord>,
     evicted: u64,
     /// The last [`Entry::gpu_version`] handed out.
     versions: u64,
 }
+
+/// A block table's buckets (a power of two; 0 before its first insert).
+fn table_buckets(blocks: &BlockMap) -> usize {
+    // buckets x (slot + control byte) + a group of control bytes and alignment (< a slot).
+    blocks.allocation_size() / (size_of::<(u64, Entry)>() + 1)
+}
+
+/// How many entries hashbrown keeps in `buckets` (7/8 of them; all but one under 8).
+fn full_capacity(buckets: usize) -> usize {
+    if buckets < 8 { buckets.saturating_sub(1) } else { buckets / 8 * 7 }
+}
+
+/// The memory a block table holding `len` entries is counted at: its allocation, or twice
+/// that once the next new entry could double it. hashbrown doubles a table whose free slots
+/// are used up when the entry would take it past half its capacity (below that it rehashes
+/// in place), and under churn removals leave markers that use slots up long before the
+/// table is full; so a table past half is counted at what it may become.
+fn table_charge(blocks: &BlockMap, len: usize) -> usize {
+    let a = blocks.allocation_size();
+    if a > 0 && len + 1 > full_capacity(table_buckets(blocks)) / 2 { 2 * a } else { a }
+}
+
+/// (stamp, context, hash): see `Index::lru`.
+type LruRecord = (u64, CtxId, u64);
 
 /// The owners holding one block on one medium: a sorted list while few, a bitset over owner
 /// ids once the list would take more memory than the bitset (so a block every instance holds
@@ -296,6 +361,13 @@ impl OwnerSet {
 
     fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    fn heap_bytes(&self) -> usize {
+        match self {
+            OwnerSet::Few(v) => v.capacity() * size_of::<OwnerId>(),
+            OwnerSet::Many { words, .. } => words.capacity() * size_of::<u64>(),
+        }
     }
 
     fn contains(&self, id: OwnerId) -> bool {
@@ -520,12 +592,24 @@ struct GpuWalk {
     lo: usize,
     hi: usize,
     gpu: Vec<u32>,
+    /// Capacity of the spilled memos the walk dropped and made, in bytes (for
+    /// [`Index::bytes`]).
+    spills_freed: usize,
+    spills_made: usize,
 }
 
 impl GpuWalk {
     fn new(owners: usize) -> GpuWalk {
         let words = owners.div_ceil(64);
-        GpuWalk { alive: vec![0; words], next: vec![0; words], lo: 0, hi: 0, gpu: vec![0; owners] }
+        GpuWalk {
+            alive: vec![0; words],
+            next: vec![0; words],
+            lo: 0,
+            hi: 0,
+            gpu: vec![0; owners],
+            spills_freed: 0,
+            spills_made: 0,
+        }
     }
 
     /// The first block: its GPU owners are the ones matching.
@@ -548,6 +632,7 @@ impl GpuWalk {
             memo
         } else {
             let spill = here.spilled.take();
+            self.spills_freed += spill.as_ref().map_or(0, |v| v.capacity() * size_of::<OwnerId>());
             let mut m = DropMemo { before_version, version, ..DropMemo::default() };
             match drops_between(&found[i - 1].local[0], &here.local[0], spill) {
                 Some(owners) if owners.len() <= DROPS_INLINE => {
@@ -556,6 +641,7 @@ impl GpuWalk {
                 }
                 Some(owners) => {
                     m.count = owners.len() as u32;
+                    self.spills_made += owners.capacity() * size_of::<OwnerId>();
                     here.spilled.set(Some(owners));
                 }
                 None => m.count = DROPS_MANY,
@@ -614,9 +700,9 @@ impl GpuWalk {
 }
 
 impl Index {
-    pub fn new(entries_max: usize) -> Index {
+    pub fn new(bounds: Bounds) -> Index {
         Index {
-            entries_max: entries_max.max(1),
+            bounds: Bounds { entries_max: bounds.entries_max.max(1), ..bounds },
             contexts: Vec::new(),
             context_ids: HashMap::new(),
             owners: Vec::new(),
@@ -624,6 +710,8 @@ impl Index {
             instance_names: Vec::new(),
             instance_ids: HashMap::new(),
             entries: 0,
+            tables_bytes: 0,
+            heap_bytes: 0,
             clock: 0,
             lru: VecDeque::new(),
             evicted: 0,
@@ -637,6 +725,8 @@ impl Index {
             owners: self.owner_ids.len(),
             entries: self.entries,
             evicted: self.evicted,
+            bytes: self.bytes(),
+            bytes_max: self.bounds.bytes_max,
         }
     }
 
@@ -669,6 +759,7 @@ impl Index {
         self.contexts.push(Context {
             key: key.clone(),
             blocks: BlockMap::default(),
+            table_bytes: 0,
             owners: Members::default(),
         });
         self.context_ids.insert(key.clone(), id);
@@ -714,27 +805,38 @@ impl Index {
             Event::Stored { hashes, medium, .. } => {
                 let medium = held_on(*medium);
                 let c = self.join(owner, ctx);
-                let cx = &mut self.contexts[c as usize];
-                let mut not_member = 0;
-                let local_cold = cx.owners.get_mut(&owner).unwrap_or(&mut not_member);
+                // Found once (eviction changes members' counts, never their places).
+                let member = self.contexts[c as usize].owners.find(owner).ok();
                 for &h in hashes {
+                    self.room_for(c, h);
+                    let cx = &mut self.contexts[c as usize];
+                    let mut made = false;
                     let e = cx.blocks.entry(h).or_insert_with(|| {
+                        made = true;
                         self.entries += 1;
                         self.lru.push_back((now, c, h));
                         Entry::new(now)
                     });
-                    if shared {
-                        if e.shared[medium.index()].insert(owner) {
+                    let set = if shared {
+                        &mut e.shared[medium.index()]
+                    } else {
+                        &mut e.local[medium.index()]
+                    };
+                    let before = set.heap_bytes();
+                    if set.insert(owner) {
+                        self.heap_bytes = self.heap_bytes + set.heap_bytes() - before;
+                        if shared {
                             e.shared_changed();
-                        }
-                    } else if e.local[medium.index()].insert(owner) {
-                        if medium == Medium::Gpu {
+                        } else if medium == Medium::Gpu {
                             e.gpu_version = next_version(&mut self.versions);
-                        } else {
-                            *local_cold += 1;
+                        } else if let Some(at) = member {
+                            cx.owners.0[at].cold += 1;
                         }
                     }
                     e.stamp.set(now);
+                    if made {
+                        self.retable(c);
+                    }
                 }
                 self.bound();
             }
@@ -765,6 +867,7 @@ impl Index {
     ) {
         let cx = &mut self.contexts[c as usize];
         let Some(e) = cx.blocks.get_mut(&h) else { return };
+        let before = e.heap_bytes();
         for m in Medium::ALL {
             if medium.is_some_and(|x| x != m) {
                 continue;
@@ -786,6 +889,10 @@ impl Index {
         if e.is_empty() {
             cx.blocks.remove(&h);
             self.entries -= 1;
+            self.heap_bytes -= before;
+            self.shrink_table(c);
+        } else {
+            self.heap_bytes = self.heap_bytes + e.heap_bytes() - before;
         }
     }
 
@@ -798,7 +905,9 @@ impl Index {
             let cx = &mut self.contexts[c as usize];
             let before = cx.blocks.len();
             let versions = &mut self.versions;
+            let heap = &mut self.heap_bytes;
             cx.blocks.retain(|_, e| {
+                *heap -= e.heap_bytes();
                 for m in 0..3 {
                     let list = if shared { &mut e.shared[m] } else { &mut e.local[m] };
                     if list.remove(owner) && !shared && m == 0 {
@@ -808,12 +917,17 @@ impl Index {
                 if shared {
                     e.shared_changed();
                 }
-                !e.is_empty()
+                if e.is_empty() {
+                    return false;
+                }
+                *heap += e.heap_bytes();
+                true
             });
             self.entries -= before - cx.blocks.len();
             if let Some(n) = cx.owners.get_mut(&owner) {
                 *n = 0;
             }
+            self.shrink_table(c);
         }
     }
 
@@ -828,10 +942,88 @@ impl Index {
         }
     }
 
+    /// The memory the index counts against [`Bounds::bytes_max`]: its block tables (their
+    /// allocations, slots and control bytes, at whatever load they are), the entries' owner
+    /// sets and spilled memos (their capacity), and the LRU queue's capacity. Not counted:
+    /// the owner and context tables (a few hundred bytes per owner and context, which
+    /// registrations and not events create) and the allocator's own overhead.
+    pub fn bytes(&self) -> usize {
+        self.tables_bytes + self.heap_bytes + self.lru.capacity() * size_of::<LruRecord>()
+    }
+
+    fn over(&self) -> bool {
+        self.entries > self.bounds.entries_max || self.bytes() > self.bounds.bytes_max
+    }
+
+    /// Counts context `c`'s table again after it changed.
+    fn retable(&mut self, c: CtxId) {
+        let cx = &mut self.contexts[c as usize];
+        let now = table_charge(&cx.blocks, cx.blocks.len());
+        self.tables_bytes = self.tables_bytes + now - cx.table_bytes;
+        cx.table_bytes = now;
+    }
+
+    /// Gives back a table's memory once it is under a quarter full (an engine cleared its
+    /// cache, or eviction took most of a context): shrunk to fit, it is at least 7/16 full,
+    /// so growing and shrinking cannot alternate.
+    fn shrink_table(&mut self, c: CtxId) {
+        let blocks = &mut self.contexts[c as usize].blocks;
+        let buckets = table_buckets(blocks);
+        if buckets > 64 && blocks.len() < full_capacity(buckets) / 4 {
+            blocks.shrink_to_fit();
+        }
+        self.retable(c);
+    }
+
+    /// Before block `h` goes into context `c`: where the store would let the table double
+    /// (see [`table_charge`]) past the byte bound, evicts least recently used entries until
+    /// it would not or the bound takes the doubled table. Evicting after the store could not
+    /// undo a doubling: the table keeps its buckets, so only emptying it to a quarter (and
+    /// shrinking it) would meet the bound again.
+    fn room_for(&mut self, c: CtxId, h: u64) {
+        if self.bounds.bytes_max == usize::MAX {
+            return;
+        }
+        let mut held = None;
+        loop {
+            let cx = &self.contexts[c as usize];
+            let grown = table_charge(&cx.blocks, cx.blocks.len() + 1);
+            if grown == cx.table_bytes
+                || self.bytes() - cx.table_bytes + grown <= self.bounds.bytes_max
+                || *held.get_or_insert_with(|| cx.blocks.contains_key(&h))
+                || !self.evict_one()
+            {
+                return;
+            }
+        }
+    }
+
     /// Drops the least recently used entries while over the bound.
     fn bound(&mut self) {
-        while self.entries > self.entries_max {
-            let Some((stamp, c, h)) = self.lru.pop_front() else { break };
+        while self.over() {
+            if !self.evict_one() {
+                // Nothing left to evict: what is over is the queue's own room.
+                self.lru.shrink_to_fit();
+                break;
+            }
+        }
+        // Records of removed entries pile up under churn: past twice the live, drop them.
+        if self.lru.len() > 2 * self.entries + 1024 {
+            let contexts = &self.contexts;
+            self.lru.retain(|&(stamp, c, h)| {
+                contexts[c as usize].blocks.get(&h).is_some_and(|e| e.queued == stamp)
+            });
+            if self.lru.capacity() > 4 * self.lru.len() + 1024 {
+                self.lru.shrink_to(2 * self.lru.len() + 1024);
+            }
+        }
+    }
+
+    /// Evicts the least recently used entry (a used one gets a second chance); false when the
+    /// queue is empty.
+    fn evict_one(&mut self) -> bool {
+        loop {
+            let Some((stamp, c, h)) = self.lru.pop_front() else { return false };
             let cx = &mut self.contexts[c as usize];
             let Some(e) = cx.blocks.get_mut(&h) else { continue };
             if e.queued != stamp {
@@ -854,14 +1046,10 @@ impl Index {
                 }
                 self.entries -= 1;
                 self.evicted += 1;
+                self.heap_bytes -= e.heap_bytes();
+                self.shrink_table(c);
             }
-        }
-        // Records of removed entries pile up under churn: past twice the live, drop them.
-        if self.lru.len() > 2 * self.entries + 1024 {
-            let contexts = &self.contexts;
-            self.lru.retain(|&(stamp, c, h)| {
-                contexts[c as usize].blocks.get(&h).is_some_and(|e| e.queued == stamp)
-            });
+            return true;
         }
     }
 
@@ -954,6 +1142,7 @@ impl Index {
             }
         }
         let n = found.len();
+        let spills = (walk.spills_made, walk.spills_freed);
         let gpu = walk.finish(n);
         // run[m][i]: the first block at or after i that no shared holder has on medium m or
         // faster (m = 1 cpu, 2 disk).
@@ -997,6 +1186,10 @@ impl Index {
                 });
             }
         }
+        if spills != (0, 0) {
+            self.heap_bytes = self.heap_bytes + spills.0 - spills.1;
+            self.bound();
+        }
     }
 }
 
@@ -1027,7 +1220,7 @@ mod tests {
 
     #[test]
     fn cursors_follow_gpu_then_pool_media() {
-        let mut ix = Index::new(1000);
+        let mut ix = Index::new(Bounds::entries(1000));
         let a = ix.owner(&key("a", 0), false);
         let b = ix.owner(&key("b", 1), false);
         let pool = ix.owner(&key("pool", 0), true);
@@ -1053,7 +1246,7 @@ mod tests {
 
     #[test]
     fn the_bound_drops_least_recently_used_entries() {
-        let mut ix = Index::new(4);
+        let mut ix = Index::new(Bounds::entries(4));
         let a = ix.owner(&key("a", 0), false);
         ix.apply(a, &ctx(), &stored(&[1, 2, 3, 4], Medium::Gpu));
         ix.query(&ctx(), &[1, 2]);
@@ -1062,6 +1255,114 @@ mod tests {
         assert_eq!(ix.stats().evicted, 2);
         assert_eq!(ix.query(&ctx(), &[1, 2, 3])[0].gpu, 2);
         assert_eq!(ix.query(&ctx(), &[9, 10])[0].gpu, 2);
+    }
+
+    /// [`Index::bytes`] counted from scratch: every table's allocation, every entry's heap.
+    fn recount(ix: &Index) -> usize {
+        let tables: usize =
+            ix.contexts.iter().map(|cx| table_charge(&cx.blocks, cx.blocks.len())).sum();
+        let heap: usize =
+            ix.contexts.iter().flat_map(|cx| cx.blocks.values()).map(Entry::heap_bytes).sum();
+        tables + heap + ix.lru.capacity() * size_of::<LruRecord>()
+    }
+
+    /// Stores, removals, clears and queries (with spilled memos: many owners dropping at one
+    /// block) in two contexts, owner sets growing past the list-to-bitset switch and back.
+    fn churn(ix: &mut Index, seed: u64, mut check: impl FnMut(&Index)) {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let ctxs = [ctx(), ContextKey { block_size: 32, ..ctx() }];
+        let owners: Vec<OwnerId> =
+            (0..200).map(|i| ix.owner(&key(&format!("e{i}"), i % 4), i == 0)).collect();
+        for step in 0..3000 {
+            let o = owners[rng.random_range(0..owners.len())];
+            let cx = &ctxs[rng.random_range(0..2)];
+            let start = rng.random_range(0..2000u64);
+            let hashes: Vec<u64> = (start..start + rng.random_range(1..64)).collect();
+            match rng.random_range(0..10) {
+                0..6 => {
+                    let m = [Medium::Gpu, Medium::Cpu, Medium::Disk][rng.random_range(0..3)];
+                    ix.apply(o, cx, &stored(&hashes, m));
+                }
+                6 | 7 => ix.apply(o, cx, &Event::Removed { hashes, medium: Medium::Gpu }),
+                8 if step % 50 == 0 => ix.apply(o, cx, &Event::Cleared),
+                8 => {
+                    // Several owners whose prefixes end at one block: the query's memo of
+                    // those that drop there spills out of the entry.
+                    for k in 0..rng.random_range(3..12) {
+                        ix.apply(owners[1 + (step + k) % 199], cx, &stored(&hashes, Medium::Gpu));
+                    }
+                    ix.query(cx, &(start..start + 100).collect::<Vec<u64>>());
+                }
+                _ => {
+                    let from = rng.random_range(0..2000);
+                    ix.query(cx, &(from..from + rng.random_range(1..2000)).collect::<Vec<u64>>());
+                }
+            }
+            check(ix);
+        }
+    }
+
+    #[test]
+    fn the_byte_count_is_what_the_tables_and_entries_hold() {
+        let mut ix = Index::new(Bounds::entries(1 << 20));
+        churn(&mut ix, 7, |ix| assert_eq!(ix.bytes(), recount(ix)));
+        assert!(ix.stats().entries > 1000, "the churn left {} entries", ix.stats().entries);
+        assert_eq!(ix.stats().evicted, 0);
+    }
+
+    #[test]
+    fn the_byte_bound_holds_after_every_event_and_query() {
+        let bytes_max = 256 << 10;
+        let mut ix = Index::new(Bounds { entries_max: 1 << 20, bytes_max });
+        let mut peak = 0;
+        churn(&mut ix, 11, |ix| {
+            assert_eq!(ix.bytes(), recount(ix));
+            assert!(ix.bytes() <= bytes_max, "{} bytes over a bound of {bytes_max}", ix.bytes());
+            peak = peak.max(ix.bytes());
+        });
+        // The bound was what limited the index, and it did not empty it to get there.
+        assert!(ix.stats().evicted > 0);
+        assert!(peak > bytes_max / 2, "peak {peak} of {bytes_max}");
+        assert!(ix.stats().entries > 100, "{} entries left", ix.stats().entries);
+    }
+
+    #[test]
+    fn the_byte_bound_keeps_what_was_used_lately() {
+        let mut ix = Index::new(Bounds { entries_max: 1 << 20, bytes_max: 128 << 10 });
+        let a = ix.owner(&key("a", 0), false);
+        ix.apply(a, &ctx(), &stored(&[1, 2, 3, 4], Medium::Gpu));
+        for chunk in 0..400u64 {
+            ix.apply(a, &ctx(), &stored(&[1000 + chunk * 4, 1001 + chunk * 4], Medium::Gpu));
+            // Queried all along: the second chance keeps the prompt's blocks.
+            ix.query(&ctx(), &[1, 2, 3, 4]);
+        }
+        assert!(ix.stats().evicted > 0, "the bound never bit");
+        assert_eq!(ix.query(&ctx(), &[1, 2, 3, 4])[0].gpu, 4);
+        assert_eq!(ix.query(&ctx(), &[1000, 1001]), vec![]);
+    }
+
+    #[test]
+    fn a_table_at_the_byte_bound_evicts_rather_than_doubles() {
+        // One owner, one small set a block: the table is most of the memory. 512 buckets fit
+        // in the bound, 1,024 do not: the table stays at 512, as full as it can be without a
+        // store that could double it (half of 448 entries, less one; 224 fill 256 buckets).
+        let slot = size_of::<(u64, Entry)>() + 1;
+        let bytes_max = 512 * slot + (64 << 10);
+        let mut ix = Index::new(Bounds { entries_max: 1 << 20, bytes_max });
+        let a = ix.owner(&key("a", 0), false);
+        for h in 0..5000u64 {
+            ix.apply(a, &ctx(), &stored(&[h], Medium::Gpu));
+            assert!(ix.bytes() <= bytes_max);
+            assert_eq!(ix.bytes(), recount(&ix));
+            let buckets = table_buckets(&ix.contexts[0].blocks);
+            assert!(buckets.is_power_of_two() && buckets <= 512, "{buckets} buckets");
+            if h >= 224 {
+                assert_eq!(ix.stats().entries, 223, "after block {h}");
+            }
+        }
+        let recent: Vec<u64> = (5000 - 223..5000).collect();
+        assert_eq!(ix.query(&ctx(), &recent)[0].gpu, 223);
     }
 
     /// Brute force: per owner, walk the blocks with set lookups.
@@ -1126,7 +1427,7 @@ mod tests {
             // 1100 owners (18 words of bits: the walk's eight-word chunks, whole and partial)
             // each storing a random slice of one 12-block chain (so block sets are bitsets),
             // some blocks dropped again.
-            let mut ix = Index::new(1 << 20);
+            let mut ix = Index::new(Bounds::entries(1 << 20));
             let ids: Vec<OwnerId> = (0..1100).map(|o| ix.owner(&key(&format!("i{o}"), 0), false)).collect();
             for &id in &ids {
                 ix.join(id, &ctx());
@@ -1170,7 +1471,7 @@ mod tests {
             ops in proptest::collection::vec((0u32..5, 0u8..3, 0usize..3, proptest::collection::vec(0u64..12, 1..6)), 1..60),
             q in proptest::collection::vec(0u64..12, 0..10),
         ) {
-            let mut ix = Index::new(1 << 20);
+            let mut ix = Index::new(Bounds::entries(1 << 20));
             let owners: Vec<(u32, bool)> = (0..5).map(|o| (o, o == 4)).collect();
             let ids: Vec<OwnerId> = owners.iter().map(|&(o, s)| ix.owner(&key(&format!("i{o}"), 0), s)).collect();
             for &id in &ids {

@@ -49,7 +49,7 @@ use serde::{Deserialize, Serialize};
 use crate::hash::{
     Algorithm, BlockDigest, BlockHasher, Extra, HashProfile, LoraKey, project_low64_be,
 };
-use crate::index::{ContextKey, Index, OwnerKey, RawMatch};
+use crate::index::{Bounds, ContextKey, Index, OwnerKey, RawMatch};
 use crate::memo::{ChainMemo, Hit, Parent, RUN};
 use crate::route::{
     CostModel, Decision, FetchFrom, Policy, PrefixMatch, RejectReason, RouteRequest, Scheduler,
@@ -300,12 +300,14 @@ impl Default for RouteConfig {
 pub struct Config {
     /// Most block entries the index keeps.
     pub entries_max: usize,
+    /// Most memory the index takes ([`Index::bytes`]).
+    pub index_bytes_max: usize,
     /// How token queries hash when a registration does not say.
     pub default_profile: HashProfile,
     /// A publisher unreachable this long (its engine is gone) has its blocks cleared.
     pub source_ttl: std::time::Duration,
     pub route: RouteConfig,
-    /// Most chain steps the memo of token queries keeps (0: none; about 75 bytes each).
+    /// Most chain steps the memo of token queries keeps (0: none; about 220 bytes each).
     pub hash_memo_entries: usize,
 }
 
@@ -313,6 +315,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             entries_max: 10_000_000,
+            index_bytes_max: 4 << 30,
             default_profile: HashProfile {
                 algorithm: Algorithm::Sha256Cbor,
                 python_hash_seed: None,
@@ -327,7 +330,10 @@ impl Default for Config {
 impl Shared {
     pub fn new(cfg: &Config) -> Arc<Shared> {
         Arc::new(Shared {
-            index: Mutex::new(Index::new(cfg.entries_max)),
+            index: Mutex::new(Index::new(Bounds {
+                entries_max: cfg.entries_max,
+                bytes_max: cfg.index_bytes_max,
+            })),
             metrics: Metrics::default(),
             sources: Mutex::new(BTreeMap::new()),
             profiles: Mutex::new(HashMap::new()),
@@ -1593,7 +1599,11 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         "Routes fetching a prefix from another instance's GPU (missing in the pool).",
         l(&m.replicate_hints),
     );
-    counter("index_evicted_total", "Index entries dropped by the memory bound.", st.evicted);
+    counter(
+        "index_evicted_total",
+        "Index entries dropped by its bounds (entries, bytes), least recently used first.",
+        st.evicted,
+    );
     let (memo_hits, memo_misses, memo_len, memo_runs, memo_run_hits) = {
         let memo = s.memo.lock().unwrap_or_else(|e| e.into_inner());
         (memo.hits, memo.misses, memo.len(), memo.runs(), memo.run_hits)
@@ -1619,6 +1629,8 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         ));
     };
     gauge("index_entries", "Block entries in the index.", st.entries as u64);
+    gauge("index_bytes", "Memory the index counts against its bound.", st.bytes as u64);
+    gauge("index_bytes_max", "The index's memory bound.", st.bytes_max as u64);
     gauge("index_contexts", "Contexts (tenant, model, LoRA, block size).", st.contexts as u64);
     gauge("index_owners", "Owners (instance, DP rank, pools).", st.owners as u64);
     gauge("sources", "Registered event sources.", sources as u64);
@@ -1705,7 +1717,7 @@ mod tests {
     /// The answer written in one pass has the reference's shape, in JSON and in msgpack.
     #[test]
     fn query_answers_in_both_encodings() {
-        let mut ix = Index::new(100);
+        let mut ix = Index::new(Bounds::entries(100));
         let ctx = ContextKey {
             tenant: "t".into(),
             model: "m".into(),
@@ -1790,7 +1802,7 @@ mod tests {
     /// and reads back in msgpack as the JSON answer does.
     #[test]
     fn big_answers_read_the_same_in_both_encodings() {
-        let mut ix = Index::new(10_000);
+        let mut ix = Index::new(Bounds::entries(10_000));
         let bs = 1u32 << 20;
         let ctx = ContextKey {
             tenant: "t".into(),

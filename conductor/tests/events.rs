@@ -159,6 +159,9 @@ fn engines_events_feed_the_index() {
     eventually("the replayed block", || gpu(&query(addr, &[1, 2, 3, 4, 5]), "a") == 80);
     assert!(metric(addr, "gaps_total") >= 1);
     assert!(metric(addr, "replayed_batches_total") >= 2);
+    // The index's memory and its bound, as an operator watches them.
+    let bytes = metric(addr, "index_bytes");
+    assert!(bytes > 0 && bytes < metric(addr, "index_bytes_max"), "{bytes} bytes");
 
     // Older vLLM / SGLang: positional arrays, DP rank 1 carried in the batch.
     let mut b = Publisher::start("array", 1, None);

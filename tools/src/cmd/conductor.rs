@@ -23,6 +23,12 @@ pub struct ConductorArgs {
     /// Most block entries the index keeps (least recently used ones go first past it).
     #[arg(long, default_value_t = 10_000_000)]
     pub entries_max: usize,
+    /// Most memory the index takes (4GiB, 512MiB, ...): its block tables, the owner sets of
+    /// every block and its LRU queue, as allocated; least recently used entries go first
+    /// past it (`kvfs_conductor_index_bytes` on /metrics). The hash memo is bounded apart
+    /// (`--hash-memo-entries`). At least 1MiB.
+    #[arg(long, default_value = "4GiB", value_parser = crate::bench::report::parse_bytes)]
+    pub index_bytes_max: u64,
     /// How token queries hash prompts when a registration does not say: vLLM's
     /// `--prefix-caching-hash-algo` (sha256, sha256_cbor, xxhash, xxhash_cbor).
     #[arg(long, default_value = "sha256_cbor")]
@@ -83,8 +89,10 @@ pub async fn run(a: ConductorArgs, listen_given: bool) -> anyhow::Result<()> {
         a.balancing_threshold.is_finite() && a.balancing_threshold >= 1.0,
         "--balancing-threshold must be at least 1"
     );
+    anyhow::ensure!(a.index_bytes_max >= 1 << 20, "--index-bytes-max must be at least 1MiB");
     let cfg = Config {
         entries_max: a.entries_max,
+        index_bytes_max: usize::try_from(a.index_bytes_max).unwrap_or(usize::MAX),
         default_profile: HashProfile { algorithm, python_hash_seed: a.python_hash_seed.clone() },
         source_ttl: std::time::Duration::from_secs(a.source_ttl_s),
         route: RouteConfig {
