@@ -175,7 +175,7 @@ impl Entry {
 struct Context {
     key: ContextKey,
     blocks: BlockMap,
-    /// `blocks.allocation_size()` as last counted in [`Index::bytes`].
+    /// What `blocks` was last counted at in [`Index::bytes`] ([`table_charge`]).
     table_bytes: usize,
     /// Owners that joined this context.
     owners: Members,
@@ -299,7 +299,7 @@ pub struct Index {
     instance_names: Vec<String>,
     instance_ids: HashMap<String, u32>,
     entries: usize,
-    /// The block tables' allocations, summed over contexts.
+    /// The block tables' memory as counted ([`table_charge`]), summed over contexts.
     tables_bytes: usize,
     /// The entries' heap memory ([`Entry::heap_bytes`]), summed.
     heap_bytes: usize,
