@@ -399,6 +399,9 @@ impl OwnerSet {
             OwnerSet::Many { words, len } => {
                 let w = id as usize / 64;
                 if w >= words.len() {
+                    // Grown a cache line at a time, not doubled: owners mostly join in id
+                    // order, and a doubled bitset of thousands of owners is a third empty.
+                    words.reserve_exact((w + 1).next_multiple_of(8) - words.len());
                     words.resize(w + 1, 0);
                 }
                 let bit = 1u64 << (id % 64);

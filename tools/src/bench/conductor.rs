@@ -72,12 +72,23 @@ pub fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
     let tokens: Vec<u32> =
         (0..a.tokens as u32).map(|i| i.wrapping_mul(2_654_435_761) % 150_000).collect();
     let mut figures = Vec::new();
+    let mut sizes = Vec::new();
     for &bs in &a.block_sizes {
         for &pct in &a.holders_pct {
-            figures.extend(one(&a, &tokens, bs, pct)?);
+            let (f, size) = one(&a, &tokens, bs, pct)?;
+            figures.extend(f);
+            sizes.push(size);
         }
     }
     if a.json {
+        for z in &sizes {
+            println!(
+                "{}",
+                serde_json::json!({"bench": "conductor", "instances": a.instances, "dp": a.dp,
+                    "tokens": a.tokens, "block_size": z.block_size, "holders_pct": z.holders_pct,
+                    "case": "index bytes", "entries": z.entries, "bytes": z.bytes})
+            );
+        }
         for f in &figures {
             println!(
                 "{}",
@@ -103,7 +114,26 @@ pub fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
             f.block_size, f.holders_pct, f.case, f.p50_us, f.p99_us, f.reply_bytes
         );
     }
+    println!("index memory, as --index-bytes-max counts it:");
+    for z in &sizes {
+        println!(
+            "{:>6} {:>7}% {} entries, {} ({} bytes an entry)",
+            z.block_size,
+            z.holders_pct,
+            z.entries,
+            crate::bench::report::human_bytes(z.bytes as u64),
+            z.bytes / z.entries.max(1)
+        );
+    }
     Ok(())
+}
+
+/// The index's size after a case's events.
+struct IndexSize {
+    block_size: u32,
+    holders_pct: u32,
+    entries: usize,
+    bytes: usize,
 }
 
 impl Figure {
@@ -136,7 +166,7 @@ fn one(
     tokens: &[u32],
     bs: u32,
     holders: u32,
-) -> anyhow::Result<Vec<Figure>> {
+) -> anyhow::Result<(Vec<Figure>, IndexSize)> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let shared = Shared::new(&Config::default());
     let ctx = ContextKey {
@@ -171,6 +201,9 @@ fn one(
             }
         }
     }
+    let st = shared.index.lock().unwrap_or_else(|e| e.into_inner()).stats();
+    let size =
+        IndexSize { block_size: bs, holders_pct: holders, entries: st.entries, bytes: st.bytes };
     let mut out = Vec::new();
     // The prompt's hash chain alone (what /query adds to /query_by_hash).
     let mut lat = Vec::with_capacity(a.queries);
@@ -308,7 +341,7 @@ fn one(
     let down = out.last().map_or(0, |f| f.reply_bytes);
     let lat = crate::bench::limits::raw_exchange_us(by_tokens_mp.len(), down, a.queries)?;
     out.push(Figure::new(bs, holders, "raw tcp round trip, same bytes (limit)", lat, down));
-    Ok(out)
+    Ok((out, size))
 }
 
 fn stored(hashes: &[u64], medium: Medium, bs: u32) -> Event {
