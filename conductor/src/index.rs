@@ -28,11 +28,14 @@
 //! capacity, the LRU queue's); past either the least recently used entries (by store and
 //! query) are dropped, which only makes later answers shorter, never wrong about a block that
 //! is there. The count is kept as the memory changes (a set's capacity before and after each
-//! insert and removal), so checking the bound costs nothing per event. A block table past half
-//! full is counted at twice its allocation (hashbrown may double it at the next insert; see
-//! [`table_charge`]), and a store that would cross that line evicts first where the doubled
-//! table does not fit: a table is never doubled past the bound and then emptied to get back
-//! under it. Events are idempotent (storing a held block or removing a missing one
+//! insert and removal), so checking the bound costs nothing per event. A context's blocks are
+//! in 16 tables by hash ([`Blocks`]); a table past half full is counted at twice its
+//! allocation, since hashbrown may double it at the next insert, and the largest of those is
+//! counted once more, for the old allocation a doubling holds until its entries have moved
+//! ([`table_charge`]; one table doubles at a time, and in shards that is a sixteenth of the
+//! index). A store that would take a table past half evicts first where that does not fit: a
+//! table is never doubled past the bound and then emptied to get back under it. Events are
+//! idempotent (storing a held block or removing a missing one
 //! changes nothing), so a replayed batch applied twice leaves the index as applied once.
 
 use std::cell::Cell;
@@ -97,6 +100,9 @@ struct Entry {
     /// The GPU owners that the block before it in the last query held and it does not (see
     /// [`DropMemo`]), read with the entry's first line.
     drops: Cell<DropMemo>,
+    /// The fastest medium a shared holder has the block on (3: none), kept with `shared`;
+    /// read by the walk with the lines above.
+    shared_best: u8,
     /// The owners of a [`DropMemo`] of more than [`DROPS_INLINE`] (a query takes them out and
     /// puts them back). Boxed, as the shared sets: an entry is a slot of its table, which is
     /// counted at up to twice its size (see [`table_charge`]), and both are rare.
@@ -109,8 +115,6 @@ struct Entry {
     /// The stamp of the entry's one live record in the LRU queue (older records of the same
     /// hash are stale).
     queued: u64,
-    /// The fastest medium a shared holder has the block on (3: none), kept with `shared`.
-    shared_best: u8,
 }
 
 /// What the GPU phase of a walk learned at one block: which local GPU owners of the block
@@ -200,11 +204,73 @@ fn spill_bytes(spill: &Option<Box<Vec<OwnerId>>>) -> usize {
 
 struct Context {
     key: ContextKey,
-    blocks: BlockMap,
-    /// What `blocks` was last counted at in [`Index::bytes`] ([`table_charge`]).
-    table_bytes: usize,
+    blocks: Blocks,
     /// Owners that joined this context.
     owners: Members,
+}
+
+/// Shards of a context's block table.
+const SHARDS: usize = 16;
+
+/// A context's block entries by hash, in [`SHARDS`] tables: a table that doubles holds its old
+/// allocation and the new one until its entries have moved, and in shards that is one
+/// sixteenth of the index, not all of it (see [`Index::bytes`]).
+#[derive(Default)]
+struct Blocks {
+    maps: [BlockMap; SHARDS],
+    /// What each shard was last counted at ([`table_charge`]).
+    counted: [Charge; SHARDS],
+}
+
+/// A block table's memory as [`Index::bytes`] counts it.
+#[derive(Default, Clone, Copy, PartialEq, Eq, Debug)]
+struct Charge {
+    /// What the table holds, or will once it doubles.
+    bytes: usize,
+    /// The allocation a doubling would hold besides (0: the table cannot double at its next
+    /// store).
+    doubling: usize,
+}
+
+/// The shard of block `h`: a mix of all its bits, apart from the low bits hashbrown takes
+/// buckets from and the top seven it takes tags from.
+fn shard_of(h: u64) -> usize {
+    (h.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) as usize % SHARDS
+}
+
+impl Blocks {
+    fn map(&self, h: u64) -> &BlockMap {
+        &self.maps[shard_of(h)]
+    }
+
+    fn map_mut(&mut self, h: u64) -> &mut BlockMap {
+        &mut self.maps[shard_of(h)]
+    }
+
+    fn get(&self, h: &u64) -> Option<&Entry> {
+        self.map(*h).get(h)
+    }
+
+    fn get_mut(&mut self, h: &u64) -> Option<&mut Entry> {
+        self.map_mut(*h).get_mut(h)
+    }
+
+    fn contains_key(&self, h: &u64) -> bool {
+        self.map(*h).contains_key(h)
+    }
+
+    fn remove(&mut self, h: &u64) -> Option<Entry> {
+        self.map_mut(*h).remove(h)
+    }
+
+    fn len(&self) -> usize {
+        self.maps.iter().map(BlockMap::len).sum()
+    }
+
+    #[cfg(test)]
+    fn values(&self) -> impl Iterator<Item = &Entry> {
+        self.maps.iter().flat_map(BlockMap::values)
+    }
 }
 
 /// A context's owners, sorted by id, with what a query reports of each: its last phase reads
@@ -325,8 +391,11 @@ pub struct Index {
     instance_names: Vec<String>,
     instance_ids: HashMap<String, u32>,
     entries: usize,
-    /// The block tables' memory as counted ([`table_charge`]), summed over contexts.
+    /// The block tables' memory as counted ([`table_charge`]), summed over contexts' shards.
     tables_bytes: usize,
+    /// The allocations of the tables that may double at their next store, with how many there
+    /// are of each: the largest is what a doubling holds besides ([`Index::bytes`]).
+    doubling: std::collections::BTreeMap<usize, u32>,
     /// The entries' heap memory ([`Entry::heap_bytes`]), summed.
     heap_bytes: usize,
     clock: u64,
@@ -349,16 +418,20 @@ fn full_capacity(buckets: usize) -> usize {
     if buckets < 8 { buckets.saturating_sub(1) } else { buckets / 8 * 7 }
 }
 
-/// The memory a block table holding `len` entries is counted at: its allocation, or three
-/// times that once the next new entry could double it. hashbrown doubles a table whose free
-/// slots are used up when the entry would take it past half its capacity (below that it
-/// rehashes in place), and under churn removals leave markers that use slots up long before
-/// the table is full; doubling, it holds the old table and the new one, twice the size, until
-/// the entries have moved (and the allocator keeps the freed one mapped). So a table past half
-/// is counted at what its doubling takes at its peak.
-fn table_charge(blocks: &BlockMap, len: usize) -> usize {
+/// The memory a block table holding `len` entries is counted at: its allocation, or, once the
+/// next new entry could double it, twice that and its allocation again while it doubles.
+/// hashbrown doubles a table whose free slots are used up when the entry would take it past
+/// half its capacity (below that it rehashes in place), and under churn removals leave
+/// markers that use slots up long before the table is full; doubling, it holds the old table
+/// and the new one until the entries have moved (and the allocator keeps the freed one
+/// mapped). Only one table doubles at a time, so [`Index::bytes`] adds the largest `doubling`.
+fn table_charge(blocks: &BlockMap, len: usize) -> Charge {
     let a = blocks.allocation_size();
-    if a > 0 && len + 1 > full_capacity(table_buckets(blocks)) / 2 { 3 * a } else { a }
+    if a > 0 && len + 1 > full_capacity(table_buckets(blocks)) / 2 {
+        Charge { bytes: 2 * a, doubling: a }
+    } else {
+        Charge { bytes: a, doubling: 0 }
+    }
 }
 
 /// (stamp, context, hash): see `Index::lru`.
@@ -743,6 +816,7 @@ impl Index {
             instance_ids: HashMap::new(),
             entries: 0,
             tables_bytes: 0,
+            doubling: Default::default(),
             heap_bytes: 0,
             clock: 0,
             lru: VecDeque::new(),
@@ -790,8 +864,7 @@ impl Index {
         let id = self.contexts.len() as CtxId;
         self.contexts.push(Context {
             key: key.clone(),
-            blocks: BlockMap::default(),
-            table_bytes: 0,
+            blocks: Blocks::default(),
             owners: Members::default(),
         });
         self.context_ids.insert(key.clone(), id);
@@ -843,7 +916,7 @@ impl Index {
                     self.room_for(c, h);
                     let cx = &mut self.contexts[c as usize];
                     let mut made = false;
-                    let e = cx.blocks.entry(h).or_insert_with(|| {
+                    let e = cx.blocks.map_mut(h).entry(h).or_insert_with(|| {
                         made = true;
                         self.entries += 1;
                         self.lru.push_back((now, c, h));
@@ -870,7 +943,7 @@ impl Index {
                     }
                     e.stamp.set(now);
                     if made {
-                        self.retable(c);
+                        self.retable(c, h);
                     }
                 }
                 self.bound();
@@ -924,7 +997,7 @@ impl Index {
             cx.blocks.remove(&h);
             self.entries -= 1;
             self.heap_bytes -= before;
-            self.shrink_table(c);
+            self.shrink_table(c, shard_of(h));
         } else {
             self.heap_bytes = self.heap_bytes + e.heap_bytes() - before;
         }
@@ -940,7 +1013,7 @@ impl Index {
             let before = cx.blocks.len();
             let versions = &mut self.versions;
             let heap = &mut self.heap_bytes;
-            cx.blocks.retain(|_, e| {
+            let retain = |_: &u64, e: &mut Entry| {
                 *heap -= e.heap_bytes();
                 for m in 0..3 {
                     let removed = e.holders_mut(shared, m).is_some_and(|l| l.remove(owner));
@@ -956,12 +1029,18 @@ impl Index {
                 }
                 *heap += e.heap_bytes();
                 true
-            });
+            };
+            let mut retain = retain;
+            for map in &mut cx.blocks.maps {
+                map.retain(&mut retain);
+            }
             self.entries -= before - cx.blocks.len();
             if let Some(n) = cx.owners.get_mut(&owner) {
                 *n = 0;
             }
-            self.shrink_table(c);
+            for s in 0..SHARDS {
+                self.shrink_table(c, s);
+            }
         }
     }
 
@@ -977,36 +1056,59 @@ impl Index {
     }
 
     /// The memory the index counts against [`Bounds::bytes_max`]: its block tables (their
-    /// allocations, slots and control bytes, at whatever load they are), the entries' owner
-    /// sets and spilled memos (their capacity), and the LRU queue's capacity. Not counted:
+    /// allocations, slots and control bytes, at whatever load they are; a table that may
+    /// double at twice its size, and the largest of those once more, see [`table_charge`]),
+    /// the entries' owner sets and spilled memos (their capacity), and the LRU queue's
+    /// capacity. Not counted:
     /// the owner and context tables (a few hundred bytes per owner and context, which
     /// registrations and not events create) and the allocator's own overhead.
     pub fn bytes(&self) -> usize {
-        self.tables_bytes + self.heap_bytes + self.lru.capacity() * size_of::<LruRecord>()
+        self.tables_bytes
+            + self.doubling.last_key_value().map_or(0, |(&a, _)| a)
+            + self.heap_bytes
+            + self.lru.capacity() * size_of::<LruRecord>()
     }
 
     fn over(&self) -> bool {
         self.entries > self.bounds.entries_max || self.bytes() > self.bounds.bytes_max
     }
 
-    /// Counts context `c`'s table again after it changed.
-    fn retable(&mut self, c: CtxId) {
-        let cx = &mut self.contexts[c as usize];
-        let now = table_charge(&cx.blocks, cx.blocks.len());
-        self.tables_bytes = self.tables_bytes + now - cx.table_bytes;
-        cx.table_bytes = now;
+    /// Counts the shard of context `c` that holds block `h` again after it changed.
+    fn retable(&mut self, c: CtxId, h: u64) {
+        self.recount(c, shard_of(h));
     }
 
-    /// Gives back a table's memory once it is under a quarter full (an engine cleared its
+    fn recount(&mut self, c: CtxId, s: usize) {
+        let blocks = &mut self.contexts[c as usize].blocks;
+        let now = table_charge(&blocks.maps[s], blocks.maps[s].len());
+        let was = std::mem::replace(&mut blocks.counted[s], now);
+        if now == was {
+            return;
+        }
+        self.tables_bytes = self.tables_bytes + now.bytes - was.bytes;
+        if was.doubling > 0
+            && let Some(n) = self.doubling.get_mut(&was.doubling)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.doubling.remove(&was.doubling);
+            }
+        }
+        if now.doubling > 0 {
+            *self.doubling.entry(now.doubling).or_default() += 1;
+        }
+    }
+
+    /// Gives back a shard's memory once it is under a quarter full (an engine cleared its
     /// cache, or eviction took most of a context): shrunk to fit, it is at least 7/16 full,
     /// so growing and shrinking cannot alternate.
-    fn shrink_table(&mut self, c: CtxId) {
-        let blocks = &mut self.contexts[c as usize].blocks;
-        let buckets = table_buckets(blocks);
-        if buckets > 64 && blocks.len() < full_capacity(buckets) / 4 {
-            blocks.shrink_to_fit();
+    fn shrink_table(&mut self, c: CtxId, s: usize) {
+        let map = &mut self.contexts[c as usize].blocks.maps[s];
+        let buckets = table_buckets(map);
+        if buckets > 64 && map.len() < full_capacity(buckets) / 4 {
+            map.shrink_to_fit();
         }
-        self.retable(c);
+        self.recount(c, s);
     }
 
     /// Before block `h` goes into context `c`: where the store would let the table double
@@ -1018,13 +1120,18 @@ impl Index {
         if self.bounds.bytes_max == usize::MAX {
             return;
         }
-        let mut held = None;
+        let (s, mut held) = (shard_of(h), None);
         loop {
-            let cx = &self.contexts[c as usize];
-            let grown = table_charge(&cx.blocks, cx.blocks.len() + 1);
-            if grown == cx.table_bytes
-                || self.bytes() - cx.table_bytes + grown <= self.bounds.bytes_max
-                || *held.get_or_insert_with(|| cx.blocks.contains_key(&h))
+            let blocks = &self.contexts[c as usize].blocks;
+            let (map, was) = (&blocks.maps[s], blocks.counted[s]);
+            let grown = table_charge(map, map.len() + 1);
+            if grown == was {
+                return;
+            }
+            let doubling = self.doubling.last_key_value().map_or(0, |(&a, _)| a);
+            if self.bytes() - was.bytes + grown.bytes - doubling + doubling.max(grown.doubling)
+                <= self.bounds.bytes_max
+                || *held.get_or_insert_with(|| map.contains_key(&h))
                 || !self.evict_one()
             {
                 return;
@@ -1081,7 +1188,7 @@ impl Index {
                 self.entries -= 1;
                 self.evicted += 1;
                 self.heap_bytes -= e.heap_bytes();
-                self.shrink_table(c);
+                self.shrink_table(c, shard_of(h));
             }
             return true;
         }
@@ -1293,8 +1400,13 @@ mod tests {
 
     /// [`Index::bytes`] counted from scratch: every table's allocation, every entry's heap.
     fn recount(ix: &Index) -> usize {
-        let tables: usize =
-            ix.contexts.iter().map(|cx| table_charge(&cx.blocks, cx.blocks.len())).sum();
+        let charges: Vec<Charge> = ix
+            .contexts
+            .iter()
+            .flat_map(|cx| cx.blocks.maps.iter().map(|m| table_charge(m, m.len())))
+            .collect();
+        let tables = charges.iter().map(|c| c.bytes).sum::<usize>()
+            + charges.iter().map(|c| c.doubling).max().unwrap_or(0);
         let heap: usize =
             ix.contexts.iter().flat_map(|cx| cx.blocks.values()).map(Entry::heap_bytes).sum();
         tables + heap + ix.lru.capacity() * size_of::<LruRecord>()
@@ -1386,18 +1498,19 @@ mod tests {
         let bytes_max = 768 * slot + (64 << 10);
         let mut ix = Index::new(Bounds { entries_max: 1 << 20, bytes_max });
         let a = ix.owner(&key("a", 0), false);
-        for h in 0..5000u64 {
+        // Blocks of one shard: one table.
+        let hashes: Vec<u64> = (0..).filter(|&h| shard_of(h) == 3).take(5000).collect();
+        for (n, &h) in hashes.iter().enumerate() {
             ix.apply(a, &ctx(), &stored(&[h], Medium::Gpu));
             assert!(ix.bytes() <= bytes_max);
             assert_eq!(ix.bytes(), recount(&ix));
-            let buckets = table_buckets(&ix.contexts[0].blocks);
+            let buckets = table_buckets(&ix.contexts[0].blocks.maps[3]);
             assert!(buckets.is_power_of_two() && buckets <= 512, "{buckets} buckets");
-            if h >= 224 {
-                assert_eq!(ix.stats().entries, 223, "after block {h}");
+            if n >= 224 {
+                assert_eq!(ix.stats().entries, 223, "after block {n}");
             }
         }
-        let recent: Vec<u64> = (5000 - 223..5000).collect();
-        assert_eq!(ix.query(&ctx(), &recent)[0].gpu, 223);
+        assert_eq!(ix.query(&ctx(), &hashes[5000 - 223..])[0].gpu, 223);
     }
 
     /// Brute force: per owner, walk the blocks with set lookups.
