@@ -396,6 +396,8 @@ pub struct Index {
     /// The allocations of the tables that may double at their next store, with how many there
     /// are of each: the largest is what a doubling holds besides ([`Index::bytes`]).
     doubling: std::collections::BTreeMap<usize, u32>,
+    /// The largest key of `doubling` (0: none).
+    doubling_max: usize,
     /// The entries' heap memory ([`Entry::heap_bytes`]), summed.
     heap_bytes: usize,
     clock: u64,
@@ -817,6 +819,7 @@ impl Index {
             entries: 0,
             tables_bytes: 0,
             doubling: Default::default(),
+            doubling_max: 0,
             heap_bytes: 0,
             clock: 0,
             lru: VecDeque::new(),
@@ -1064,7 +1067,7 @@ impl Index {
     /// registrations and not events create) and the allocator's own overhead.
     pub fn bytes(&self) -> usize {
         self.tables_bytes
-            + self.doubling.last_key_value().map_or(0, |(&a, _)| a)
+            + self.doubling_max
             + self.heap_bytes
             + self.lru.capacity() * size_of::<LruRecord>()
     }
@@ -1097,6 +1100,7 @@ impl Index {
         if now.doubling > 0 {
             *self.doubling.entry(now.doubling).or_default() += 1;
         }
+        self.doubling_max = self.doubling.last_key_value().map_or(0, |(&a, _)| a);
     }
 
     /// Gives back a shard's memory once it is under a quarter full (an engine cleared its
@@ -1125,10 +1129,12 @@ impl Index {
             let blocks = &self.contexts[c as usize].blocks;
             let (map, was) = (&blocks.maps[s], blocks.counted[s]);
             let grown = table_charge(map, map.len() + 1);
-            if grown == was {
+            // The same count as now: fine while the index is within its bound (a store can
+            // double a table counted so already; after that, until evictions, it is over).
+            if grown == was && self.bytes() <= self.bounds.bytes_max {
                 return;
             }
-            let doubling = self.doubling.last_key_value().map_or(0, |(&a, _)| a);
+            let doubling = self.doubling_max;
             if self.bytes() - was.bytes + grown.bytes - doubling + doubling.max(grown.doubling)
                 <= self.bounds.bytes_max
                 || *held.get_or_insert_with(|| map.contains_key(&h))

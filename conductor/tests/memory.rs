@@ -142,6 +142,24 @@ fn the_byte_bound_holds_the_heap_the_index_allocates() {
     // `table_charge`); in shards that is a sixteenth of the index, so most of the bound is
     // used.
     assert!(end > bytes_max * 2 / 3, "the workload left only {end} bytes: the bound never bit");
+    // One event storing far more than the bound holds: the index makes room as it goes,
+    // rather than growing its tables for the whole event and evicting afterwards.
+    let ctx =
+        ContextKey { tenant: "t".into(), model: "m".into(), lora: String::new(), block_size: 16 };
+    let mut ix = Index::new(Bounds { entries_max: usize::MAX, bytes_max });
+    let o = ix.owner(&OwnerKey { instance: "engine".into(), dp_rank: 0 }, false);
+    let event = stored(
+        (1..=400_000u64).map(|h| h.wrapping_mul(0x2545_f491_4f6c_dd1d)).collect(),
+        Medium::Gpu,
+    );
+    let base = LIVE.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    ix.apply(o, &ctx, &event);
+    let peak = PEAK.load(Ordering::Relaxed) - base;
+    eprintln!("one event of 400,000 blocks: peak {peak} bytes, {} entries", ix.stats().entries);
+    assert!(peak <= bytes_max + scratch, "peak {peak} over {bytes_max} + {scratch}");
+    assert!(ix.stats().entries > 10_000);
+    drop(ix);
     // The same workload unbounded takes well past the bound, so the bound is what held it.
     let (peak, _) = workload(Bounds::entries(usize::MAX));
     assert!(peak > 3 * bytes_max, "unbounded, the workload peaked at {peak} bytes");
