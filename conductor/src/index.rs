@@ -396,8 +396,6 @@ pub struct Index {
     /// The allocations of the tables that may double at their next store, with how many there
     /// are of each: the largest is what a doubling holds besides ([`Index::bytes`]).
     doubling: std::collections::BTreeMap<usize, u32>,
-    /// The largest key of `doubling` (0: none).
-    doubling_max: usize,
     /// The entries' heap memory ([`Entry::heap_bytes`]), summed.
     heap_bytes: usize,
     clock: u64,
@@ -819,7 +817,6 @@ impl Index {
             entries: 0,
             tables_bytes: 0,
             doubling: Default::default(),
-            doubling_max: 0,
             heap_bytes: 0,
             clock: 0,
             lru: VecDeque::new(),
@@ -946,7 +943,7 @@ impl Index {
                     }
                     e.stamp.set(now);
                     if made {
-                        self.retable(c, h);
+                        self.recount(c, shard_of(h));
                     }
                 }
                 self.bound();
@@ -1016,7 +1013,7 @@ impl Index {
             let before = cx.blocks.len();
             let versions = &mut self.versions;
             let heap = &mut self.heap_bytes;
-            let retain = |_: &u64, e: &mut Entry| {
+            let mut retain = |_: &u64, e: &mut Entry| {
                 *heap -= e.heap_bytes();
                 for m in 0..3 {
                     let removed = e.holders_mut(shared, m).is_some_and(|l| l.remove(owner));
@@ -1033,7 +1030,6 @@ impl Index {
                 *heap += e.heap_bytes();
                 true
             };
-            let mut retain = retain;
             for map in &mut cx.blocks.maps {
                 map.retain(&mut retain);
             }
@@ -1067,20 +1063,21 @@ impl Index {
     /// registrations and not events create) and the allocator's own overhead.
     pub fn bytes(&self) -> usize {
         self.tables_bytes
-            + self.doubling_max
+            + self.doubling_max()
             + self.heap_bytes
             + self.lru.capacity() * size_of::<LruRecord>()
+    }
+
+    /// The largest allocation a doubling may hold besides its new one (0: none).
+    fn doubling_max(&self) -> usize {
+        self.doubling.last_key_value().map_or(0, |(&a, _)| a)
     }
 
     fn over(&self) -> bool {
         self.entries > self.bounds.entries_max || self.bytes() > self.bounds.bytes_max
     }
 
-    /// Counts the shard of context `c` that holds block `h` again after it changed.
-    fn retable(&mut self, c: CtxId, h: u64) {
-        self.recount(c, shard_of(h));
-    }
-
+    /// Counts shard `s` of context `c` again after it changed.
     fn recount(&mut self, c: CtxId, s: usize) {
         let blocks = &mut self.contexts[c as usize].blocks;
         let now = table_charge(&blocks.maps[s], blocks.maps[s].len());
@@ -1100,7 +1097,6 @@ impl Index {
         if now.doubling > 0 {
             *self.doubling.entry(now.doubling).or_default() += 1;
         }
-        self.doubling_max = self.doubling.last_key_value().map_or(0, |(&a, _)| a);
     }
 
     /// Gives back a shard's memory once it is under a quarter full (an engine cleared its
@@ -1134,7 +1130,7 @@ impl Index {
             if grown == was && self.bytes() <= self.bounds.bytes_max {
                 return;
             }
-            let doubling = self.doubling_max;
+            let doubling = self.doubling_max();
             if self.bytes() - was.bytes + grown.bytes - doubling + doubling.max(grown.doubling)
                 <= self.bounds.bytes_max
                 || *held.get_or_insert_with(|| map.contains_key(&h))
