@@ -823,8 +823,16 @@ impl Inner {
         lock(&self.tiers.policy).on_access(key, now);
     }
 
+    /// The node's counters. Each lock is taken and let go in its own statement: a guard made
+    /// inside the struct expression below would live to its end, and one there held the
+    /// policy lock while it waited for the index lock, the reverse of `commit`'s order (the
+    /// heartbeat and a commit deadlocked the node, which the master then expired).
     pub(super) fn stats(&self) -> NodeStats {
-        let dram_used = lock(&self.index).dram_bytes;
+        let (dram_used, hbm_used) = {
+            let idx = lock(&self.index);
+            (idx.dram_bytes, idx.hbm_bytes)
+        };
+        let rate_limited_rounds = lock(&self.tiers.policy).stats().rate_limited_rounds;
         let nvme_objects = self.tiers.nvme.as_ref().map(|n| n.stats().objects as u64).unwrap_or(0);
         let c = &self.tiers.counters;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -840,7 +848,7 @@ impl Inner {
             promotions: load(&c.promotions),
             promoted_bytes: load(&c.promoted_bytes),
             nvme_drops: load(&c.nvme_drops),
-            rate_limited_rounds: lock(&self.tiers.policy).stats().rate_limited_rounds,
+            rate_limited_rounds,
             corrupt_reads_nvme: nvme.map(|n| n.stats().corrupt_reads).unwrap_or(0),
             corrupt_reads_object_store: self
                 .tiers
@@ -860,7 +868,7 @@ impl Inner {
             writer_commits: load(&c.writer_commits),
             hbm_available: self.tiers.hbm_available,
             hbm_capacity_bytes: self.hbm.as_ref().map_or(0, |b| b.len()),
-            hbm_used_bytes: lock(&self.index).hbm_bytes,
+            hbm_used_bytes: hbm_used,
             hbm_demotions: load(&c.hbm_demotions),
             hbm_promotions: load(&c.hbm_promotions),
             te_requests: self.engine.requests_served(),

@@ -121,3 +121,84 @@ async fn hbm_is_reported_clearly() -> Result<()> {
     }
     Ok(())
 }
+
+/// The node's stats (what every heartbeat carries) read while the master's commit records
+/// arrive: the two take the node's index and policy locks, and once took them in opposite
+/// orders, so a heartbeat and a commit could deadlock the whole node (the master then expired
+/// it and forgot its objects). Puts and stats both keep going here. The node runs on a runtime
+/// of its own, so a deadlocked node fails the test (the client's calls time out) instead of
+/// hanging it.
+#[test]
+fn stats_read_during_commits_never_deadlock() -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let runtime =
+        || tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build();
+    let (node_rt, test_rt) = (runtime()?, runtime()?);
+    let m = test_rt.block_on(master())?;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR"))?;
+    let mut cfg = node_config(&m, dir.path());
+    // Everything stays in DRAM: the commits, not demotions, are what runs beside the stats.
+    cfg.tiers.policy.dram_high_watermark = 0.95;
+    cfg.tiers.policy.dram_low_watermark = 0.9;
+    cfg.dram_bytes = 64 << 20;
+    let node = Arc::new(node_rt.block_on(Node::start(cfg))?);
+    node_rt.block_on(node.wait_registered(Duration::from_secs(10)))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = {
+        let (node, stop) = (node.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut reads = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                std::hint::black_box(node.stats());
+                reads += 1;
+            }
+            let _ = tx.send(reads);
+        })
+    };
+    let data = pattern(4096, 9);
+    let puts = test_rt.block_on(async {
+        let c = Client::connect(ClientConfig {
+            master: m.rpc_addr().to_string(),
+            ..ClientConfig::default()
+        })
+        .await?;
+        for round in 0..40 {
+            let keys: Vec<String> = (0..50).map(|i| format!("stats/{round}/{i}")).collect();
+            let items: Vec<(&str, &[u8])> =
+                keys.iter().map(|k| (k.as_str(), data.as_slice())).collect();
+            for r in c.put_batch(&items, &PutOptions::default()).await {
+                r?;
+            }
+            for r in c.remove_batch(&keys, true).await {
+                r?;
+            }
+        }
+        // The node still answers after the run.
+        c.put("stats/after", &data, &PutOptions::default()).await?;
+        ensure!(c.get("stats/after").await? == data, "read back different");
+        anyhow::Ok(())
+    });
+    stop.store(true, Ordering::Relaxed);
+    let reads = rx.recv_timeout(Duration::from_secs(10));
+    if puts.is_err() || reads.is_err() {
+        // A deadlocked node's threads never end: leave them rather than hang on them.
+        std::mem::forget(node);
+        std::mem::forget(node_rt);
+        std::mem::forget(reader);
+    } else {
+        reader.join().map_err(|_| anyhow::anyhow!("the stats reader panicked"))?;
+        // Each closes its connections on its own runtime.
+        let entered = node_rt.enter();
+        drop(node);
+        drop(entered);
+    }
+    let entered = test_rt.enter();
+    drop(m);
+    drop(entered);
+    puts.context("puts while stats were read")?;
+    let reads = reads.context("the stats reader is stuck: the node's locks deadlocked")?;
+    ensure!(reads > 0, "no stats read");
+    Ok(())
+}
