@@ -81,7 +81,7 @@ use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
@@ -175,6 +175,10 @@ struct Inner {
     used_bytes: AtomicU64,
     corrupt_reads: AtomicU64,
     last_generation: AtomicU64,
+    /// `index.ready.len()`, kept beside it: the stats a node's heartbeat carries read this
+    /// rather than wait for the index lock, which a commit, rename or removal holds across
+    /// file-system calls.
+    objects: AtomicUsize,
     index: Mutex<Index>,
 }
 
@@ -453,6 +457,7 @@ impl NvmeMedium {
             used_bytes: AtomicU64::new(report.bytes),
             corrupt_reads: AtomicU64::new(0),
             last_generation: AtomicU64::new(last_generation),
+            objects: AtomicUsize::new(report.objects),
             index: Mutex::new(index),
         };
         tracing::info!(objects = report.objects, bytes = report.bytes, temp_removed = report.temp_files_removed,
@@ -525,7 +530,7 @@ impl NvmeMedium {
 
     pub fn stats(&self) -> NvmeStats {
         NvmeStats {
-            objects: lock(&self.inner.index).ready.len(),
+            objects: self.inner.objects.load(Ordering::Relaxed),
             used_bytes: self.inner.used_bytes.load(Ordering::Acquire),
             corrupt_reads: self.inner.corrupt_reads.load(Ordering::Relaxed),
         }
@@ -568,6 +573,7 @@ impl NvmeMedium {
                     .map_err(|e| Error::io(format!("rename to {}", header.display()), e)),
             )?;
             let old = idx.ready.insert(key.to_owned(), entry);
+            self.inner.objects.store(idx.ready.len(), Ordering::Relaxed);
             if let Some(old) = &old {
                 self.inner.release(old.file_bytes);
             }
@@ -655,6 +661,7 @@ impl NvmeMedium {
             // `from`'s header blocks go; its data blocks are `to`'s now.
             inner.release(old.file_bytes - data_bytes);
             let replaced = idx.ready.insert(to.to_owned(), entry);
+            inner.objects.store(idx.ready.len(), Ordering::Relaxed);
             if let Some(r) = &replaced {
                 inner.release(r.file_bytes);
             }
@@ -923,6 +930,7 @@ impl Medium for NvmeMedium {
         let Some(e) = idx.ready.remove(key) else {
             return Err(Error::new(ErrorKind::NotFound, format!("nvme: {key:?}")));
         };
+        self.inner.objects.store(idx.ready.len(), Ordering::Relaxed);
         self.inner.release(e.file_bytes);
         // The header goes first: without it the data file is an orphan the next open deletes.
         let r = match fs::remove_file(&header) {

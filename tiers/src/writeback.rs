@@ -40,7 +40,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -244,6 +244,10 @@ struct Shared {
     queue: Mutex<Queue>,
     notify: Notify,
     closed: AtomicBool,
+    /// `queue`'s entries and bytes, copied after each change: [`WritebackQueue::depth`] (in
+    /// every node heartbeat) reads them rather than wait for the queue lock, which an enqueue
+    /// holds across its journal append and fsync.
+    depth: (AtomicUsize, AtomicU64),
     source: Arc<dyn Medium>,
     target: Arc<dyn Medium>,
     events: mpsc::UnboundedSender<WritebackEvent>,
@@ -265,6 +269,13 @@ impl Shared {
         let mut q = lock(&self.queue);
         q.entries -= 1;
         q.bytes -= entry.size_bytes;
+        self.counted(&q);
+    }
+
+    /// Copies the queue's counts for [`WritebackQueue::depth`]; called under the queue lock.
+    fn counted(&self, q: &Queue) {
+        self.depth.0.store(q.entries, Ordering::Relaxed);
+        self.depth.1.store(q.bytes, Ordering::Relaxed);
     }
 }
 
@@ -364,6 +375,7 @@ impl WritebackQueue {
         let shared = Arc::new(Shared {
             cfg,
             journal: Mutex::new(journal),
+            depth: (AtomicUsize::new(queue.entries), AtomicU64::new(queue.bytes)),
             queue: Mutex::new(queue),
             notify: Notify::new(),
             closed: AtomicBool::new(false),
@@ -440,6 +452,7 @@ impl WritebackQueue {
             q.next_seq += 1;
             q.entries += 1;
             q.bytes += size_bytes;
+            shared.counted(&q);
             let seq = entry.seq;
             q.ready.push_back(entry);
             drop(q);
@@ -452,8 +465,8 @@ impl WritebackQueue {
 
     /// Entries and bytes counted against the limits right now.
     pub fn depth(&self) -> (usize, u64) {
-        let q = lock(&self.shared.queue);
-        (q.entries, q.bytes)
+        let (entries, bytes) = &self.shared.depth;
+        (entries.load(Ordering::Relaxed), bytes.load(Ordering::Relaxed))
     }
 
     /// Stop taking entries; wait for uploads in progress to finish. Entries still queued stay
