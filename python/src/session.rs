@@ -190,7 +190,20 @@ impl Drop for Session {
         });
         // A thread inside the runtime (a future held the last reference) must not block on it.
         if tokio::runtime::Handle::try_current().is_err() {
-            let _ = done_rx.recv_timeout(LEAVE_TIMEOUT + Duration::from_millis(500));
+            let mut wait = Some(move || {
+                let _ = done_rx.recv_timeout(LEAVE_TIMEOUT + Duration::from_millis(500));
+            });
+            // A Python thread that drops the last reference (a call that outlived a `close` on
+            // another thread) holds the GIL: other threads run while the node leaves.
+            // SAFETY: PyGILState_Check only reads this thread's state; callable at any time.
+            if unsafe { pyo3::ffi::PyGILState_Check() } == 1 {
+                let _ = pyo3::Python::try_attach(|py| {
+                    py.detach(|| wait.take().map(|w| w()));
+                });
+            }
+            if let Some(w) = wait {
+                w();
+            }
         }
     }
 }

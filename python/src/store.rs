@@ -432,7 +432,10 @@ impl MooncakeCore {
         let limit = Duration::from_millis(timeout_ms.max(rpc_timeout_ms) + 10_000);
         match runtime::call(py, "setup", limit, Session::open(opts)) {
             Ok(s) => {
-                *self.slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(s));
+                let old = self.slot.lock().unwrap_or_else(|e| e.into_inner()).replace(Arc::new(s));
+                // Outside the slot's lock: a replaced session's drop waits for its node to
+                // leave the master.
+                drop(old);
                 code::OK
             }
             Err(f) => {

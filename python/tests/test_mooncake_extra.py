@@ -646,6 +646,46 @@ sys.stdin.readline()
         lone.stop()
 
 
+
+def test_a_call_outliving_close_lets_other_threads_run_while_its_node_leaves(tmp_path):
+    """A call in flight on one thread while another closes the store ends holding the last
+    reference; its embedded node then leaves a master that does not answer (up to the leave
+    timeout, 3 s). That wait must not hold the GIL: a ticking thread keeps ticking."""
+    import threading
+
+    lone = Cluster(str(tmp_path))
+    try:
+        lone.start_master()
+        s = MooncakeDistributedStore()
+        assert s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", lone.master) == 0
+        ticks, done = [], threading.Event()
+
+        def ticker():
+            while not done.is_set():
+                ticks.append(time.monotonic())
+                time.sleep(0.01)
+
+        got = {}
+        tick = threading.Thread(target=ticker)
+        tick.start()
+        lone.procs[0].send_signal(signal.SIGSTOP)  # silent: nothing answers
+        call = threading.Thread(target=lambda: got.update(r=s.is_exist("nobody")))
+        call.start()
+        time.sleep(0.3)
+        s.close()  # the call still holds the session: it ends with the last reference
+        call.join(timeout=60)
+        time.sleep(0.2)
+        done.set()
+        tick.join()
+        assert not call.is_alive() and got["r"] < 0
+        gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+        # Held, the GIL froze every thread for the whole leave timeout (3.0 s measured).
+        assert max(gaps) < 1.5, f"the interpreter stalled {max(gaps):.2f} s"
+    finally:
+        for proc in lone.procs:
+            proc.send_signal(signal.SIGCONT)
+        lone.stop()
+
 def test_alloc_from_mem_pool_serves_zero_copy_calls(store, key):
     size = 3 << 20
     ptr = store.alloc_from_mem_pool(size)
