@@ -37,6 +37,7 @@
 
 use std::os::raw::c_int;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use kvfs_fs_abi::{self as abi, sys};
@@ -111,6 +112,9 @@ pub struct FastPathBuffer {
     len: usize,
     /// Whether the daemon still has it; held while a batch uses the head.
     registered: Mutex<bool>,
+    /// Set once `registered` went false: what `closed` and `repr` read (with the GIL held)
+    /// instead of waiting for a batch to let go of the lock.
+    unregistered: AtomicBool,
 }
 
 impl FastPathBuffer {
@@ -121,6 +125,7 @@ impl FastPathBuffer {
             return Ok(());
         }
         *registered = false;
+        self.unregistered.store(true, Ordering::Release);
         let file = self.ctl.file.read().unwrap_or_else(|e| e.into_inner());
         // A closed control file already took every registration with it.
         let Some(ctl) = file.as_ref() else { return Ok(()) };
@@ -229,8 +234,8 @@ impl FastPathBuffer {
     /// Whether `close` was called (or its `FastPath` closed).
     #[getter]
     fn closed(&self) -> bool {
-        let registered = *self.registered.lock().unwrap_or_else(|e| e.into_inner());
-        !registered || self.ctl.file.read().unwrap_or_else(|e| e.into_inner()).is_none()
+        self.unregistered.load(Ordering::Acquire)
+            || self.ctl.file.read().unwrap_or_else(|e| e.into_inner()).is_none()
     }
 
     /// The data area as a writable numpy array (no copy), `dtype` uint8 unless given.
@@ -288,11 +293,7 @@ impl FastPathBuffer {
             "FastPathBuffer(id={}, nbytes={}, closed={})",
             self.id,
             self.len,
-            if *self.registered.lock().unwrap_or_else(|e| e.into_inner()) {
-                "False"
-            } else {
-                "True"
-            }
+            if self.unregistered.load(Ordering::Acquire) { "True" } else { "False" }
         )
     }
 
@@ -610,6 +611,7 @@ impl FastPath {
                 table_bytes,
                 len: nbytes,
                 registered: Mutex::new(true),
+                unregistered: AtomicBool::new(false),
             })
         });
         made.map_err(Fail::into_py)
