@@ -56,6 +56,7 @@
 mod data_dir;
 mod held;
 mod tiering;
+mod watch;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -176,6 +177,9 @@ struct Inner {
     registered: tokio::sync::watch::Sender<bool>,
     /// Held for the node's life: no other node uses the data directory meanwhile.
     _dir_lock: Option<std::fs::File>,
+    /// The watch on the runtime the node's tasks run on (none on a current-thread runtime,
+    /// which stops by design whenever its thread blocks outside it).
+    watch: Option<watch::RuntimeWatch>,
 }
 
 /// A running node. Dropping it stops it (without telling the master, which then expires it);
@@ -299,6 +303,13 @@ impl Node {
         })
         .await?;
         let (registered, _) = tokio::sync::watch::channel(false);
+        let watch = match tokio::runtime::Handle::current().runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::CurrentThread => None,
+            _ => Some(
+                watch::RuntimeWatch::start(id)
+                    .map_err(|e| Error::new(ErrorKind::Internal, "node", e.to_string()))?,
+            ),
+        };
         let inner = Arc::new(Inner {
             id,
             cfg,
@@ -312,6 +323,7 @@ impl Node {
             registered_once: AtomicBool::new(false),
             registered,
             _dir_lock: dir_lock,
+            watch,
         });
         inner.adopt_nvme_objects().await;
         let guard_owner = Arc::downgrade(&inner);

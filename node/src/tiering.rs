@@ -872,6 +872,7 @@ impl Inner {
             hbm_demotions: load(&c.hbm_demotions),
             hbm_promotions: load(&c.hbm_promotions),
             te_requests: self.engine.requests_served(),
+            runtime_stalls: self.watch.as_ref().map_or(0, |w| w.stalls()),
         }
     }
 

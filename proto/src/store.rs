@@ -788,6 +788,9 @@ pub struct NodeStats {
     pub hbm_promotions: u64,
     /// Requests the node's Transfer Engine served over tcp, by op.
     pub te_requests: crate::transfer::ServedRequests,
+    /// Times the node's async runtime ran no task for a second or more (a deadlock, or every
+    /// worker blocked): it answered nothing and sent no heartbeat meanwhile.
+    pub runtime_stalls: u64,
 }
 
 /// The master's answer to a heartbeat: reads it granted of objects this node holds since the

@@ -815,7 +815,7 @@ pub(crate) fn render(state: &State, o: &mut String) {
     );
     let stats = lock(&state.tiers.node_stats).clone();
     type Field = fn(&w::NodeStats) -> u64;
-    let fields: [(&str, &str, &str, Field); 21] = [
+    let fields: [(&str, &str, &str, Field); 22] = [
         ("kvfs_node_dram_capacity_bytes", "gauge", "DRAM the node contributes.", |s| {
             s.dram_capacity_bytes
         }),
@@ -894,6 +894,12 @@ pub(crate) fn render(state: &State, o: &mut String) {
         ("kvfs_node_hbm_promotions_total", "counter", "Objects moved DRAM -> HBM.", |s| {
             s.hbm_promotions
         }),
+        (
+            "kvfs_node_runtime_stalls_total",
+            "counter",
+            "Times the node's async runtime ran no task for a second or more (it answered nothing and sent no heartbeat meanwhile).",
+            |s| s.runtime_stalls,
+        ),
     ];
     for (name, kind, help, f) in fields {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
