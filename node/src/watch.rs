@@ -16,7 +16,7 @@ const BEAT: Duration = Duration::from_millis(100);
 /// How often the watching thread looks.
 const LOOK: Duration = Duration::from_millis(250);
 /// How long the runtime may go without running the beat before it counts as stalled.
-pub(crate) const STALL: Duration = Duration::from_secs(1);
+const STALL: Duration = Duration::from_secs(1);
 
 /// Stops its thread and its task when dropped.
 pub(crate) struct RuntimeWatch {

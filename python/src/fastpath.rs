@@ -110,22 +110,20 @@ pub struct FastPathBuffer {
     head_bytes: usize,
     table_bytes: usize,
     len: usize,
-    /// Whether the daemon still has it; held while a batch uses the head.
-    registered: Mutex<bool>,
-    /// Set once `registered` went false: what `closed` and `repr` read (with the GIL held)
-    /// instead of waiting for a batch to let go of the lock.
+    /// Held while a batch uses the head, and while the buffer is unregistered.
+    batch: Mutex<()>,
+    /// Whether the daemon dropped it; set under `batch`, read without it (`closed` and `repr`
+    /// run with the GIL held and must not wait for a batch).
     unregistered: AtomicBool,
 }
 
 impl FastPathBuffer {
     /// Unregisters (once); the mapping stays until the object is collected.
     fn unregister(&self) -> Result<(), Fail> {
-        let mut registered = self.registered.lock().unwrap_or_else(|e| e.into_inner());
-        if !*registered {
+        let _batch = self.batch.lock().unwrap_or_else(|e| e.into_inner());
+        if self.unregistered.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        *registered = false;
-        self.unregistered.store(true, Ordering::Release);
         let file = self.ctl.file.read().unwrap_or_else(|e| e.into_inner());
         // A closed control file already took every registration with it.
         let Some(ctl) = file.as_ref() else { return Ok(()) };
@@ -137,8 +135,8 @@ impl FastPathBuffer {
 
     /// Lays out and submits `reqs` (already checked), returning `(status, size)` per item.
     fn run(&self, op: u32, reqs: &[Req]) -> Result<Vec<(i32, u64)>, Fail> {
-        let registered = self.registered.lock().unwrap_or_else(|e| e.into_inner());
-        if !*registered {
+        let _batch = self.batch.lock().unwrap_or_else(|e| e.into_inner());
+        if self.unregistered.load(Ordering::Acquire) {
             return Err(Fail::Closed("the buffer"));
         }
         let file = self.ctl.file.read().unwrap_or_else(|e| e.into_inner());
@@ -610,7 +608,7 @@ impl FastPath {
                 head_bytes,
                 table_bytes,
                 len: nbytes,
-                registered: Mutex::new(true),
+                batch: Mutex::new(()),
                 unregistered: AtomicBool::new(false),
             })
         });

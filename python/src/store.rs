@@ -115,19 +115,6 @@ pub struct MooncakeCore {
     slot: Mutex<Option<Arc<Session>>>,
 }
 
-impl Drop for MooncakeCore {
-    fn drop(&mut self) {
-        let Some(s) = self.slot.get_mut().unwrap_or_else(|e| e.into_inner()).take() else {
-            return;
-        };
-        // The last reference makes the embedded node leave the master (a bounded wait on the
-        // network): without the GIL, unless the interpreter is shutting down.
-        let mut s = Some(s);
-        let _ = Python::try_attach(|py| py.detach(|| drop(s.take())));
-        drop(s);
-    }
-}
-
 /// Concurrent single-key puts of the large objects of a multi-part batch.
 const PARTS_PUTS_CONCURRENT: usize = 16;
 

@@ -232,9 +232,6 @@ fn replay(bytes: &[u8]) -> (Vec<Record>, usize) {
 
 struct Queue {
     ready: VecDeque<WritebackEntry>,
-    /// Entries counted against the limits (queued or uploading).
-    entries: usize,
-    bytes: u64,
     next_seq: u64,
 }
 
@@ -244,9 +241,10 @@ struct Shared {
     queue: Mutex<Queue>,
     notify: Notify,
     closed: AtomicBool,
-    /// `queue`'s entries and bytes, copied after each change: [`WritebackQueue::depth`] (in
-    /// every node heartbeat) reads them rather than wait for the queue lock, which an enqueue
-    /// holds across its journal append and fsync.
+    /// Entries and bytes counted against the limits (queued or uploading). Raised only under
+    /// the queue lock, after the limit check; [`WritebackQueue::depth`] (in every node
+    /// heartbeat) reads them without it, since an enqueue holds it across its journal append
+    /// and fsync.
     depth: (AtomicUsize, AtomicU64),
     source: Arc<dyn Medium>,
     target: Arc<dyn Medium>,
@@ -266,16 +264,8 @@ impl Shared {
     }
 
     fn finish(&self, entry: &WritebackEntry) {
-        let mut q = lock(&self.queue);
-        q.entries -= 1;
-        q.bytes -= entry.size_bytes;
-        self.counted(&q);
-    }
-
-    /// Copies the queue's counts for [`WritebackQueue::depth`]; called under the queue lock.
-    fn counted(&self, q: &Queue) {
-        self.depth.0.store(q.entries, Ordering::Relaxed);
-        self.depth.1.store(q.bytes, Ordering::Relaxed);
+        self.depth.0.fetch_sub(1, Ordering::Relaxed);
+        self.depth.1.fetch_sub(entry.size_bytes, Ordering::Relaxed);
     }
 }
 
@@ -365,17 +355,15 @@ impl WritebackQueue {
         let (journal, recovery, next_seq) = tokio::task::spawn_blocking(move || recover(&path))
             .await
             .map_err(|e| Error::new(ErrorKind::Io, format!("journal recovery task: {e}")))??;
-        let queue = Queue {
-            ready: recovery.pending.iter().cloned().collect(),
-            entries: recovery.pending.len(),
-            bytes: recovery.pending.iter().map(|e| e.size_bytes).sum(),
-            next_seq,
-        };
+        let queue = Queue { ready: recovery.pending.iter().cloned().collect(), next_seq };
         let (tx, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             cfg,
             journal: Mutex::new(journal),
-            depth: (AtomicUsize::new(queue.entries), AtomicU64::new(queue.bytes)),
+            depth: (
+                AtomicUsize::new(recovery.pending.len()),
+                AtomicU64::new(recovery.pending.iter().map(|e| e.size_bytes).sum()),
+            ),
             queue: Mutex::new(queue),
             notify: Notify::new(),
             closed: AtomicBool::new(false),
@@ -429,12 +417,14 @@ impl WritebackQueue {
             }
             let mut q = lock(&shared.queue);
             let c = &shared.cfg;
-            if q.entries >= c.queue_entries_max || q.bytes + size_bytes > c.queue_bytes_max {
+            let (entries, bytes) =
+                (shared.depth.0.load(Ordering::Relaxed), shared.depth.1.load(Ordering::Relaxed));
+            if entries >= c.queue_entries_max || bytes + size_bytes > c.queue_bytes_max {
                 return Err(Error::new(
                     ErrorKind::Busy,
                     format!(
                         "write-back queue full: {} of {} entries, {} of {} bytes (queue_entries_max, queue_bytes_max)",
-                        q.entries, c.queue_entries_max, q.bytes, c.queue_bytes_max
+                        entries, c.queue_entries_max, bytes, c.queue_bytes_max
                     ),
                 ));
             }
@@ -450,9 +440,8 @@ impl WritebackQueue {
             };
             shared.append(&encode_record(enqueued_kind(&entry), entry.seq, Some(&entry)))?;
             q.next_seq += 1;
-            q.entries += 1;
-            q.bytes += size_bytes;
-            shared.counted(&q);
+            shared.depth.0.fetch_add(1, Ordering::Relaxed);
+            shared.depth.1.fetch_add(size_bytes, Ordering::Relaxed);
             let seq = entry.seq;
             q.ready.push_back(entry);
             drop(q);
