@@ -338,6 +338,31 @@ impl BlockHasher {
         }
     }
 
+    /// Whether [`BlockHasher::hash_block_encoded`] hashes the blocks of a chain with these
+    /// extra keys (every block but a salted first one): `sha256_cbor` with no LoRA.
+    pub(crate) fn takes_encoded(&self, extra: &Extra) -> bool {
+        self.algorithm == Algorithm::Sha256Cbor && extra.lora.is_none()
+    }
+
+    /// [`BlockHasher::hash_block_in`] for a block whose tokens are already CBOR items (`items`,
+    /// `tokens` of them; see [`crate::ahead`]), for chains where
+    /// [`BlockHasher::takes_encoded`] holds, on blocks with no extra keys (not a first block
+    /// with a cache salt).
+    pub(crate) fn hash_block_encoded(
+        &self,
+        scratch: &mut ChainScratch,
+        parent: Option<&[u8]>,
+        tokens: usize,
+        items: &[u8],
+    ) -> BlockDigest {
+        debug_assert_eq!(self.algorithm, Algorithm::Sha256Cbor);
+        let parent = match parent {
+            Some(p) if !p.is_empty() => p,
+            _ => &self.root,
+        };
+        scratch.cbor.step_items(parent, tokens, items)
+    }
+
     /// A block's extra keys: `None`, or the tuple of its tagged keys.
     fn keys<'a>(&self, extra: &'a Extra, first_block: bool) -> Value<'a> {
         let mut keys = Vec::new();
@@ -586,6 +611,21 @@ fn put_token_values(buf: &mut [u8], p: usize, t: &[u32]) -> usize {
     p
 }
 
+/// [`put_token_values`] for token ids given as little-endian 32-bit bytes (`le.len()` a
+/// multiple of 4; room for 5 bytes a token at `buf[p..]`).
+pub(crate) fn put_le_token_values(buf: &mut [u8], p: usize, le: &[u8]) -> usize {
+    let mut ints = [0u32; 256];
+    let mut p = p;
+    for part in le.chunks(4 * ints.len()) {
+        let n = part.len() / 4;
+        for (t, c) in ints.iter_mut().zip(part.chunks_exact(4)) {
+            *t = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+        p = put_token_values(buf, p, &ints[..n]);
+    }
+    p
+}
+
 /// SHA-256's initial state (FIPS 180-4, 5.3.3).
 const SHA256_IV: [u32; 8] = [
     0x6a09_e667,
@@ -636,6 +676,24 @@ impl CborChain {
         }
         self.msg[3..35].copy_from_slice(parent);
         let p = put_token_values(&mut self.msg, self.items_at, tokens);
+        self.msg[p] = 0xf6;
+        sha256_padded(&mut self.msg, p + 1)
+    }
+
+    /// [`CborChain::step`] for a block of `tokens` tokens whose CBOR items are `items`.
+    fn step_items(&mut self, parent: &[u8], tokens: usize, items: &[u8]) -> BlockDigest {
+        if self.tokens != Some(tokens) {
+            self.msg.clear();
+            self.msg.resize(3 + 32 + 9 + 5 * tokens + 1 + 72, 0);
+            let p = put_head(&mut self.msg, 0, 4, 3);
+            let p = put_head(&mut self.msg, p, 2, 32);
+            debug_assert_eq!(p, 3);
+            self.items_at = put_head(&mut self.msg, 35, 4, tokens as u64);
+            self.tokens = Some(tokens);
+        }
+        self.msg[3..35].copy_from_slice(parent);
+        let p = self.items_at + items.len();
+        self.msg[self.items_at..p].copy_from_slice(items);
         self.msg[p] = 0xf6;
         sha256_padded(&mut self.msg, p + 1)
     }

@@ -1,6 +1,7 @@
 //! kvfs-conductor: which instance holds which prefix of a prompt's KV cache, fed by the
 //! engines' and the pool's KV events, and where to send a request.
 
+mod ahead;
 pub mod event;
 pub mod hash;
 pub mod index;

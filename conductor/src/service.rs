@@ -36,7 +36,7 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use axum::body::Bytes;
@@ -46,6 +46,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
 
+use crate::ahead::{Ahead, Permits};
 use crate::hash::{
     Algorithm, BlockDigest, BlockHasher, Extra, HashProfile, LoraKey, project_low64_be,
 };
@@ -160,6 +161,8 @@ pub struct Metrics {
     /// Sources whose blocks expired because their publisher stayed unreachable.
     pub expired: AtomicU64,
     pub query_errors: AtomicU64,
+    /// Token chains whose CBOR a helper thread encoded ahead of their hashing.
+    pub chains_ahead: AtomicU64,
     /// Latency of answered prefix queries (decoding, hashing, the index walk, the answer).
     pub query: Histogram,
     pub route_errors: AtomicU64,
@@ -240,6 +243,8 @@ pub struct Shared {
     router: Mutex<Live>,
     /// Chain steps of token queries computed lately (see [`crate::memo`]).
     pub memo: Mutex<ChainMemo>,
+    /// Helpers encoding long token chains ahead of their hashing (see [`crate::ahead`]).
+    ahead_permits: Permits,
 }
 
 /// The scheduler of `/route` and the names of its instances.
@@ -309,6 +314,9 @@ pub struct Config {
     pub route: RouteConfig,
     /// Most chain steps the memo of token queries keeps (0: none; about 220 bytes each).
     pub hash_memo_entries: usize,
+    /// Whether a long token chain's CBOR is encoded ahead of its hashing on another core
+    /// (see [`crate::ahead`]).
+    pub encode_ahead: bool,
 }
 
 impl Default for Config {
@@ -323,6 +331,7 @@ impl Default for Config {
             source_ttl: std::time::Duration::from_secs(30),
             route: RouteConfig::default(),
             hash_memo_entries: 1 << 19,
+            encode_ahead: true,
         }
     }
 }
@@ -357,7 +366,14 @@ impl Shared {
                 decode: Names::default(),
             }),
             memo: Mutex::new(ChainMemo::new(cfg.hash_memo_entries)),
+            ahead_permits: Permits::for_this_machine(cfg.encode_ahead),
         })
+    }
+
+    /// Turns [`Config::encode_ahead`] on or off for the queries that start from now on (so a
+    /// bench can time both in one run).
+    pub fn set_encode_ahead(&self, on: bool) {
+        self.ahead_permits.set(on);
     }
 
     /// Starts (or replaces) a source; must run inside a tokio runtime.
@@ -748,101 +764,160 @@ impl Query<'_> {
         // their last block once known), so the runs this query completes are remembered.
         let mut missed_runs: Vec<(usize, u128, Option<Vec<u8>>)> = Vec::new();
         let mut scratch = crate::hash::ChainScratch::default();
-        let (mut step, mut next_check) = (4, 4);
+        let (mut step, mut next_check): (usize, usize) = (4, 4);
         // Held across a run of hits; let go to hash a miss and to ask the index.
         let mut memo = None;
-        let mut i = 0;
-        while i < blocks.len() {
-            let parent = match out.last() {
-                None => Parent::First { salt },
-                Some(&p) => Parent::Block(p),
-            };
-            let run = scope.filter(|_| i.is_multiple_of(RUN) && i + RUN <= blocks.len());
-            let mut ran = false;
-            if let Some(sc) = run {
-                let all = &self.token_ids.0[i * 4 * bs..(i + RUN) * 4 * bs];
-                let key = keys.run_key(sc, parent, all);
-                let m =
-                    memo.get_or_insert_with(|| s.memo.lock().unwrap_or_else(|e| e.into_inner()));
-                match m.get_run(key) {
-                    Some(hit) => {
-                        out.extend_from_slice(hit.projections());
-                        if let Some(d) = hit.digest() {
-                            known = Some((i + RUN - 1, Known::Computed(BlockDigest::new(d))));
-                        }
-                        i += RUN;
-                        ran = true;
-                    }
-                    None => missed_runs.push((i, key, None)),
-                }
-            }
-            if !ran {
-                let b = blocks[i];
-                let key = scope.map(|sc| keys.key(sc, parent, b));
-                let hit = key.and_then(|k| {
-                    memo.get_or_insert_with(|| s.memo.lock().unwrap_or_else(|e| e.into_inner()))
-                        .get(k)
-                });
-                match hit {
-                    Some(h) => {
-                        out.push(h.projection());
-                        if h.digest().is_some() {
-                            known = Some((i, Known::Held(h)));
-                        }
-                    }
-                    None => {
-                        memo = None;
-                        // The parent's full digest: hashed forward from the last block whose
-                        // digest is known (blocks learned from events hold none), so no block
-                        // of a query is hashed twice.
-                        let (mut at, mut full) = match known.take() {
-                            Some((k, Known::Computed(d))) => (k + 1, Some(d)),
-                            Some((k, Known::Held(h))) => (k + 1, h.digest().map(BlockDigest::new)),
-                            None => (0, None),
-                        };
-                        let d = loop {
-                            le_ints(blocks[at], &mut ints);
-                            let d = hasher.hash_block_in(
-                                &mut scratch,
-                                full.as_deref(),
-                                &ints,
-                                extra,
-                                at == 0,
-                            );
-                            if at == i {
-                                break d;
+        // Blocks encoded ahead on another core, from the block given (see `crate::ahead`).
+        let ahead: OnceLock<(usize, Ahead)> = OnceLock::new();
+        let encodable = hasher.takes_encoded(extra);
+        std::thread::scope(|sc| {
+            let mut i = 0;
+            while i < blocks.len() {
+                let parent = match out.last() {
+                    None => Parent::First { salt },
+                    Some(&p) => Parent::Block(p),
+                };
+                let run = scope.filter(|_| i.is_multiple_of(RUN) && i + RUN <= blocks.len());
+                let mut ran = false;
+                if let Some(sc) = run {
+                    let all = &self.token_ids.0[i * 4 * bs..(i + RUN) * 4 * bs];
+                    let key = keys.run_key(sc, parent, all);
+                    let m = memo
+                        .get_or_insert_with(|| s.memo.lock().unwrap_or_else(|e| e.into_inner()));
+                    match m.get_run(key) {
+                        Some(hit) => {
+                            out.extend_from_slice(hit.projections());
+                            if let Some(d) = hit.digest() {
+                                known = Some((i + RUN - 1, Known::Computed(BlockDigest::new(d))));
                             }
-                            full = Some(d);
-                            at += 1;
-                        };
-                        let projection = project_low64_be(&d);
-                        if let Some(k) = key {
-                            computed.push((k, projection, d));
+                            i += RUN;
+                            ran = true;
                         }
-                        out.push(projection);
-                        known = Some((i, Known::Computed(d)));
+                        None => missed_runs.push((i, key, None)),
                     }
                 }
-                // The last block of a missed run: keep its digest for the run, if known.
-                if let (Some((at, _, end)), Some((k, known))) = (missed_runs.last_mut(), &known)
-                    && *at + RUN == i + 1
-                    && *k == i
-                {
-                    *end = known.digest().map(<[u8]>::to_vec);
+                if !ran {
+                    let b = blocks[i];
+                    let key = scope.map(|sc| keys.key(sc, parent, b));
+                    let hit = key.and_then(|k| {
+                        memo.get_or_insert_with(|| s.memo.lock().unwrap_or_else(|e| e.into_inner()))
+                            .get(k)
+                    });
+                    match hit {
+                        Some(h) => {
+                            out.push(h.projection());
+                            if h.digest().is_some() {
+                                known = Some((i, Known::Held(h)));
+                            }
+                        }
+                        None => {
+                            memo = None;
+                            // The parent's full digest: hashed forward from the last block whose
+                            // digest is known (blocks learned from events hold none), so no block
+                            // of a query is hashed twice.
+                            let (mut at, mut full) = match known.take() {
+                                Some((k, Known::Computed(d))) => (k + 1, Some(d)),
+                                Some((k, Known::Held(h))) => {
+                                    (k + 1, h.digest().map(BlockDigest::new))
+                                }
+                                None => (0, None),
+                            };
+                            let d = loop {
+                                // A long stretch to hash, past the first check against the index:
+                                // its blocks are encoded ahead on another core.
+                                if ahead.get().is_none()
+                                    && out.len() >= 4
+                                    && encodable
+                                    && crate::ahead::worth_it(
+                                        (blocks.len() - at) * bs,
+                                        next_check.saturating_sub(at) * bs,
+                                        bs,
+                                    )
+                                    && let Some(p) = s.ahead_permits.take()
+                                {
+                                    let a = ahead.get_or_init(|| (at, Ahead::new(&blocks[at..])));
+                                    let spawned = std::thread::Builder::new()
+                                        .name("kvfs-chain-ahead".into())
+                                        .spawn_scoped(sc, move || {
+                                            let _permit = p;
+                                            a.1.run();
+                                        });
+                                    match spawned {
+                                        Ok(_) => {
+                                            s.metrics.chains_ahead.fetch_add(1, Ordering::Relaxed);
+                                        }
+                                        // Hashed alone, as without it.
+                                        Err(e) => {
+                                            tracing::debug!("no thread to encode ahead: {e}");
+                                        }
+                                    }
+                                }
+                                let items = match ahead.get() {
+                                    Some((from, a))
+                                        if at >= *from && (at > 0 || salt.is_empty()) =>
+                                    {
+                                        a.items(at - from)
+                                    }
+                                    _ => None,
+                                };
+                                let d = match items {
+                                    Some(items) => hasher.hash_block_encoded(
+                                        &mut scratch,
+                                        full.as_deref(),
+                                        bs,
+                                        &items,
+                                    ),
+                                    // No helper, or it holds this block's chunk.
+                                    None => {
+                                        le_ints(blocks[at], &mut ints);
+                                        hasher.hash_block_in(
+                                            &mut scratch,
+                                            full.as_deref(),
+                                            &ints,
+                                            extra,
+                                            at == 0,
+                                        )
+                                    }
+                                };
+                                if at == i {
+                                    break d;
+                                }
+                                full = Some(d);
+                                at += 1;
+                            };
+                            let projection = project_low64_be(&d);
+                            if let Some(k) = key {
+                                computed.push((k, projection, d));
+                            }
+                            out.push(projection);
+                            known = Some((i, Known::Computed(d)));
+                        }
+                    }
+                    // The last block of a missed run: keep its digest for the run, if known.
+                    if let (Some((at, _, end)), Some((k, known))) = (missed_runs.last_mut(), &known)
+                        && *at + RUN == i + 1
+                        && *k == i
+                    {
+                        *end = known.digest().map(<[u8]>::to_vec);
+                    }
+                    i += 1;
                 }
-                i += 1;
-            }
-            if out.len() >= next_check && out.len() < blocks.len() {
-                memo = None;
-                let last = out[out.len() - 1];
-                let reaches = s.index.lock().unwrap_or_else(|e| e.into_inner()).holds(&ctx, last);
-                if !reaches {
-                    break;
+                if out.len() >= next_check && out.len() < blocks.len() {
+                    memo = None;
+                    let last = out[out.len() - 1];
+                    let reaches =
+                        s.index.lock().unwrap_or_else(|e| e.into_inner()).holds(&ctx, last);
+                    if !reaches {
+                        break;
+                    }
+                    step = (step * 2).min(RUN);
+                    next_check = out.len() + step;
                 }
-                step = (step * 2).min(RUN);
-                next_check = out.len() + step;
             }
-        }
+            if let Some((_, a)) = ahead.get() {
+                a.stop();
+            }
+        });
         drop(memo);
         missed_runs.retain(|(at, ..)| at + RUN <= out.len());
         if !computed.is_empty() || !missed_runs.is_empty() {
@@ -1577,6 +1652,11 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     counter("sources_expired_total", "Sources whose publisher stayed unreachable.", l(&m.expired));
     counter("queries_total", "Prefix queries answered.", m.query.count());
     counter("query_errors_total", "Prefix queries refused.", l(&m.query_errors));
+    counter(
+        "chains_encoded_ahead_total",
+        "Token chains whose CBOR a second thread encoded while the query hashed.",
+        l(&m.chains_ahead),
+    );
     counter("routes_accepted_total", "Requests routed.", l(&m.routes_accepted));
     counter(
         "routes_rejected_ttft_total",
@@ -2040,6 +2120,82 @@ mod tests {
         proptest::prop_assert!(m.len() <= entries && m.runs() <= entries / RUN);
         proptest::prop_assert!(plain.memo.lock().unwrap().is_empty());
         Ok(())
+    }
+
+    #[test]
+    fn long_chains_encoded_ahead_answer_as_hashed_alone() {
+        // Prompts long enough for a helper (16k tokens and more past the first check) at two
+        // block sizes, an owner holding prefixes that end before the first check, inside the
+        // chain and at its end; salted or not; with the memo and without.
+        let tokens: Vec<u32> =
+            (0..40_000u32).map(|i| i.wrapping_mul(2_654_435_761) % 200_000).collect();
+        let hasher = BlockHasher::new(&Config::default().default_profile).unwrap();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for bs in [64usize, 512] {
+            let blocks = tokens.len() / bs;
+            for salt in [None, Some("s")] {
+                let extra = Extra { lora: None, cache_salt: salt.map(String::from) };
+                let chain: Vec<u64> = hasher
+                    .iter(&tokens, bs, &extra)
+                    .unwrap()
+                    .map(|d| project_low64_be(&d))
+                    .collect();
+                for held in [2, 5, blocks / 2, blocks] {
+                    let ctx = ContextKey {
+                        tenant: "t".into(),
+                        model: "m".into(),
+                        lora: String::new(),
+                        block_size: bs as u32,
+                    };
+                    let event = Event::Stored {
+                        hashes: chain[..held].to_vec(),
+                        parent: None,
+                        token_ids: Vec::new(),
+                        block_size: Some(bs as u32),
+                        medium: Medium::Gpu,
+                        lora_name: None,
+                    };
+                    let body = serde_json::to_vec(&serde_json::json!({
+                        "model": "m", "tenant_id": "t", "block_size": bs,
+                        "token_ids": tokens, "cache_salt": salt,
+                    }))
+                    .unwrap();
+                    let v = |b: &[u8]| serde_json::from_slice::<serde_json::Value>(b).unwrap();
+                    let mut answers = Vec::new();
+                    for (ahead, memo) in [(false, 0), (true, 0), (true, 1 << 16)] {
+                        let s = holding(&ctx, &event);
+                        *s.memo.lock().unwrap() = ChainMemo::new(memo);
+                        s.set_encode_ahead(ahead);
+                        // Twice: the second query meets the memo's steps, if any.
+                        for _ in 0..2 {
+                            answers.push(v(&answer_query(&s, false, &body, false).unwrap()));
+                        }
+                        // A helper runs with a core to spare, from a miss past the first check
+                        // (4 blocks) with 4,096 tokens or more to the next (at block 64 the checks
+                        // come after 4, 12, 28 and 60 blocks, so a chain stopping at block 12
+                        // gets none), and (the memo holding the chain) for the first query
+                        // alone.
+                        let used = s.metrics.chains_ahead.load(Ordering::Relaxed);
+                        let queries = if memo == 0 { 2 } else { 1 };
+                        let long = held >= 4 && !(bs == 64 && held < 12);
+                        let expect = if ahead && long && cores > 1 { queries } else { 0 };
+                        assert_eq!(
+                            used, expect,
+                            "bs {bs}, held {held}, ahead {ahead}, memo {memo}"
+                        );
+                    }
+                    let want = &answers[0];
+                    assert_eq!(
+                        want["instances"]["a"]["longest_matched"],
+                        serde_json::json!(held * bs),
+                        "bs {bs}, held {held}"
+                    );
+                    for a in &answers {
+                        assert_eq!(a, want, "bs {bs}, salt {salt:?}, held {held}");
+                    }
+                }
+            }
+        }
     }
 
     /// A conductor where one owner ("a", rank 0) of `ctx` stored `event`'s blocks.

@@ -8,7 +8,8 @@
 //! answer the API gives). Measured: the index walk alone (by hash), `/query_by_hash` and
 //! `/query` (tokens, hashed by the conductor) over one keep-alive HTTP/1.1 connection from
 //! another thread, JSON and msgpack. Answers are checked (the instance count) before timing.
-//! Token queries are timed cold (the chain memo off: every block hashed), learned (the memo
+//! Token queries are timed cold (the chain memo off: every block hashed; also with the hashing
+//! kept on the query's own thread, no CBOR encoded ahead on another core), learned (the memo
 //! filled from an engine's event carrying the prompt's tokens, fresh before each query) and
 //! warm (the prompt queried before). The last figure is the floor under the HTTP ones: the same
 //! request and answer bytes over a raw loopback TCP connection, with no HTTP and no work.
@@ -52,6 +53,8 @@ pub struct ConductorBenchArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Prep {
     Cold,
+    /// Cold, hashed on the query's thread alone (no CBOR encoded ahead on another core).
+    ColdOneCore,
     Learned,
     Warm,
 }
@@ -105,12 +108,12 @@ pub fn run(a: ConductorBenchArgs) -> anyhow::Result<()> {
         a.instances, a.dp, a.tokens, a.queries
     );
     println!(
-        "{:>6} {:>8} {:<42} {:>10} {:>10} {:>12}",
+        "{:>6} {:>8} {:<48} {:>10} {:>10} {:>12}",
         "block", "holders", "case", "p50 us", "p99 us", "reply bytes"
     );
     for f in &figures {
         println!(
-            "{:>6} {:>7}% {:<42} {:>10.1} {:>10.1} {:>12}",
+            "{:>6} {:>7}% {:<48} {:>10.1} {:>10.1} {:>12}",
             f.block_size, f.holders_pct, f.case, f.p50_us, f.p99_us, f.reply_bytes
         );
     }
@@ -264,7 +267,9 @@ fn one(
         lora_name: None,
     };
     let prep = |p: Prep| {
-        let entries = if p == Prep::Cold { 0 } else { 1 << 19 };
+        let cold = matches!(p, Prep::Cold | Prep::ColdOneCore);
+        let entries = if cold { 0 } else { 1 << 19 };
+        shared.set_encode_ahead(p != Prep::ColdOneCore);
         *shared.memo.lock().unwrap_or_else(|e| e.into_inner()) = ChainMemo::new(entries);
         if p == Prep::Learned {
             shared.learn_steps(&ctx, &event);
@@ -274,6 +279,13 @@ fn one(
     for (name, body, msgpack, by_hash, p) in [
         ("service by hash (no http)", &by_hash[..], false, true, Prep::Cold),
         ("service tokens msgpack, cold (no http)", &by_tokens_mp[..], true, false, Prep::Cold),
+        (
+            "service tokens msgpack, cold, 1 core (no http)",
+            &by_tokens_mp[..],
+            true,
+            false,
+            Prep::ColdOneCore,
+        ),
         (
             "service tokens msgpack, learned (no http)",
             &by_tokens_mp[..],
@@ -303,11 +315,12 @@ fn one(
         out.push(Figure::new(bs, holders, name, lat, bytes));
     }
     let (json, mp) = ("application/json", "application/msgpack");
-    let cases: [(&'static str, &str, &[u8], &str, Prep); 6] = [
+    let cases: [(&'static str, &str, &[u8], &str, Prep); 7] = [
         ("/query_by_hash json", "/query_by_hash", &by_hash, json, Prep::Cold),
         ("/query_by_hash msgpack", "/query_by_hash", &by_hash_mp, mp, Prep::Cold),
         ("/query tokens json, cold", "/query", &by_tokens, json, Prep::Cold),
         ("/query tokens msgpack bin, cold", "/query", &by_tokens_mp, mp, Prep::Cold),
+        ("/query tokens msgpack bin, cold, 1 core", "/query", &by_tokens_mp, mp, Prep::ColdOneCore),
         ("/query tokens msgpack bin, learned", "/query", &by_tokens_mp, mp, Prep::Learned),
         ("/query tokens msgpack bin, warm", "/query", &by_tokens_mp, mp, Prep::Warm),
     ];

@@ -68,6 +68,13 @@ pub struct ConductorArgs {
     /// filling the default 512 Ki steps from events: 111 MiB).
     #[arg(long, default_value_t = 1 << 19)]
     pub hash_memo_entries: usize,
+    /// Hash each token query on its own thread only. By default a long chain (16k tokens and
+    /// more still to hash in blocks of 64 tokens or more, vLLM's sha256_cbor without LoRA) has
+    /// its CBOR encoded ahead on another core while
+    /// the query's thread runs SHA-256 (at most one helper fewer than the cores at once, across
+    /// all queries): a cold 128k-token query then costs about its SHA-256 alone.
+    #[arg(long)]
+    pub no_encode_ahead: bool,
 }
 
 pub async fn run(a: ConductorArgs, listen_given: bool) -> anyhow::Result<()> {
@@ -102,6 +109,7 @@ pub async fn run(a: ConductorArgs, listen_given: bool) -> anyhow::Result<()> {
             cost,
         },
         hash_memo_entries: a.hash_memo_entries,
+        encode_ahead: !a.no_encode_ahead,
     };
     let shared = Shared::new(&cfg);
     let mut listen = a.listen;
