@@ -665,23 +665,21 @@ struct CborChain {
 impl CborChain {
     /// SHA-256 of the CBOR of `(parent, tokens, None)`; `parent` is 32 bytes.
     fn step(&mut self, parent: &[u8], tokens: &[u32]) -> BlockDigest {
-        if self.tokens != Some(tokens.len()) {
-            self.msg.clear();
-            self.msg.resize(3 + 32 + 9 + 5 * tokens.len() + 1 + 72, 0);
-            let p = put_head(&mut self.msg, 0, 4, 3);
-            let p = put_head(&mut self.msg, p, 2, 32);
-            debug_assert_eq!(p, 3);
-            self.items_at = put_head(&mut self.msg, 35, 4, tokens.len() as u64);
-            self.tokens = Some(tokens.len());
-        }
-        self.msg[3..35].copy_from_slice(parent);
+        self.start(parent, tokens.len());
         let p = put_token_values(&mut self.msg, self.items_at, tokens);
-        self.msg[p] = 0xf6;
-        sha256_padded(&mut self.msg, p + 1)
+        self.finish(p)
     }
 
     /// [`CborChain::step`] for a block of `tokens` tokens whose CBOR items are `items`.
     fn step_items(&mut self, parent: &[u8], tokens: usize, items: &[u8]) -> BlockDigest {
+        self.start(parent, tokens);
+        let p = self.items_at + items.len();
+        self.msg[self.items_at..p].copy_from_slice(items);
+        self.finish(p)
+    }
+
+    /// The message's heads (written again only when the block size changes) and `parent`.
+    fn start(&mut self, parent: &[u8], tokens: usize) {
         if self.tokens != Some(tokens) {
             self.msg.clear();
             self.msg.resize(3 + 32 + 9 + 5 * tokens + 1 + 72, 0);
@@ -692,8 +690,10 @@ impl CborChain {
             self.tokens = Some(tokens);
         }
         self.msg[3..35].copy_from_slice(parent);
-        let p = self.items_at + items.len();
-        self.msg[self.items_at..p].copy_from_slice(items);
+    }
+
+    /// The keys (`None`) after the items ending at `p`, and the digest.
+    fn finish(&mut self, p: usize) -> BlockDigest {
         self.msg[p] = 0xf6;
         sha256_padded(&mut self.msg, p + 1)
     }
