@@ -1517,14 +1517,20 @@ fn copy_threads(max: usize) -> usize {
 }
 
 fn copy(op: TransferOp, local: *mut u8, remote: *mut u8, len: usize) {
+    let (src, dst) = match op {
+        TransferOp::Read => (remote as *const u8, local),
+        TransferOp::Write => (local as *const u8, remote),
+    };
+    let overlap = (src as usize) < dst as usize + len && (dst as usize) < src as usize + len;
     // SAFETY: every caller checked both ranges: the local one inside registered memory (or, for
     // `Engine::write_own`, a live borrow of `len` bytes), the remote one inside remotely
     // accessible or mapped memory of at least `len` bytes. They may overlap only when a caller
-    // transfers between overlapping ranges of its own segment, so use the overlapping copy.
+    // transfers between overlapping ranges of its own segment: those take the overlapping copy.
     unsafe {
-        match op {
-            TransferOp::Read => std::ptr::copy(remote, local, len),
-            TransferOp::Write => std::ptr::copy(local, remote, len),
+        if len >= crate::memory::STREAM_BYTES_MIN && !overlap {
+            crate::memory::copy_streaming(src, dst, len);
+        } else {
+            std::ptr::copy(src, dst, len);
         }
     }
 }

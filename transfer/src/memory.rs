@@ -33,6 +33,55 @@ use crate::{Error, ErrorKind, Result};
 const PAGE: usize = 4096;
 const HUGE_PAGE: usize = 2 << 20;
 
+/// Copies of at least this many bytes between host memories (a process's own segment, a
+/// peer's over shm) take [`copy_streaming`]: at this size the bytes would push the copying
+/// core's L2 out anyway, and whoever reads them next (a GPU's DMA, another process, the tier
+/// mover) is rarely this core right away.
+pub(crate) const STREAM_BYTES_MIN: usize = 256 << 10;
+
+/// Copies `len` bytes from `src` to `dst` with non-temporal stores on x86_64 (SSE2, on every
+/// such CPU): the destination's cache lines are written whole, never read first, and do not
+/// evict the caches. A 128 MiB stream of copies measured on this project's VM (AMD EPYC, one
+/// thread, a C probe): 12.8-15.4 GB/s against glibc's `memcpy` at 8.3-9.5 GB/s, for items of
+/// 64 KiB to 16 MiB. The last store is fenced (`sfence`) before this returns, so whatever
+/// signals the copy's end (a socket message, a release store) is seen after its bytes.
+/// Elsewhere a plain copy.
+///
+/// # Safety
+/// `src..src+len` readable, `dst..dst+len` writable, the two not overlapping.
+pub(crate) unsafe fn copy_streaming(src: *const u8, dst: *mut u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the caller's ranges (above); every load and store below stays inside them: the
+    // head up to `dst`'s next 64-byte boundary, whole 64-byte lines (the stores 16-byte
+    // aligned, as `_mm_stream_si128` needs), then the tail.
+    unsafe {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let head = ((dst as usize).wrapping_neg() & 63).min(len);
+        std::ptr::copy_nonoverlapping(src, dst, head);
+        let body = (len - head) & !63;
+        let (s, d) = (src.add(head), dst.add(head));
+        let mut i = 0;
+        while i < body {
+            let a = _mm_loadu_si128(s.add(i).cast::<__m128i>());
+            let b = _mm_loadu_si128(s.add(i + 16).cast::<__m128i>());
+            let c = _mm_loadu_si128(s.add(i + 32).cast::<__m128i>());
+            let e = _mm_loadu_si128(s.add(i + 48).cast::<__m128i>());
+            _mm_stream_si128(d.add(i).cast::<__m128i>(), a);
+            _mm_stream_si128(d.add(i + 16).cast::<__m128i>(), b);
+            _mm_stream_si128(d.add(i + 32).cast::<__m128i>(), c);
+            _mm_stream_si128(d.add(i + 48).cast::<__m128i>(), e);
+            i += 64;
+        }
+        std::ptr::copy_nonoverlapping(s.add(body), d.add(body), len - head - body);
+        _mm_sfence();
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    // SAFETY: the caller's ranges (above).
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, dst, len);
+    }
+}
+
 /// How a [`Buffer`] is allocated.
 #[derive(Debug, Clone)]
 pub struct BufferOptions {
@@ -506,6 +555,29 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn streaming_copies_move_exactly_their_bytes_at_any_alignment() {
+        let src: Vec<u8> = (0..(1usize << 20) + 200).map(|i| (i * 31 + i / 251) as u8).collect();
+        let mut dst = vec![0u8; src.len() + 200];
+        for (s_off, d_off, len) in [
+            (0, 0, 0),
+            (0, 0, 63),
+            (1, 0, 64),
+            (0, 7, 65),
+            (3, 61, 1000),
+            (5, 17, 256 << 10),
+            (64, 64, 1 << 20),
+            (13, 130, (1 << 20) + 37),
+        ] {
+            dst.fill(0xee);
+            // SAFETY: both ranges lie inside their vectors, which do not overlap.
+            unsafe { copy_streaming(src.as_ptr().add(s_off), dst.as_mut_ptr().add(d_off), len) };
+            assert_eq!(&dst[d_off..d_off + len], &src[s_off..s_off + len], "{s_off} {d_off} {len}");
+            assert!(dst[..d_off].iter().all(|&b| b == 0xee), "wrote before the range");
+            assert!(dst[d_off + len..].iter().all(|&b| b == 0xee), "wrote past the range");
+        }
+    }
 
     #[test]
     fn buffer_round_trip_and_bounds() {
