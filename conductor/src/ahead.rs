@@ -14,13 +14,14 @@
 //! hashes the block's items from there; where the helper holds that chunk (encoding it), the
 //! chain encodes the block alone as without a helper. So the chain never waits for the helper
 //! (a helper that lost its core mid-chunk would otherwise stall it for a scheduler slice): at
-//! worst it does what it did alone, plus a lock per block. The helper stops
-//! at the last chunk or when told to ([`Ahead::stop`]); its wasted work is bounded by the
-//! prompt (a chain that stops early, at the first block the index lacks, leaves the rest).
+//! worst it does what it did alone, plus a lock per block. The helper stops at the last chunk
+//! or when told to ([`Ahead::stop`]); its wasted work is bounded by the prompt (a chain that
+//! stops early, at the first block the index lacks, leaves the rest).
 //!
 //! Not used: for chains that are short or of small blocks (the thread or the locks would cost
-//! more than they save, see [`worth_it`]), for shapes other than `sha256_cbor` without extra keys, and on a machine of one
-//! core. How many helpers run at once is bounded by the caller ([`Permits`]).
+//! more than they save, see [`worth_it`]), for shapes other than `sha256_cbor` without extra
+//! keys, and on a machine of one core. How many helpers run at once is bounded by the caller
+//! ([`Permits`]).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};

@@ -286,11 +286,7 @@ impl BlockHasher {
         extra: &Extra,
         first_block: bool,
     ) -> BlockDigest {
-        // vLLM replaces a falsy parent (None or b"") by NONE_HASH.
-        let parent = match parent {
-            Some(p) if !p.is_empty() => p,
-            _ => &self.root,
-        };
+        let parent = self.parent_or_root(parent);
         let keys = self.keys(extra, first_block);
         match self.algorithm {
             // Serialised into the chain's one buffer (a 128k-token prompt is half a megabyte of
@@ -356,11 +352,15 @@ impl BlockHasher {
         items: &[u8],
     ) -> BlockDigest {
         debug_assert_eq!(self.algorithm, Algorithm::Sha256Cbor);
-        let parent = match parent {
+        scratch.cbor.step_items(self.parent_or_root(parent), tokens, items)
+    }
+
+    /// vLLM replaces a falsy parent (None or b"") by `NONE_HASH`.
+    fn parent_or_root<'p>(&'p self, parent: Option<&'p [u8]>) -> &'p [u8] {
+        match parent {
             Some(p) if !p.is_empty() => p,
             _ => &self.root,
-        };
-        scratch.cbor.step_items(parent, tokens, items)
+        }
     }
 
     /// A block's extra keys: `None`, or the tuple of its tagged keys.
