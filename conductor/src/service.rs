@@ -771,6 +771,51 @@ impl Query<'_> {
         let ahead: OnceLock<(usize, Ahead)> = OnceLock::new();
         let encodable = hasher.takes_encoded(extra);
         std::thread::scope(|sc| {
+            // Block `at`'s digest given its parent's; a long stretch to hash, past the first
+            // check against the index (`out_len` blocks known), starts a helper that encodes
+            // the blocks ahead on another core.
+            let mut hash_at =
+                |at: usize, full: Option<&[u8]>, out_len: usize, next_check: usize| {
+                    if ahead.get().is_none()
+                        && out_len >= 4
+                        && encodable
+                        && crate::ahead::worth_it(
+                            (blocks.len() - at) * bs,
+                            next_check.saturating_sub(at) * bs,
+                            bs,
+                        )
+                        && let Some(p) = s.ahead_permits.take()
+                    {
+                        let a = ahead.get_or_init(|| (at, Ahead::new(&blocks[at..])));
+                        let spawned = std::thread::Builder::new()
+                            .name("kvfs-chain-ahead".into())
+                            .spawn_scoped(sc, move || {
+                                let _permit = p;
+                                a.1.run();
+                            });
+                        match spawned {
+                            Ok(_) => {
+                                s.metrics.chains_ahead.fetch_add(1, Ordering::Relaxed);
+                            }
+                            // Hashed alone, as without it.
+                            Err(e) => tracing::debug!("no thread to encode ahead: {e}"),
+                        }
+                    }
+                    let items = match ahead.get() {
+                        Some((from, a)) if at >= *from && (at > 0 || salt.is_empty()) => {
+                            a.items(at - from)
+                        }
+                        _ => None,
+                    };
+                    match items {
+                        Some(items) => hasher.hash_block_encoded(&mut scratch, full, bs, &items),
+                        // No helper, or it holds this block's chunk.
+                        None => {
+                            le_ints(blocks[at], &mut ints);
+                            hasher.hash_block_in(&mut scratch, full, &ints, extra, at == 0)
+                        }
+                    }
+                };
             let mut i = 0;
             while i < blocks.len() {
                 let parent = match out.last() {
@@ -823,62 +868,7 @@ impl Query<'_> {
                                 None => (0, None),
                             };
                             let d = loop {
-                                // A long stretch to hash, past the first check against the index:
-                                // its blocks are encoded ahead on another core.
-                                if ahead.get().is_none()
-                                    && out.len() >= 4
-                                    && encodable
-                                    && crate::ahead::worth_it(
-                                        (blocks.len() - at) * bs,
-                                        next_check.saturating_sub(at) * bs,
-                                        bs,
-                                    )
-                                    && let Some(p) = s.ahead_permits.take()
-                                {
-                                    let a = ahead.get_or_init(|| (at, Ahead::new(&blocks[at..])));
-                                    let spawned = std::thread::Builder::new()
-                                        .name("kvfs-chain-ahead".into())
-                                        .spawn_scoped(sc, move || {
-                                            let _permit = p;
-                                            a.1.run();
-                                        });
-                                    match spawned {
-                                        Ok(_) => {
-                                            s.metrics.chains_ahead.fetch_add(1, Ordering::Relaxed);
-                                        }
-                                        // Hashed alone, as without it.
-                                        Err(e) => {
-                                            tracing::debug!("no thread to encode ahead: {e}");
-                                        }
-                                    }
-                                }
-                                let items = match ahead.get() {
-                                    Some((from, a))
-                                        if at >= *from && (at > 0 || salt.is_empty()) =>
-                                    {
-                                        a.items(at - from)
-                                    }
-                                    _ => None,
-                                };
-                                let d = match items {
-                                    Some(items) => hasher.hash_block_encoded(
-                                        &mut scratch,
-                                        full.as_deref(),
-                                        bs,
-                                        &items,
-                                    ),
-                                    // No helper, or it holds this block's chunk.
-                                    None => {
-                                        le_ints(blocks[at], &mut ints);
-                                        hasher.hash_block_in(
-                                            &mut scratch,
-                                            full.as_deref(),
-                                            &ints,
-                                            extra,
-                                            at == 0,
-                                        )
-                                    }
-                                };
+                                let d = hash_at(at, full.as_deref(), out.len(), next_check);
                                 if at == i {
                                     break d;
                                 }
