@@ -536,16 +536,33 @@ pub async fn interleaved<F, Fut>(
     limit: &Limit,
     rounds: usize,
     per_round: std::time::Duration,
+    one: F,
+) -> anyhow::Result<(f64, super::report::Samples)>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Timed>>,
+{
+    interleaved_with(|| limit.measure(), rounds, per_round, one).await
+}
+
+/// [`interleaved`] with the limit measured by `measure` (which may also take other limits of
+/// its own round).
+pub async fn interleaved_with<M, MFut, F, Fut>(
+    mut measure: M,
+    rounds: usize,
+    per_round: std::time::Duration,
     mut one: F,
 ) -> anyhow::Result<(f64, super::report::Samples)>
 where
+    M: FnMut() -> MFut,
+    MFut: std::future::Future<Output = anyhow::Result<f64>>,
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<Timed>>,
 {
     let mut limits = Vec::with_capacity(rounds + 1);
     let mut s = super::report::Samples::default();
     for _ in 0..rounds.max(1) {
-        limits.push(limit.measure().await?);
+        limits.push(measure().await?);
         let start = Instant::now();
         let mut calls = 0;
         while calls < 3 || start.elapsed() < per_round {
@@ -557,7 +574,7 @@ where
             calls += 1;
         }
     }
-    limits.push(limit.measure().await?);
+    limits.push(measure().await?);
     limits.sort_by(|a, b| a.total_cmp(b));
     Ok((limits[limits.len() / 2], s))
 }
