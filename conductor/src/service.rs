@@ -36,7 +36,7 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use axum::body::Bytes;
@@ -46,7 +46,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
 
-use crate::ahead::{Ahead, Permits};
+use crate::ahead::{Ahead, Crew};
 use crate::hash::{
     Algorithm, BlockDigest, BlockHasher, Extra, HashProfile, LoraKey, project_low64_be,
 };
@@ -244,7 +244,7 @@ pub struct Shared {
     /// Chain steps of token queries computed lately (see [`crate::memo`]).
     pub memo: Mutex<ChainMemo>,
     /// Helpers encoding long token chains ahead of their hashing (see [`crate::ahead`]).
-    ahead_permits: Permits,
+    ahead_crew: Crew,
 }
 
 /// The scheduler of `/route` and the names of its instances.
@@ -366,14 +366,14 @@ impl Shared {
                 decode: Names::default(),
             }),
             memo: Mutex::new(ChainMemo::new(cfg.hash_memo_entries)),
-            ahead_permits: Permits::for_this_machine(cfg.encode_ahead),
+            ahead_crew: Crew::for_this_machine(cfg.encode_ahead),
         })
     }
 
     /// Turns [`Config::encode_ahead`] on or off for the queries that start from now on (so a
     /// bench can time both in one run).
     pub fn set_encode_ahead(&self, on: bool) {
-        self.ahead_permits.set(on);
+        self.ahead_crew.set(on);
     }
 
     /// Starts (or replaces) a source; must run inside a tokio runtime.
@@ -718,7 +718,7 @@ impl Query<'_> {
     /// The prompt's block hashes: the ones given (`by_hash`), or its tokens hashed as the
     /// context's engines hash them, up to the first block the index does not hold (the
     /// walk stops there).
-    fn hashes(&self, s: &Shared, by_hash: bool) -> Result<Vec<u64>, String> {
+    fn hashes(&self, s: &Shared, by_hash: bool, body: &Bytes) -> Result<Vec<u64>, String> {
         if self.block_size == 0 {
             return Err("block_size must be positive".into());
         }
@@ -733,7 +733,7 @@ impl Query<'_> {
                 .map(|name| LoraKey { name, path: self.lora_path.clone().unwrap_or_default() }),
             cache_salt: self.cache_salt.clone(),
         };
-        Ok(self.chain(s, &hasher, &extra))
+        Ok(self.chain(s, &hasher, &extra, body))
     }
 
     /// The token chain, block by block: a step the memo holds is looked up, a miss is
@@ -741,7 +741,7 @@ impl Query<'_> {
     /// from events carry projections only), and every few blocks (runs of 4 doubling to 64) the last
     /// block is checked against the index, so hashing stops where the walk will (the
     /// reference conductor also hashes only as far as a match can reach).
-    fn chain(&self, s: &Shared, hasher: &BlockHasher, extra: &Extra) -> Vec<u64> {
+    fn chain(&self, s: &Shared, hasher: &BlockHasher, extra: &Extra, body: &Bytes) -> Vec<u64> {
         let bs = self.block_size as usize;
         // Little-endian bytes, as the memo fingerprints them; as ints only where hashed.
         let blocks: Vec<&[u8]> = self.token_ids.0.chunks_exact(4 * bs).collect();
@@ -768,146 +768,129 @@ impl Query<'_> {
         // Held across a run of hits; let go to hash a miss and to ask the index.
         let mut memo = None;
         // Blocks encoded ahead on another core, from the block given (see `crate::ahead`).
-        let ahead: OnceLock<(usize, Ahead)> = OnceLock::new();
+        let mut ahead: Option<(usize, Arc<Ahead>)> = None;
         let encodable = hasher.takes_encoded(extra);
-        std::thread::scope(|sc| {
-            // Block `at`'s digest given its parent's; a long stretch to hash, past the first
-            // check against the index (`out_len` blocks known), starts a helper that encodes
-            // the blocks ahead on another core.
-            let mut hash_at =
-                |at: usize, full: Option<&[u8]>, out_len: usize, next_check: usize| {
-                    if ahead.get().is_none()
-                        && out_len >= 4
-                        && encodable
-                        && crate::ahead::worth_it(
-                            (blocks.len() - at) * bs,
-                            next_check.saturating_sub(at) * bs,
-                            bs,
-                        )
-                        && let Some(p) = s.ahead_permits.take()
-                    {
-                        let a = ahead.get_or_init(|| (at, Ahead::new(&blocks[at..])));
-                        let spawned = std::thread::Builder::new()
-                            .name("kvfs-chain-ahead".into())
-                            .spawn_scoped(sc, move || {
-                                let _permit = p;
-                                a.1.run();
-                            });
-                        match spawned {
-                            Ok(_) => {
-                                s.metrics.chains_ahead.fetch_add(1, Ordering::Relaxed);
-                            }
-                            // Hashed alone, as without it.
-                            Err(e) => tracing::debug!("no thread to encode ahead: {e}"),
-                        }
-                    }
-                    let items = match ahead.get() {
-                        Some((from, a)) if at >= *from && (at > 0 || salt.is_empty()) => {
-                            a.items(at - from)
-                        }
-                        _ => None,
-                    };
-                    match items {
-                        Some(items) => hasher.hash_block_encoded(&mut scratch, full, bs, &items),
-                        // No helper, or it holds this block's chunk.
-                        None => {
-                            le_ints(blocks[at], &mut ints);
-                            hasher.hash_block_in(&mut scratch, full, &ints, extra, at == 0)
-                        }
-                    }
-                };
-            let mut i = 0;
-            while i < blocks.len() {
-                let parent = match out.last() {
-                    None => Parent::First { salt },
-                    Some(&p) => Parent::Block(p),
-                };
-                let run = scope.filter(|_| i.is_multiple_of(RUN) && i + RUN <= blocks.len());
-                let mut ran = false;
-                if let Some(sc) = run {
-                    let all = &self.token_ids.0[i * 4 * bs..(i + RUN) * 4 * bs];
-                    let key = keys.run_key(sc, parent, all);
-                    let m = memo
-                        .get_or_insert_with(|| s.memo.lock().unwrap_or_else(|e| e.into_inner()));
-                    match m.get_run(key) {
-                        Some(hit) => {
-                            out.extend_from_slice(hit.projections());
-                            if let Some(d) = hit.digest() {
-                                known = Some((i + RUN - 1, Known::Computed(BlockDigest::new(d))));
-                            }
-                            i += RUN;
-                            ran = true;
-                        }
-                        None => missed_runs.push((i, key, None)),
-                    }
-                }
-                if !ran {
-                    let b = blocks[i];
-                    let key = scope.map(|sc| keys.key(sc, parent, b));
-                    let hit = key.and_then(|k| {
-                        memo.get_or_insert_with(|| s.memo.lock().unwrap_or_else(|e| e.into_inner()))
-                            .get(k)
-                    });
-                    match hit {
-                        Some(h) => {
-                            out.push(h.projection());
-                            if h.digest().is_some() {
-                                known = Some((i, Known::Held(h)));
-                            }
-                        }
-                        None => {
-                            memo = None;
-                            // The parent's full digest: hashed forward from the last block whose
-                            // digest is known (blocks learned from events hold none), so no block
-                            // of a query is hashed twice.
-                            let (mut at, mut full) = match known.take() {
-                                Some((k, Known::Computed(d))) => (k + 1, Some(d)),
-                                Some((k, Known::Held(h))) => {
-                                    (k + 1, h.digest().map(BlockDigest::new))
-                                }
-                                None => (0, None),
-                            };
-                            let d = loop {
-                                let d = hash_at(at, full.as_deref(), out.len(), next_check);
-                                if at == i {
-                                    break d;
-                                }
-                                full = Some(d);
-                                at += 1;
-                            };
-                            let projection = project_low64_be(&d);
-                            if let Some(k) = key {
-                                computed.push((k, projection, d));
-                            }
-                            out.push(projection);
-                            known = Some((i, Known::Computed(d)));
-                        }
-                    }
-                    // The last block of a missed run: keep its digest for the run, if known.
-                    if let (Some((at, _, end)), Some((k, known))) = (missed_runs.last_mut(), &known)
-                        && *at + RUN == i + 1
-                        && *k == i
-                    {
-                        *end = known.digest().map(<[u8]>::to_vec);
-                    }
-                    i += 1;
-                }
-                if out.len() >= next_check && out.len() < blocks.len() {
-                    memo = None;
-                    let last = out[out.len() - 1];
-                    let reaches =
-                        s.index.lock().unwrap_or_else(|e| e.into_inner()).holds(&ctx, last);
-                    if !reaches {
-                        break;
-                    }
-                    step = (step * 2).min(RUN);
-                    next_check = out.len() + step;
+        // Block `at`'s digest given its parent's; a long stretch to hash, past the first check
+        // against the index (`out_len` blocks known), hands the blocks from `at` on to a
+        // helper that encodes them ahead on another core.
+        let mut hash_at = |at: usize, full: Option<&[u8]>, out_len: usize, next_check: usize| {
+            if ahead.is_none()
+                && out_len >= 4
+                && encodable
+                && crate::ahead::worth_it(
+                    (blocks.len() - at) * bs,
+                    next_check.saturating_sub(at) * bs,
+                    bs,
+                )
+                && let Some(a) = s.ahead_crew.start(|| {
+                    Ahead::new(self.token_bytes(body, at * 4 * bs..blocks.len() * 4 * bs), bs)
+                })
+            {
+                s.metrics.chains_ahead.fetch_add(1, Ordering::Relaxed);
+                ahead = Some((at, a));
+            }
+            let items = match &ahead {
+                Some((from, a)) if at >= *from && (at > 0 || salt.is_empty()) => a.items(at - from),
+                _ => None,
+            };
+            match items {
+                Some(items) => hasher.hash_block_encoded(&mut scratch, full, bs, &items),
+                // No helper, or it holds this block's chunk.
+                None => {
+                    le_ints(blocks[at], &mut ints);
+                    hasher.hash_block_in(&mut scratch, full, &ints, extra, at == 0)
                 }
             }
-            if let Some((_, a)) = ahead.get() {
-                a.stop();
+        };
+        let mut i = 0;
+        while i < blocks.len() {
+            let parent = match out.last() {
+                None => Parent::First { salt },
+                Some(&p) => Parent::Block(p),
+            };
+            let run = scope.filter(|_| i.is_multiple_of(RUN) && i + RUN <= blocks.len());
+            let mut ran = false;
+            if let Some(sc) = run {
+                let all = &self.token_ids.0[i * 4 * bs..(i + RUN) * 4 * bs];
+                let key = keys.run_key(sc, parent, all);
+                let m =
+                    memo.get_or_insert_with(|| s.memo.lock().unwrap_or_else(|e| e.into_inner()));
+                match m.get_run(key) {
+                    Some(hit) => {
+                        out.extend_from_slice(hit.projections());
+                        if let Some(d) = hit.digest() {
+                            known = Some((i + RUN - 1, Known::Computed(BlockDigest::new(d))));
+                        }
+                        i += RUN;
+                        ran = true;
+                    }
+                    None => missed_runs.push((i, key, None)),
+                }
             }
-        });
+            if !ran {
+                let b = blocks[i];
+                let key = scope.map(|sc| keys.key(sc, parent, b));
+                let hit = key.and_then(|k| {
+                    memo.get_or_insert_with(|| s.memo.lock().unwrap_or_else(|e| e.into_inner()))
+                        .get(k)
+                });
+                match hit {
+                    Some(h) => {
+                        out.push(h.projection());
+                        if h.digest().is_some() {
+                            known = Some((i, Known::Held(h)));
+                        }
+                    }
+                    None => {
+                        memo = None;
+                        // The parent's full digest: hashed forward from the last block whose
+                        // digest is known (blocks learned from events hold none), so no block
+                        // of a query is hashed twice.
+                        let (mut at, mut full) = match known.take() {
+                            Some((k, Known::Computed(d))) => (k + 1, Some(d)),
+                            Some((k, Known::Held(h))) => (k + 1, h.digest().map(BlockDigest::new)),
+                            None => (0, None),
+                        };
+                        let d = loop {
+                            let d = hash_at(at, full.as_deref(), out.len(), next_check);
+                            if at == i {
+                                break d;
+                            }
+                            full = Some(d);
+                            at += 1;
+                        };
+                        let projection = project_low64_be(&d);
+                        if let Some(k) = key {
+                            computed.push((k, projection, d));
+                        }
+                        out.push(projection);
+                        known = Some((i, Known::Computed(d)));
+                    }
+                }
+                // The last block of a missed run: keep its digest for the run, if known.
+                if let (Some((at, _, end)), Some((k, known))) = (missed_runs.last_mut(), &known)
+                    && *at + RUN == i + 1
+                    && *k == i
+                {
+                    *end = known.digest().map(<[u8]>::to_vec);
+                }
+                i += 1;
+            }
+            if out.len() >= next_check && out.len() < blocks.len() {
+                memo = None;
+                let last = out[out.len() - 1];
+                let reaches = s.index.lock().unwrap_or_else(|e| e.into_inner()).holds(&ctx, last);
+                if !reaches {
+                    break;
+                }
+                step = (step * 2).min(RUN);
+                next_check = out.len() + step;
+            }
+        }
+        // The helper may still be encoding: it stops after its chunk and lets go of its copy.
+        if let Some((_, a)) = &ahead {
+            a.stop();
+        }
         drop(memo);
         missed_runs.retain(|(at, ..)| at + RUN <= out.len());
         if !computed.is_empty() || !missed_runs.is_empty() {
@@ -920,6 +903,20 @@ impl Query<'_> {
             }
         }
         out
+    }
+}
+
+impl Query<'_> {
+    /// Bytes `range` of the token ids as a buffer of their own: a part of `body` where they
+    /// lie in it (no copy), else a copy.
+    fn token_bytes(&self, body: &Bytes, range: std::ops::Range<usize>) -> Bytes {
+        let part = &self.token_ids.0[range];
+        let (base, at) = (body.as_ptr() as usize, part.as_ptr() as usize);
+        if at >= base && at + part.len() <= base + body.len() {
+            body.slice_ref(part)
+        } else {
+            Bytes::copy_from_slice(part)
+        }
     }
 }
 
@@ -1073,7 +1070,7 @@ async fn query_by_hash(State(s): State<Arc<Shared>>, h: HeaderMap, body: Bytes) 
     run_query(&s, &h, &body, true)
 }
 
-fn run_query(s: &Shared, h: &HeaderMap, body: &[u8], by_hash: bool) -> Response {
+fn run_query(s: &Shared, h: &HeaderMap, body: &Bytes, by_hash: bool) -> Response {
     let t = Instant::now();
     let enc = encoding(h);
     match answer_query(s, enc == Enc::Msgpack, body, by_hash) {
@@ -1099,7 +1096,7 @@ fn run_query(s: &Shared, h: &HeaderMap, body: &[u8], by_hash: bool) -> Response 
 pub fn answer_query(
     s: &Shared,
     msgpack: bool,
-    body: &[u8],
+    body: &Bytes,
     by_hash: bool,
 ) -> Result<Vec<u8>, String> {
     let enc = if msgpack { Enc::Msgpack } else { Enc::Json };
@@ -1109,7 +1106,7 @@ pub fn answer_query(
             rmp_serde::from_slice(body).map_err(|e| format!("bad request body: {e}"))?
         }
     };
-    let hashes = q.hashes(s, by_hash)?;
+    let hashes = q.hashes(s, by_hash, body)?;
     let ctx = q.context();
     let mut ix = s.index.lock().unwrap_or_else(|e| e.into_inner());
     let mut raw = Vec::new();
@@ -1403,7 +1400,7 @@ async fn route(State(s): State<Arc<Shared>>, h: HeaderMap, body: Bytes) -> Respo
     r
 }
 
-fn run_route(s: &Shared, enc: Enc, body: &[u8]) -> Response {
+fn run_route(s: &Shared, enc: Enc, body: &Bytes) -> Response {
     let q: Query = match decode(enc, body) {
         Ok(q) => q,
         Err(e) => return *e,
@@ -1420,7 +1417,7 @@ fn run_route(s: &Shared, enc: Enc, body: &[u8]) -> Response {
         return error(StatusCode::BAD_REQUEST, "ttft_slo_ms and tbt_slo_ms must be positive");
     }
     let by_hash = q.token_ids.is_empty();
-    let hashes = match q.hashes(s, by_hash) {
+    let hashes = match q.hashes(s, by_hash, body) {
         Ok(h) => h,
         Err(e) => return error(StatusCode::BAD_REQUEST, &e),
     };
@@ -2094,6 +2091,7 @@ mod tests {
                         "token_ids": prompts[prompt], "cache_salt": salt,
                     }))
                     .unwrap();
+                    let body = Bytes::from(body);
                     let with_memo = answer_query(&memo, false, &body, false).unwrap();
                     let without = answer_query(&plain, false, &body, false).unwrap();
                     let mut ix = plain.index.lock().unwrap();
@@ -2145,20 +2143,44 @@ mod tests {
                         medium: Medium::Gpu,
                         lora_name: None,
                     };
-                    let body = serde_json::to_vec(&serde_json::json!({
-                        "model": "m", "tenant_id": "t", "block_size": bs,
-                        "token_ids": tokens, "cache_salt": salt,
-                    }))
-                    .unwrap();
-                    let v = |b: &[u8]| serde_json::from_slice::<serde_json::Value>(b).unwrap();
+                    // As JSON (the tokens copied out of the request for the helper) and as
+                    // one msgpack binary (the helper reads them in the request's buffer).
+                    let json = Bytes::from(
+                        serde_json::to_vec(&serde_json::json!({
+                            "model": "m", "tenant_id": "t", "block_size": bs,
+                            "token_ids": tokens, "cache_salt": salt,
+                        }))
+                        .unwrap(),
+                    );
+                    let le: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+                    let mut bin = Vec::new();
+                    let map = rmpv::Value::Map(vec![
+                        ("model".into(), "m".into()),
+                        ("tenant_id".into(), "t".into()),
+                        ("block_size".into(), (bs as u64).into()),
+                        ("token_ids".into(), rmpv::Value::Binary(le)),
+                        ("cache_salt".into(), salt.map_or(rmpv::Value::Nil, |s| s.into())),
+                    ]);
+                    rmpv::encode::write_value(&mut bin, &map).unwrap();
+                    let bin = Bytes::from(bin);
+                    let v = |msgpack: bool, b: &[u8]| -> serde_json::Value {
+                        if msgpack {
+                            rmp_serde::from_slice(b).unwrap()
+                        } else {
+                            serde_json::from_slice(b).unwrap()
+                        }
+                    };
                     let mut answers = Vec::new();
                     for (ahead, memo) in [(false, 0), (true, 0), (true, 1 << 16)] {
                         let s = holding(&ctx, &event);
                         *s.memo.lock().unwrap() = ChainMemo::new(memo);
                         s.set_encode_ahead(ahead);
-                        // Twice: the second query meets the memo's steps, if any.
-                        for _ in 0..2 {
-                            answers.push(v(&answer_query(&s, false, &body, false).unwrap()));
+                        // Twice: the second query meets the memo's steps, if any. Each waits
+                        // for the last one's helper to park (it may still be stopping).
+                        for (msgpack, body) in [(false, &json), (true, &bin)] {
+                            s.ahead_crew.settle();
+                            let a = answer_query(&s, msgpack, body, false).unwrap();
+                            answers.push(v(msgpack, &a));
                         }
                         // A helper runs with a core to spare, from a miss past the first check
                         // (4 blocks) with 4,096 tokens or more to the next (at block 64 the checks
@@ -2200,11 +2222,13 @@ mod tests {
     }
 
     /// A JSON `/query` body for `tokens` in model "m" of tenant "t".
-    fn token_query(block_size: u32, tokens: &[u32]) -> Vec<u8> {
-        serde_json::to_vec(&serde_json::json!({
-            "model": "m", "tenant_id": "t", "block_size": block_size, "token_ids": tokens,
-        }))
-        .unwrap()
+    fn token_query(block_size: u32, tokens: &[u32]) -> Bytes {
+        Bytes::from(
+            serde_json::to_vec(&serde_json::json!({
+                "model": "m", "tenant_id": "t", "block_size": block_size, "token_ids": tokens,
+            }))
+            .unwrap(),
+        )
     }
 
     #[test]
