@@ -736,6 +736,18 @@ impl Query<'_> {
         Ok(self.chain(s, &hasher, &extra, body))
     }
 
+    /// Bytes `range` of the token ids as a buffer of their own: a part of `body` where they
+    /// lie in it (no copy), else a copy.
+    fn token_bytes(&self, body: &Bytes, range: std::ops::Range<usize>) -> Bytes {
+        let part = &self.token_ids.0[range];
+        let (base, at) = (body.as_ptr() as usize, part.as_ptr() as usize);
+        if at >= base && at + part.len() <= base + body.len() {
+            body.slice_ref(part)
+        } else {
+            Bytes::copy_from_slice(part)
+        }
+    }
+
     /// The token chain, block by block: a step the memo holds is looked up, a miss is
     /// computed (after hashing forward from the last full digest known, since steps learned
     /// from events carry projections only), and every few blocks (runs of 4 doubling to 64) the last
@@ -903,20 +915,6 @@ impl Query<'_> {
             }
         }
         out
-    }
-}
-
-impl Query<'_> {
-    /// Bytes `range` of the token ids as a buffer of their own: a part of `body` where they
-    /// lie in it (no copy), else a copy.
-    fn token_bytes(&self, body: &Bytes, range: std::ops::Range<usize>) -> Bytes {
-        let part = &self.token_ids.0[range];
-        let (base, at) = (body.as_ptr() as usize, part.as_ptr() as usize);
-        if at >= base && at + part.len() <= base + body.len() {
-            body.slice_ref(part)
-        } else {
-            Bytes::copy_from_slice(part)
-        }
     }
 }
 

@@ -28,12 +28,12 @@ use kvfs_transfer::{Buffer, BufferOptions, EngineConfig, Transports};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use super::limits::{Direction, Limit, Timed, interleaved_with, raw_rtt_p50_us, serve_raw_tcp};
+use super::report::{Figure, Reporter, Samples};
 
 /// Rounds of (limit, case) per figure; see `limits::interleaved`.
 const ROUNDS: usize = 3;
 /// Rounds of a single call over tcp, whose round-trip limit is measured with each round.
 const RTT_ROUNDS: usize = 6;
-use super::report::{Figure, Reporter, Samples};
 
 const BATCH_BYTES_MAX: u64 = 128 << 20;
 const BATCH_ITEMS_MAX: u64 = 256;

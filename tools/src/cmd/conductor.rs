@@ -70,9 +70,8 @@ pub struct ConductorArgs {
     pub hash_memo_entries: usize,
     /// Hash each token query on its own thread only. By default a long chain (16k tokens and
     /// more still to hash in blocks of 64 tokens or more, vLLM's sha256_cbor without LoRA) has
-    /// its CBOR encoded ahead on another core while
-    /// the query's thread runs SHA-256 (at most one helper fewer than the cores at once, across
-    /// all queries): a cold 128k-token query then costs about its SHA-256 alone.
+    /// its CBOR encoded ahead by a kept helper thread on another core while the query's thread
+    /// runs SHA-256 (helpers: one fewer than the cores, shared by all queries).
     #[arg(long)]
     pub no_encode_ahead: bool,
 }
