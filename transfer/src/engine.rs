@@ -982,6 +982,46 @@ impl Engine {
         }
     }
 
+    /// [`Engine::read_guarded`] into memory the call borrows instead of registered memory, for
+    /// a small object's new vector: no staging buffer, no copy after the receive. Only where
+    /// this task moves every byte itself before it returns, so nothing writes `dst` once the
+    /// call is over (or dropped): this engine's own host memory (the owner's check and one
+    /// copy) and a tcp peer's idle direct connection. `None` where it cannot (the connection is
+    /// busy or broke before the answer, the segment is reached over shm or rdma only, the
+    /// range is device memory): the caller reads through registered memory instead.
+    pub async fn read_guarded_into(
+        &self,
+        seg: &SegmentHandle,
+        dst: &mut [u8],
+        remote_addr: u64,
+        guard: &[u8],
+    ) -> Option<Result<()>> {
+        let shared = &self.inner.shared;
+        let len = dst.len() as u64;
+        if len == 0 || remote_addr.checked_add(len).is_none() {
+            return None;
+        }
+        match &seg.0.kind {
+            PeerKind::Local => {
+                let region = remote_region(shared, remote_addr, len).ok()?;
+                if region.device.is_some() {
+                    return None;
+                }
+                if !shared.vouches(remote_addr, len, guard) {
+                    return Some(Err(not_vouched()));
+                }
+                copy(TransferOp::Read, dst.as_mut_ptr(), remote_addr as *mut u8, dst.len());
+                drop(region);
+                Some(Ok(()))
+            }
+            PeerKind::Remote { tcp: Some(tcp), .. } => {
+                let deadline = Instant::now() + shared.cfg.op_timeout();
+                tcp.read_guarded_direct(remote_addr, dst, guard, deadline).await
+            }
+            PeerKind::Remote { tcp: None, .. } => None,
+        }
+    }
+
     /// [`Engine::read_guarded`] of many ranges of one segment: `(local_addr, remote_addr,
     /// len, guard)` each. Over tcp the reads go as packs (`ReadGuardedV`: at most
     /// `PACK_ITEMS_MAX` ranges and `PACK_BYTES_MAX` bytes a request, one guard per range,
@@ -1523,9 +1563,10 @@ fn copy(op: TransferOp, local: *mut u8, remote: *mut u8, len: usize) {
     };
     let overlap = (src as usize) < dst as usize + len && (dst as usize) < src as usize + len;
     // SAFETY: every caller checked both ranges: the local one inside registered memory (or, for
-    // `Engine::write_own`, a live borrow of `len` bytes), the remote one inside remotely
-    // accessible or mapped memory of at least `len` bytes. They may overlap only when a caller
-    // transfers between overlapping ranges of its own segment: those take the overlapping copy.
+    // `Engine::write_own` and `Engine::read_guarded_into`, a live borrow of `len` bytes), the
+    // remote one inside remotely accessible or mapped memory of at least `len` bytes. They may
+    // overlap only when a caller transfers between overlapping ranges of its own segment:
+    // those take the overlapping copy.
     unsafe {
         if len >= crate::memory::STREAM_BYTES_MIN && !overlap {
             crate::memory::copy_streaming(src, dst, len);

@@ -481,7 +481,8 @@ fn read_destination<'a>(r: &Range, reply: &DataReply) -> Result<&'a mut [u8]> {
         return Err(Error::new(ErrorKind::Io, "tcp receive", detail));
     }
     // SAFETY: the destination is registered and held by the request's owner until its
-    // completion is sent, and nothing else writes it meanwhile.
+    // completion is sent (or, on the direct connection, borrowed by the call that receives
+    // into it: `TcpPeer::read_guarded_direct`), and nothing else writes it meanwhile.
     Ok(unsafe { std::slice::from_raw_parts_mut(r.local as *mut u8, r.len as usize) })
 }
 
@@ -971,6 +972,27 @@ impl TcpPeer {
         deadline: Instant,
     ) -> Result<()> {
         self.lone_with_note(DataOp::ReadGuarded, remote, local, len, guard, hold, deadline).await
+    }
+
+    /// [`TcpPeer::read_guarded`] into `dst`, which the call borrows: only on the idle direct
+    /// connection, whose reply this task receives itself before it returns (a dropped call
+    /// closes that connection, so no byte lands in `dst` afterwards). `None`: the request is
+    /// too large for it, or it is busy or broke before the answer (the caller then reads
+    /// through registered memory on the pooled connections).
+    pub async fn read_guarded_direct(
+        &self,
+        remote: u64,
+        dst: &mut [u8],
+        guard: &[u8],
+        deadline: Instant,
+    ) -> Option<Result<()>> {
+        let len = dst.len() as u64;
+        if len > DIRECT_BYTES_MAX || guard.len() > GUARD_BYTES_MAX as usize {
+            return None;
+        }
+        let _busy = BusyGuard::new(&self.busy);
+        let r = Range { remote, local: dst.as_mut_ptr() as u64, len };
+        self.direct(DataOp::ReadGuarded, guard, r, deadline).await
     }
 
     /// One noted write on one connection (never striped: the acceptor hands the whole range

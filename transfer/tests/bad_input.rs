@@ -365,6 +365,50 @@ async fn guarded_reads_are_served_only_while_the_owner_vouches() {
     assert!(a.guarded_is_direct(&seg, rb.addr(), 4096));
 }
 
+/// Guarded reads into borrowed (unregistered) memory: the same owner's check over the tcp
+/// peer's direct connection and on the engine's own memory, the bytes landing in the caller's
+/// vector; what it cannot do without registered memory (too large for the direct connection,
+/// an empty or wrapping range) is `None`, leaving the caller to the registered path; the
+/// connection stays usable after each refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarded_reads_into_borrowed_memory_check_the_owner_the_same_way() {
+    let (a, b) = pair(Transports::tcp_only()).await;
+    let rb = b.alloc_buffer(4 << 20, &BufferOptions::default()).unwrap();
+    let pattern: Vec<u8> = (0..8192).map(|i| (i * 13 + 5) as u8).collect();
+    // SAFETY: no transfer touches the buffer while it is filled.
+    unsafe { rb.as_mut_slice()[..8192].copy_from_slice(&pattern) };
+    let base = rb.addr();
+    b.set_read_guard(Box::new(move |addr, len, g| {
+        g == b"v1" && addr >= base && addr + len <= base + (2 << 20) + 8
+    }))
+    .unwrap();
+    let seg = a.open_segment(b.name()).await.unwrap();
+    let own = b.open_segment(b.name()).await.unwrap();
+    for (engine, seg) in [(&a, &seg), (&b, &own)] {
+        for _ in 0..3 {
+            let mut v = vec![0u8; 4096];
+            engine.read_guarded_into(seg, &mut v, base + 100, b"v1").await.unwrap().unwrap();
+            assert_eq!(v, pattern[100..4196]);
+            let r = engine.read_guarded_into(seg, &mut v, base, b"v0").await.unwrap();
+            assert_eq!(r.unwrap_err().kind(), ErrorKind::Stale, "the owner refuses the guard");
+            let r = engine.read_guarded_into(seg, &mut v, base + (2 << 20), b"v1").await;
+            assert_eq!(r.unwrap().unwrap_err().kind(), ErrorKind::Stale, "outside the vouched");
+        }
+        assert!(engine.read_guarded_into(seg, &mut [], base, b"v1").await.is_none());
+        let mut v = vec![0u8; 16];
+        assert!(engine.read_guarded_into(seg, &mut v, u64::MAX - 4, b"v1").await.is_none());
+    }
+    // Over the direct connection's size: the registered path's job.
+    let mut big = vec![0u8; (1 << 20) + 1];
+    assert!(a.read_guarded_into(&seg, &mut big, base, b"v1").await.is_none());
+    // Outside any of the peer's regions: its answer, not a broken connection.
+    let mut v = vec![0u8; 4096];
+    let r = a.read_guarded_into(&seg, &mut v, 0x10, b"v1").await.unwrap();
+    assert!(r.is_err());
+    a.read_guarded_into(&seg, &mut v, base, b"v1").await.unwrap().unwrap();
+    assert_eq!(v, pattern[..4096]);
+}
+
 /// Guarded batch reads (`ReadGuardedV` packs): each range checked on its own guard, the
 /// vouched ones read byte for byte, the others `Stale`, malformed items their own typed
 /// error; more ranges than a pack holds and ranges too large for one go in several requests;
