@@ -42,11 +42,98 @@ struct ReadAhead {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    crowding: Crowding,
+}
+
+/// A yield of a serving side's polling loop that took at least this long gave the CPU to
+/// another thread that was ready on it (an empty one takes well under a microsecond).
+const CROWDED_YIELD: Duration = Duration::from_micros(2);
+/// Polled waits in a row that gave the CPU away before the serving thread moves.
+const CROWDED_WAITS: u32 = 2;
+/// Polled waits after a move before the next one may happen, at least, and at most where
+/// moving does not end the crowding (the gap doubles after each such move).
+const MOVE_GAP_MIN: u32 = 16;
+const MOVE_GAP_MAX: u32 = 1024;
+
+/// Whether a serving side's polling shares its CPU with the very thread it waits for, and when
+/// to move off that CPU to end it.
+///
+/// A parked thread woken by a socket's data is put on the waker's CPU when the waker is alone
+/// there (a socket wake-up is a "sync" one: the kernel expects the waker to sleep next). A
+/// caller polling for its answer does not sleep: the server woken by its request lands on the
+/// caller's CPU and the two then take turns at every yield, a round trip costing both their
+/// turns and the switches between them: a 4 KiB get over loopback tcp took 15-18 us for tens
+/// of milliseconds at a time, 9 us once the load balancer moved one of them (per-round figures
+/// of `kvfs bench store`, after each limit measurement parked the node's serving thread; with
+/// the two processes pinned to different CPUs the slow state never came). Parking does not
+/// end it (the next wake-up is placed the same way), and the load balancer leaves two threads
+/// that run every few microseconds where they are. A yield that gave the CPU away tells: after
+/// [`CROWDED_WAITS`] such waits in a row the serving thread moves itself to another CPU it may
+/// run on (narrowing its affinity for a moment and restoring it), where the caller's next
+/// request finds it polling. Only the serving side moves, so the two do not chase each other
+/// around; where moving does not help (every CPU busy, one CPU for both) the moves thin out.
+#[derive(Debug, Default)]
+struct Crowding {
+    /// Polled waits in a row whose yields gave the CPU away.
+    streak: u32,
+    /// The last wait ended with a move.
+    moved: bool,
+    /// Waits between moves while moving does not help (0: it helped).
+    gap: u32,
+    /// Waits left before the next move.
+    skip: u32,
+}
+
+impl Crowding {
+    /// A polled wait ended; `gave_away`: one of its yields gave the CPU to another thread.
+    /// Whether to move off this CPU now.
+    fn polled(&mut self, gave_away: bool) -> bool {
+        self.skip = self.skip.saturating_sub(1);
+        let moved = std::mem::take(&mut self.moved);
+        if !gave_away {
+            self.streak = 0;
+            if moved {
+                self.gap = 0;
+            }
+            return false;
+        }
+        self.streak += 1;
+        if moved {
+            self.gap = (self.gap * 2).clamp(MOVE_GAP_MIN, MOVE_GAP_MAX);
+            self.skip = self.gap;
+        }
+        if self.streak < CROWDED_WAITS || self.skip > 0 {
+            return false;
+        }
+        self.streak = 0;
+        self.moved = true;
+        self.skip = MOVE_GAP_MIN;
+        true
+    }
+}
+
+/// Moves the calling thread off the CPU it runs on, to another one its affinity allows,
+/// leaving its affinity as it was. `false` where it cannot (one CPU allowed, or a refusal).
+fn move_off_this_cpu() -> bool {
+    use rustix::thread::{sched_getaffinity, sched_getcpu, sched_setaffinity};
+    let Ok(allowed) = sched_getaffinity(None) else {
+        return false;
+    };
+    let cpu = sched_getcpu();
+    if allowed.count() < 2 || !allowed.is_set(cpu) {
+        return false;
+    }
+    let mut others = allowed;
+    others.unset(cpu);
+    // Leaving the current CPU out moves the thread now; putting it back leaves it where it
+    // went.
+    sched_setaffinity(None, &others).is_ok() && sched_setaffinity(None, &allowed).is_ok()
 }
 
 impl ReadAhead {
     fn new(bytes: usize) -> ReadAhead {
-        ReadAhead { buf: vec![0u8; bytes].into_boxed_slice(), start: 0, end: 0 }
+        let buf = vec![0u8; bytes].into_boxed_slice();
+        ReadAhead { buf, start: 0, end: 0, crowding: Crowding::default() }
     }
 
     fn is_empty(&self) -> bool {
@@ -65,25 +152,37 @@ impl ReadAhead {
     /// Polls `recv` into the (empty) buffer without parking, for up to `spin`, until bytes
     /// arrive, the stream ends or fails (the next read reports it), or `spin` has passed;
     /// between two empty polls, the CPU is given away (see [`PlainStream::spin_for_bytes`]).
+    /// `serving`: a serving side waiting for its next request, which watches its yields and
+    /// moves off a crowded CPU (see [`Crowding`]).
     fn spin_fill(
         &mut self,
         spin: Duration,
+        serving: bool,
         mut recv: impl FnMut(&mut [u8]) -> std::io::Result<usize>,
     ) {
         if !self.is_empty() || spin.is_zero() {
             return;
         }
         let started = std::time::Instant::now();
+        let mut gave_away = false;
         loop {
             match recv(&mut self.buf) {
-                Ok(n) => return self.filled(n),
+                Ok(n) => {
+                    self.filled(n);
+                    break;
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(_) => return,
+                Err(_) => break,
             }
-            if started.elapsed() >= spin {
-                return;
+            let now = std::time::Instant::now();
+            if now.duration_since(started) >= spin {
+                break;
             }
             std::thread::yield_now();
+            gave_away |= serving && now.elapsed() >= CROWDED_YIELD;
+        }
+        if serving && self.crowding.polled(gave_away) {
+            move_off_this_cpu();
         }
     }
 
@@ -339,7 +438,13 @@ impl PlainStream {
     /// processes on one CPU of a 2-core VM, and 8 us yielding (10-12 us on the two CPUs
     /// either way; `kvfs bench store` under `taskset -c 0`).
     pub fn spin_for_bytes(&mut self, spin: Duration) {
-        self.ahead.spin_fill(spin, |b| Self::recv(&self.sock, b));
+        self.ahead.spin_fill(spin, false, |b| Self::recv(&self.sock, b));
+    }
+
+    /// [`spin_for_bytes`](Self::spin_for_bytes) of a serving side waiting for its caller's
+    /// next request: it also moves off a CPU it shares with that caller (see [`Crowding`]).
+    fn spin_serving(&mut self, spin: Duration) {
+        self.ahead.spin_fill(spin, true, |b| Self::recv(&self.sock, b));
     }
 
     /// Fills every byte of `dst`: the buffered bytes first, then from the socket (payloads
@@ -463,7 +568,7 @@ impl ServeSpin {
         let idle = std::time::Instant::now();
         if self.paid {
             rd.unpark()?;
-            rd.spin_for_bytes(self.max);
+            rd.spin_serving(self.max);
         }
         if !rd.has_buffered() {
             rd.wait_readable().await?;
@@ -492,6 +597,41 @@ impl ServeSpin {
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[test]
+    fn a_serving_side_moves_after_crowded_waits_and_less_often_where_moving_does_not_help() {
+        let mut c = Crowding::default();
+        // Uncrowded waits never move; one crowded wait alone does not either.
+        assert!((0..100).all(|_| !c.polled(false)));
+        assert!(!c.polled(true));
+        assert!(!c.polled(false));
+        assert!(!c.polled(true));
+        assert!(c.polled(true), "the second crowded wait in a row moves");
+        // The move helped (the next wait is free): the next crowding moves at the minimum
+        // gap after it.
+        let waits_to_move = |c: &mut Crowding| (1..=5000).find(|_| c.polled(true)).unwrap();
+        assert!(!c.polled(false));
+        assert_eq!(1 + waits_to_move(&mut c), MOVE_GAP_MIN, "{c:?}");
+        // Moving does not help (every wait stays crowded): the gap doubles up to its maximum.
+        let gaps: Vec<u32> = (0..9).map(|_| waits_to_move(&mut c)).collect();
+        assert_eq!(gaps[0], MOVE_GAP_MIN + 1, "{gaps:?}");
+        assert!(gaps.windows(2).all(|w| w[1] >= w[0]), "{gaps:?}");
+        assert_eq!(*gaps.last().unwrap(), MOVE_GAP_MAX + 1, "{gaps:?}");
+        // A move that helps resets it.
+        assert!(!c.polled(false));
+        assert_eq!(1 + waits_to_move(&mut c), MOVE_GAP_MIN, "{c:?}");
+    }
+
+    #[test]
+    fn moving_off_this_cpu_leaves_the_thread_allowed_where_it_was() {
+        use rustix::thread::sched_getaffinity;
+        let before = sched_getaffinity(None).unwrap();
+        let moved = move_off_this_cpu();
+        let after = sched_getaffinity(None).unwrap();
+        let cpus = rustix::thread::CpuSet::MAX_CPU;
+        assert!((0..cpus).all(|i| before.is_set(i) == after.is_set(i)), "affinity restored");
+        assert_eq!(moved, before.count() >= 2, "moves wherever another CPU is allowed");
+    }
 
     #[test]
     fn a_prompt_caller_resumes_the_polling_however_slow_this_side_woke() {
