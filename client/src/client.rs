@@ -1064,14 +1064,8 @@ impl Client {
     /// node refused or that failed is forgotten, as [`Client::get_one_cached`] does, and the
     /// caller takes the general path, which asks the master.
     async fn get_small_cached(&self, key: &str) -> Option<Result<Vec<u8>>> {
-        let scoped: String;
-        let key = match &self.inner.prefix {
-            None => key,
-            Some(p) => {
-                scoped = format!("{p}{key}");
-                scoped.as_str()
-            }
-        };
+        let key = self.scoped_one(key);
+        let key = key.as_ref();
         let loc = self.inner.locations.get(key, Instant::now())?;
         if loc.size >= LEND_BYTES_MIN {
             return None;
@@ -1089,12 +1083,18 @@ impl Client {
                 Some(Ok(v))
             }
             Err(e) => {
-                self.forget_if_dead(&loc.endpoint, &e).await;
-                self.inner.locations.forget(key);
-                self.inner.cache_misses.fetch_add(1, Ordering::Relaxed);
+                self.cached_read_failed(key, &loc.endpoint, &e).await;
                 None
             }
         }
+    }
+
+    /// A read through `key`'s cached location failed or its node refused it: the location is
+    /// forgotten (and the node's segment too, if it is gone) and counted as a miss.
+    async fn cached_read_failed(&self, key: &str, endpoint: &str, e: &kvfs_transfer::Error) {
+        self.forget_if_dead(endpoint, e).await;
+        self.inner.locations.forget(key);
+        self.inner.cache_misses.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Gets many objects' bytes. Objects of [`LEND_BYTES_MIN`] and more are read straight into
@@ -1327,9 +1327,7 @@ impl Client {
             }
             Err(e) => {
                 drop(t);
-                self.forget_if_dead(endpoint, &e).await;
-                self.inner.locations.forget(key);
-                self.inner.cache_misses.fetch_add(1, Ordering::Relaxed);
+                self.cached_read_failed(key, endpoint, &e).await;
                 None
             }
         }
@@ -1790,9 +1788,14 @@ impl Client {
 
     /// Keys in this client's namespace (see `ClientConfig::tenant`).
     fn scoped<'a, K: AsRef<str>>(&self, keys: &'a [K]) -> Vec<Cow<'a, str>> {
+        keys.iter().map(|k| self.scoped_one(k.as_ref())).collect()
+    }
+
+    /// A key in this client's namespace.
+    fn scoped_one<'a>(&self, key: &'a str) -> Cow<'a, str> {
         match &self.inner.prefix {
-            None => keys.iter().map(|k| Cow::Borrowed(k.as_ref())).collect(),
-            Some(p) => keys.iter().map(|k| Cow::Owned(format!("{p}{}", k.as_ref()))).collect(),
+            None => Cow::Borrowed(key),
+            Some(p) => Cow::Owned(format!("{p}{key}")),
         }
     }
 

@@ -42,7 +42,6 @@ struct ReadAhead {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
-    crowding: Crowding,
 }
 
 /// A yield of a serving side's polling loop that took at least this long gave the CPU to
@@ -132,8 +131,7 @@ fn move_off_this_cpu() -> bool {
 
 impl ReadAhead {
     fn new(bytes: usize) -> ReadAhead {
-        let buf = vec![0u8; bytes].into_boxed_slice();
-        ReadAhead { buf, start: 0, end: 0, crowding: Crowding::default() }
+        ReadAhead { buf: vec![0u8; bytes].into_boxed_slice(), start: 0, end: 0 }
     }
 
     fn is_empty(&self) -> bool {
@@ -152,16 +150,16 @@ impl ReadAhead {
     /// Polls `recv` into the (empty) buffer without parking, for up to `spin`, until bytes
     /// arrive, the stream ends or fails (the next read reports it), or `spin` has passed;
     /// between two empty polls, the CPU is given away (see [`PlainStream::spin_for_bytes`]).
-    /// `serving`: a serving side waiting for its next request, which watches its yields and
-    /// moves off a crowded CPU (see [`Crowding`]).
+    /// With `watch`, returns whether one of those yields gave the CPU to another thread (it
+    /// took [`CROWDED_YIELD`] or more; see [`Crowding`]); else `false`, with no timing.
     fn spin_fill(
         &mut self,
         spin: Duration,
-        serving: bool,
+        watch: bool,
         mut recv: impl FnMut(&mut [u8]) -> std::io::Result<usize>,
-    ) {
+    ) -> bool {
         if !self.is_empty() || spin.is_zero() {
-            return;
+            return false;
         }
         let started = std::time::Instant::now();
         let mut gave_away = false;
@@ -169,20 +167,17 @@ impl ReadAhead {
             match recv(&mut self.buf) {
                 Ok(n) => {
                     self.filled(n);
-                    break;
+                    return gave_away;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(_) => break,
+                Err(_) => return gave_away,
             }
             let now = std::time::Instant::now();
             if now.duration_since(started) >= spin {
-                break;
+                return gave_away;
             }
             std::thread::yield_now();
-            gave_away |= serving && now.elapsed() >= CROWDED_YIELD;
-        }
-        if serving && self.crowding.polled(gave_away) {
-            move_off_this_cpu();
+            gave_away |= watch && now.elapsed() >= CROWDED_YIELD;
         }
     }
 
@@ -441,10 +436,10 @@ impl PlainStream {
         self.ahead.spin_fill(spin, false, |b| Self::recv(&self.sock, b));
     }
 
-    /// [`spin_for_bytes`](Self::spin_for_bytes) of a serving side waiting for its caller's
-    /// next request: it also moves off a CPU it shares with that caller (see [`Crowding`]).
-    fn spin_serving(&mut self, spin: Duration) {
-        self.ahead.spin_fill(spin, true, |b| Self::recv(&self.sock, b));
+    /// [`spin_for_bytes`](Self::spin_for_bytes) that also says whether a yield gave the CPU
+    /// to another thread (a serving side's [`Crowding`] judges by it).
+    fn spin_watching(&mut self, spin: Duration) -> bool {
+        self.ahead.spin_fill(spin, true, |b| Self::recv(&self.sock, b))
     }
 
     /// Fills every byte of `dst`: the buffered bytes first, then from the socket (payloads
@@ -550,12 +545,14 @@ pub struct ServeSpin {
     pub lone: bool,
     /// The last request after a lone one came within `max`.
     paid: bool,
+    /// Whether its polling shares a CPU with the caller it waits for.
+    crowding: Crowding,
 }
 
 impl ServeSpin {
     /// Polls for up to `max` (zero: never).
     pub fn new(max: Duration) -> ServeSpin {
-        ServeSpin { max, lone: false, paid: true }
+        ServeSpin { max, lone: false, paid: true, crowding: Crowding::default() }
     }
 
     /// Before reading the next request from `rd` when nothing of it is buffered: after a lone
@@ -568,7 +565,9 @@ impl ServeSpin {
         let idle = std::time::Instant::now();
         if self.paid {
             rd.unpark()?;
-            rd.spin_serving(self.max);
+            if self.crowding.polled(rd.spin_watching(self.max)) {
+                move_off_this_cpu();
+            }
         }
         if !rd.has_buffered() {
             rd.wait_readable().await?;

@@ -1007,12 +1007,9 @@ impl Engine {
                 if region.device.is_some() {
                     return None;
                 }
-                if !shared.vouches(remote_addr, len, guard) {
-                    return Some(Err(not_vouched()));
-                }
-                copy(TransferOp::Read, dst.as_mut_ptr(), remote_addr as *mut u8, dst.len());
+                let done = vouched_own_copy(shared, dst.as_mut_ptr(), remote_addr, len, guard);
                 drop(region);
-                Some(Ok(()))
+                Some(done)
             }
             PeerKind::Remote { tcp: Some(tcp), .. } => {
                 let deadline = Instant::now() + shared.cfg.op_timeout();
@@ -1386,11 +1383,23 @@ fn read_own_guarded(shared: &Shared, item: &GuardedRead, remote_region: &Region)
     // The local region (holding its owner) stays alive while the bytes move, as the remote
     // one does in the caller's hands.
     let _local_region = checked_item(shared, "guarded read", *local, *remote, *len)?;
-    if !shared.vouches(*remote, *len, guard) {
+    debug_assert!(remote_region.device.is_none());
+    vouched_own_copy(shared, *local as *mut u8, *remote, *len, guard)
+}
+
+/// The owner's check of a guarded read of this engine's own host memory, then its one copy
+/// into `local` (both ranges checked by the caller, who holds their regions).
+fn vouched_own_copy(
+    shared: &Shared,
+    local: *mut u8,
+    remote: u64,
+    len: u64,
+    guard: &[u8],
+) -> Result<()> {
+    if !shared.vouches(remote, len, guard) {
         return Err(not_vouched());
     }
-    debug_assert!(remote_region.device.is_none());
-    copy(TransferOp::Read, *local as *mut u8, *remote as *mut u8, *len as usize);
+    copy(TransferOp::Read, local, remote as *mut u8, len as usize);
     Ok(())
 }
 

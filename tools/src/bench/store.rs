@@ -13,8 +13,9 @@
 //!
 //! Limits: raw loopback TCP in the same direction (plain sockets to the peer process, the best
 //! of one and four streams) for tcp mode, single-thread memcpy for shm mode, measured before
-//! each of three rounds of every figure and after the last (`limits::interleaved`): the ratio
-//! uses the median, so a busy neighbour moves figure and limit together.
+//! each of three rounds of every figure and after the last (`limits::interleaved_with`; six
+//! rounds for a single call over tcp, which also takes the raw round trip of its size with
+//! each): the ratios use the medians, so a busy neighbour moves figure and limit together.
 
 use std::process::Stdio;
 use std::sync::Arc;
