@@ -466,9 +466,23 @@ fn plot(png: &Path, results: &[TraceResult]) -> anyhow::Result<()> {
                 chart.draw_series(DashedLineSeries::new(pts.clone(), 10, 6, style))?
             };
             if has_text {
-                series
-                    .label(label)
-                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+                // The legend draws each curve's own line and marks: lru's dashes and crosses,
+                // kvfs's line and dots (a plain line for both told them apart by width only).
+                let series = series.label(label);
+                if kvfs {
+                    series.legend(move |(x, y)| {
+                        EmptyElement::at((x, y))
+                            + PathElement::new(vec![(0, 0), (20, 0)], style)
+                            + Circle::new((10, 0), 4, colour.filled())
+                    });
+                } else {
+                    series.legend(move |(x, y)| {
+                        EmptyElement::at((x, y))
+                            + PathElement::new(vec![(0, 0), (6, 0)], style)
+                            + PathElement::new(vec![(14, 0), (20, 0)], style)
+                            + Cross::new((10, 0), 4, colour)
+                    });
+                }
             }
             if kvfs {
                 chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, colour.filled())))?;
