@@ -10,4 +10,5 @@ pub mod route;
 pub mod service;
 pub mod sim;
 pub mod source;
+mod token_array;
 pub mod trace;

@@ -1088,6 +1088,17 @@ fn run_query(s: &Shared, h: &HeaderMap, body: &Bytes, by_hash: bool) -> Response
     }
 }
 
+/// A msgpack query with its `token_ids` int array rewritten as one LE binary
+/// ([`crate::token_array`]: read by hand, not id by id through serde), else `body` itself.
+fn tokens_as_binary(enc: Enc, body: &Bytes) -> Bytes {
+    match enc {
+        Enc::Msgpack => {
+            crate::token_array::as_binary(body).map_or_else(|| body.clone(), Bytes::from)
+        }
+        Enc::Json => body.clone(),
+    }
+}
+
 /// The answer to a `/query` (`by_hash`: `/query_by_hash`) body, JSON or msgpack, as the HTTP
 /// handler sends it; `Err` says what is wrong with the request (public so that `kvfs bench
 /// conductor` can time the service apart from HTTP).
@@ -1098,6 +1109,7 @@ pub fn answer_query(
     by_hash: bool,
 ) -> Result<Vec<u8>, String> {
     let enc = if msgpack { Enc::Msgpack } else { Enc::Json };
+    let body = &tokens_as_binary(enc, body);
     let q: Query = match enc {
         Enc::Json => serde_json::from_slice(body).map_err(|e| format!("bad request body: {e}"))?,
         Enc::Msgpack => {
@@ -1399,6 +1411,7 @@ async fn route(State(s): State<Arc<Shared>>, h: HeaderMap, body: Bytes) -> Respo
 }
 
 fn run_route(s: &Shared, enc: Enc, body: &Bytes) -> Response {
+    let body = &tokens_as_binary(enc, body);
     let q: Query = match decode(enc, body) {
         Ok(q) => q,
         Err(e) => return *e,
@@ -2141,8 +2154,8 @@ mod tests {
                         medium: Medium::Gpu,
                         lora_name: None,
                     };
-                    // As JSON (the tokens copied out of the request for the helper) and as
-                    // one msgpack binary (the helper reads them in the request's buffer).
+                    // As JSON (the tokens copied out of the request for the helper), as
+                    // one msgpack binary (the helper reads them in the request's buffer)
                     let json = Bytes::from(
                         serde_json::to_vec(&serde_json::json!({
                             "model": "m", "tenant_id": "t", "block_size": bs,
@@ -2161,6 +2174,14 @@ mod tests {
                     ]);
                     rmpv::encode::write_value(&mut bin, &map).unwrap();
                     let bin = Bytes::from(bin);
+                    // And as a msgpack int array (rewritten as a binary before it is read).
+                    let ints = Bytes::from(
+                        rmp_serde::to_vec_named(&serde_json::json!({
+                            "model": "m", "tenant_id": "t", "block_size": bs,
+                            "token_ids": tokens, "cache_salt": salt,
+                        }))
+                        .unwrap(),
+                    );
                     let v = |msgpack: bool, b: &[u8]| -> serde_json::Value {
                         if msgpack {
                             rmp_serde::from_slice(b).unwrap()
@@ -2173,9 +2194,10 @@ mod tests {
                         let s = holding(&ctx, &event);
                         *s.memo.lock().unwrap() = ChainMemo::new(memo);
                         s.set_encode_ahead(ahead);
-                        // Twice: the second query meets the memo's steps, if any. Each waits
-                        // for the last one's helper to park (it may still be stopping).
-                        for (msgpack, body) in [(false, &json), (true, &bin)] {
+                        // One query per body: the later ones meet the memo's steps, if any.
+                        // Each waits for the last one's helper to park (it may still be
+                        // stopping).
+                        for (msgpack, body) in [(false, &json), (true, &bin), (true, &ints)] {
                             s.ahead_crew.settle();
                             let a = answer_query(&s, msgpack, body, false).unwrap();
                             answers.push(v(msgpack, &a));
@@ -2186,7 +2208,7 @@ mod tests {
                         // gets none), and (the memo holding the chain) for the first query
                         // alone.
                         let used = s.metrics.chains_ahead.load(Ordering::Relaxed);
-                        let queries = if memo == 0 { 2 } else { 1 };
+                        let queries = if memo == 0 { 3 } else { 1 };
                         let long = held >= 4 && !(bs == 64 && held < 12);
                         let expect = if ahead && long && cores > 1 { queries } else { 0 };
                         assert_eq!(

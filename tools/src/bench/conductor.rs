@@ -7,7 +7,8 @@
 //! on CPU, so every owner has a CPU match and the answer lists every instance (the heaviest
 //! answer the API gives). Measured: the index walk alone (by hash), `/query_by_hash` and
 //! `/query` (tokens, hashed by the conductor) over one keep-alive HTTP/1.1 connection from
-//! another thread, JSON and msgpack. Answers are checked (the instance count) before timing.
+//! another thread, JSON and msgpack (a prompt's token ids as an int array, and as one LE int32
+//! binary: the reference takes both). Answers are checked (the instance count) before timing.
 //! Token queries are timed cold (the chain memo off: every block hashed; also with the hashing
 //! kept on the query's own thread, no CBOR encoded ahead on another core), learned (the memo
 //! filled from an engine's event carrying the prompt's tokens, fresh before each query) and
@@ -248,6 +249,11 @@ fn one(
     let by_tokens = serde_json::to_vec(
         &serde_json::json!({"model": "bench", "block_size": bs, "token_ids": tokens}),
     )?;
+    // The reference's `/query` takes msgpack only, its token ids as an int array or one LE
+    // int32 binary: both are measured.
+    let by_tokens_mp_ints = rmp_serde::to_vec_named(
+        &serde_json::json!({"model": "bench", "block_size": bs, "token_ids": tokens}),
+    )?;
     let mut raw = Vec::with_capacity(tokens.len() * 4);
     for t in tokens {
         raw.extend_from_slice(&t.to_le_bytes());
@@ -317,10 +323,11 @@ fn one(
         out.push(Figure::new(bs, holders, name, lat, bytes));
     }
     let (json, mp) = ("application/json", "application/msgpack");
-    let cases: [(&'static str, &str, &[u8], &str, Prep); 7] = [
+    let cases: [(&'static str, &str, &[u8], &str, Prep); 8] = [
         ("/query_by_hash json", "/query_by_hash", &by_hash, json, Prep::Cold),
         ("/query_by_hash msgpack", "/query_by_hash", &by_hash_mp, mp, Prep::Cold),
         ("/query tokens json, cold", "/query", &by_tokens, json, Prep::Cold),
+        ("/query tokens msgpack ints, cold", "/query", &by_tokens_mp_ints, mp, Prep::Cold),
         ("/query tokens msgpack bin, cold", "/query", &by_tokens_mp, mp, Prep::Cold),
         ("/query tokens msgpack bin, cold, 1 core", "/query", &by_tokens_mp, mp, Prep::ColdOneCore),
         ("/query tokens msgpack bin, learned", "/query", &by_tokens_mp, mp, Prep::Learned),
