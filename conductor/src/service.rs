@@ -1109,7 +1109,8 @@ pub fn answer_query(
     by_hash: bool,
 ) -> Result<Vec<u8>, String> {
     let enc = if msgpack { Enc::Msgpack } else { Enc::Json };
-    let body = &tokens_as_binary(enc, body);
+    // A query by hash reads no token ids: its body is taken as it is.
+    let body = &if by_hash { body.clone() } else { tokens_as_binary(enc, body) };
     let q: Query = match enc {
         Enc::Json => serde_json::from_slice(body).map_err(|e| format!("bad request body: {e}"))?,
         Enc::Msgpack => {
